@@ -1,0 +1,23 @@
+"""eagle_jax: EAGLE-3 / EAGLE-3.1 speculative decoding in JAX and Flax NNX."""
+
+from eagle_jax.checkpoint.eagle_drafter import load_drafter, save_drafter
+from eagle_jax.checkpoint.hf_target import load_target, save_target
+from eagle_jax.checkpoint.tensor_files import CheckpointError
+from eagle_jax.config import ConfigError, DrafterConfig, RopeConfig, TargetConfig
+from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.target import KVCache, Target
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "Drafter",
+    "DrafterConfig",
+    "KVCache",
+    "RopeConfig",
+    "Target",
+    "TargetConfig",
+    "load_drafter",
+    "load_target",
+    "save_drafter",
+    "save_target",
+]

@@ -1,0 +1,177 @@
+"""EAGLE-3 / 3.1 drafter checkpoints (EAGLE authors', vLLM and SpecForge layouts) <-> ``Drafter``.
+
+Canonical layout (SPEC 5): ``fc.weight``, ``fc_norm.{i}.weight`` / ``input_norm.weight``,
+``midlayer.*`` for the decoder layer, ``norm.weight``, ``lm_head.weight``, ``d2t`` (offsets, int64) and
+``t2d`` (bool). Accepted variants: ``layers.0.*`` for ``midlayer.*``, a ``model.`` prefix on every key
+but ``lm_head``, ``draft_id_to_target_id`` for ``d2t``, ``t2d`` absent, both absent when Vd == V.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.checkpoint.hf_target import resolve_dtype
+from eagle_jax.checkpoint.module_fill import export_tensors, fill_module
+from eagle_jax.checkpoint.tensor_files import CheckpointError, TensorSource, write_safetensors
+from eagle_jax.config import AuxConvention, ConfigError, DrafterConfig, validate_aux_layer_ids
+from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.target import Target
+
+_LAYER_PARTS = ("hidden_norm", "input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def drafter_key(path: tuple) -> str:
+    """NNX path of a ``Drafter`` variable -> canonical EAGLE key."""
+    if path in (("d2t",), ("t2d",)):
+        return path[0]
+    if path == ("embed_tokens",):
+        return "embed_tokens.weight"
+    name = ".".join(str(p) for p in path)
+    if path[-1] == "kernel":
+        name = name[: -len("kernel")] + "weight"
+    return "midlayer." + name if path[0] in _LAYER_PARTS else name
+
+
+def canonical_key(key: str) -> str:
+    """Normalises the accepted key variants to the canonical layout."""
+    if key.startswith("model.") and not key.startswith("model.lm_head"):
+        key = key[len("model.") :]
+    if key.startswith("layers.0."):
+        key = "midlayer." + key[len("layers.0.") :]
+    if key == "draft_id_to_target_id":
+        key = "d2t"
+    return key
+
+
+def validate_d2t(d2t: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
+    """d2t holds offsets; the target ids i + d2t[i] must lie in [0, V) and strictly increase."""
+    d2t = np.asarray(d2t).astype(np.int64)
+    if d2t.ndim != 1:
+        raise CheckpointError(f"{where}: 'd2t' must be 1-D, has shape {list(d2t.shape)}")
+    targets = np.arange(d2t.shape[0]) + d2t
+    bad = np.nonzero((targets < 0) | (targets >= vocab_size))[0]
+    if bad.size:
+        i = int(bad[0])
+        raise CheckpointError(
+            f"{where}: 'd2t' maps draft id {i} to target id {int(targets[i])}, outside [0, {vocab_size}) "
+            f"(d2t holds offsets: target_id = draft_id + d2t[draft_id])"
+        )
+    if np.any(np.diff(targets) <= 0):
+        i = int(np.nonzero(np.diff(targets) <= 0)[0][0])
+        raise CheckpointError(
+            f"{where}: 'd2t' target ids are not strictly increasing at draft id {i + 1} "
+            f"({int(targets[i])} then {int(targets[i + 1])})"
+        )
+    return d2t
+
+
+def t2d_from_d2t(d2t: np.ndarray, vocab_size: int) -> np.ndarray:
+    t2d = np.zeros((vocab_size,), bool)
+    t2d[np.arange(d2t.shape[0]) + d2t] = True
+    return t2d
+
+
+def check_pair(config: DrafterConfig, target: Target, where: str) -> None:
+    """A drafter must read the target it was trained for: widths, vocabulary and aux count agree."""
+    tc = target.config
+    if config.vocab_size != tc.vocab_size:
+        raise ConfigError(f"{where}: drafter vocab_size={config.vocab_size} but the target's is {tc.vocab_size}")
+    if config.target_hidden_size != tc.hidden_size:
+        raise ConfigError(
+            f"{where}: drafter target_hidden_size={config.target_hidden_size} but the target's hidden_size "
+            f"is {tc.hidden_size}"
+        )
+    n_target = len(config.aux_layer_ids or target.aux_layer_ids)
+    if config.num_aux_hidden_states != n_target:
+        raise ConfigError(
+            f"{where}: drafter num_aux_hidden_states={config.num_aux_hidden_states} but the target captures "
+            f"{n_target} aux states (layers {list(config.aux_layer_ids or target.aux_layer_ids)})"
+        )
+
+
+def load_drafter(path: str | Path, target: Target, dtype=None, *, aux_convention: AuxConvention = "input") -> Drafter:
+    """Loads an EAGLE-3/3.1 drafter checkpoint directory for ``target``.
+
+    If the checkpoint names ``eagle_aux_hidden_state_layer_ids`` (read in ``aux_convention``: "input" =
+    residual stream entering layer i, as the EAGLE code and vLLM; "output" = SGLang/SpecForge "output of
+    layer j"), the target is switched to capture those layers. The embedding is the target's unless the
+    checkpoint carries ``embed_tokens.weight``.
+    """
+    path = Path(path)
+    config = DrafterConfig.from_pretrained(path, aux_convention)
+    where = str(path / "config.json")
+    check_pair(config, target, where)
+    if config.aux_layer_ids is not None:
+        validate_aux_layer_ids(config.aux_layer_ids, target.config.num_layers, where)
+    source = TensorSource(path)
+    renamed = {k: canonical_key(k) for k in source.keys()}
+    stored = {v: k for k, v in renamed.items()}
+    dt = resolve_dtype(dtype, config.dtype, source, stored.get("fc.weight", "fc.weight"))
+    if config.fc_norm and not any(k.startswith("fc_norm.") for k in stored):
+        raise CheckpointError(f"{path}: config sets fc_norm=true but the checkpoint has no 'fc_norm.*.weight'")
+
+    provided: dict[tuple, object] = {}
+    vd, v = config.draft_vocab_size, config.vocab_size
+    if "d2t" in stored:
+        d2t = validate_d2t(source.get(stored["d2t"]), v, f"{source.file_of(stored['d2t'])}")
+        if d2t.shape[0] != vd:
+            raise CheckpointError(f"{source.file_of(stored['d2t'])}: 'd2t' has {d2t.shape[0]} entries, draft_vocab_size is {vd}")
+    elif vd == v:
+        d2t = np.zeros((vd,), np.int64)
+        provided[("d2t",)] = jnp.zeros((vd,), jnp.int32)
+    else:
+        # Never invent a mapping: a silent "first Vd ids" default collapses acceptance.
+        raise CheckpointError(
+            f"{path}: draft_vocab_size={vd} < vocab_size={v} but the checkpoint has no 'd2t' "
+            f"(or 'draft_id_to_target_id') mapping"
+        )
+    t2d = t2d_from_d2t(d2t, v)
+    if "t2d" in stored:
+        given = np.asarray(source.get(stored["t2d"])).astype(bool)
+        if given.shape != (v,) or not np.array_equal(given, t2d):
+            raise CheckpointError(f"{source.file_of(stored['t2d'])}: 't2d' disagrees with 'd2t'")
+    else:
+        provided[("t2d",)] = jnp.asarray(t2d)
+    if "embed_tokens.weight" not in stored:
+        if target.config.hidden_size != config.hidden_size:
+            raise CheckpointError(
+                f"{path}: no 'embed_tokens.weight' and the target's embedding width {target.config.hidden_size} "
+                f"differs from the drafter's hidden_size {config.hidden_size}"
+            )
+        provided[("embed_tokens",)] = target.embed_tokens[...].astype(dt)
+
+    abstract = nnx.eval_shape(lambda: Drafter(config, dtype=dt))
+    try:
+        drafter = fill_module(abstract, source, drafter_key, dt, provided=provided, renamed=renamed)
+    finally:
+        source.release()
+    drafter.set_vocab_map(d2t)
+    if config.aux_layer_ids is not None:
+        target.set_aux_layer_ids(config.aux_layer_ids)
+    return drafter
+
+
+def save_drafter(drafter: Drafter, path: str | Path, dtype=None, *, include_embedding: bool = False) -> None:
+    """Writes config.json + model.safetensors in the EAGLE layout PyTorch engines load.
+
+    d2t is written as int64 offsets and t2d as bool (omitted only never: engines expect both when
+    Vd < V). The embedding is omitted unless ``include_embedding`` (engines take the target's).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    out_dtype = drafter.dtype if dtype is None else resolve_dtype(dtype, None, None, "")
+
+    def tensors():
+        for key, arr in export_tensors(drafter, drafter_key, out_dtype, skip=lambda p: p == ("embed_tokens",) and not include_embedding):
+            yield key, (arr.astype(np.int64) if key == "d2t" else arr)
+
+    write_safetensors(path / "model.safetensors", tensors())
+    hf = drafter.config.replace(dtype=jnp.dtype(out_dtype).name).to_hf()
+    tmp = path / "config.json.tmp"
+    tmp.write_text(json.dumps(hf, indent=2) + "\n")
+    tmp.replace(path / "config.json")

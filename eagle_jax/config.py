@@ -1,0 +1,421 @@
+"""Model configurations read from HF ``config.json`` files: frozen dataclasses, validated on load.
+
+Both config dialects are read: transformers >= 5 (``rope_parameters``, ``dtype``) and transformers 4 /
+most published checkpoints (top-level ``rope_theta``, ``rope_scaling`` with ``rope_type`` or ``type``,
+``torch_dtype``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+AuxConvention = Literal["input", "output"]
+
+
+class ConfigError(ValueError):
+    """A config.json field is missing, inconsistent or unsupported."""
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# Drafters only ever use these (SPEC 3); targets use all of ROPE_TYPES.
+DRAFTER_ROPE_TYPES = ("default", "linear", "dynamic")
+
+TARGET_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+TARGET_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: theta plus an optional scaling rule (HF ``rope_type`` names)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # llama3 / yarn / dynamic: the context the model was pretrained on
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def to_hf(self) -> dict[str, Any] | None:
+        """The ``rope_scaling`` dict of the transformers-4 dialect (None for plain RoPE)."""
+        if self.type == "default":
+            return None
+        out: dict[str, Any] = {"rope_type": self.type, "factor": self.factor}
+        if self.type == "llama3":
+            out.update(
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+            )
+        if self.type == "yarn":
+            out.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow)
+            for k in ("attention_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings"):
+                if getattr(self, k) is not None:
+                    out[k] = getattr(self, k)
+        if self.type == "dynamic" and self.original_max_position_embeddings is not None:
+            out["original_max_position_embeddings"] = self.original_max_position_embeddings
+        return out
+
+
+def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
+    """Reads ``config.json`` from a directory (or the file itself); returns (dict, file name)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise ConfigError(f"{file}: no config.json found")
+    try:
+        return json.loads(file.read_text()), str(file)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from e
+
+
+def _require(d: dict[str, Any], key: str, source: str) -> Any:
+    if key not in d or d[key] is None:
+        raise ConfigError(f"{source}: required field '{key}' is missing")
+    return d[key]
+
+
+def parse_rope(d: dict[str, Any], source: str, allowed: tuple[str, ...], default_theta: float) -> RopeConfig:
+    """Reads RoPE from either dialect: ``rope_parameters`` (v5) or ``rope_theta`` + ``rope_scaling`` (v4)."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConfigError(f"{source}: 'rope_parameters' / 'rope_scaling' must be objects")
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", d.get("rope_theta", default_theta))
+    rtype = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rtype not in allowed:
+        raise ConfigError(
+            f"{source}: unsupported rope type '{rtype}' (field rope_scaling/rope_parameters.rope_type); "
+            f"supported here: {', '.join(allowed)}"
+        )
+    if rtype != "default" and "factor" not in merged:
+        raise ConfigError(f"{source}: rope type '{rtype}' needs 'factor' in rope_scaling/rope_parameters")
+    orig = merged.get("original_max_position_embeddings")
+    if rtype == "llama3" and orig is None:
+        raise ConfigError(f"{source}: llama3 rope scaling needs 'original_max_position_embeddings'")
+    if rtype in ("yarn", "dynamic") and orig is None:
+        orig = d.get("max_position_embeddings")
+    return RopeConfig(
+        theta=float(theta),
+        type=rtype,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=None if orig is None else int(orig),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        attention_factor=merged.get("attention_factor"),
+        mscale=merged.get("mscale"),
+        mscale_all_dim=merged.get("mscale_all_dim"),
+        truncate=bool(merged.get("truncate", True)),
+    )
+
+
+def _dtype_name(d: dict[str, Any]) -> str | None:
+    dt = d.get("dtype", d.get("torch_dtype"))
+    return str(dt).replace("torch.", "") if dt is not None else None
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """Reference convention (residual stream ENTERING layer i): low, middle, high."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    if len(set(ids)) < 3 or min(ids) < 0:
+        # (2, L//2, L-3) collides for shallow (test-sized) models: spread distinct ids over the depth.
+        ids = tuple(sorted({min(1, num_layers - 1), num_layers // 2, num_layers - 1}))
+    return ids
+
+
+def validate_aux_layer_ids(ids: tuple[int, ...], num_layers: int, source: str) -> tuple[int, ...]:
+    """Aux ids in the reference ('input') convention must be distinct and in [0, num_layers)."""
+    ids = tuple(int(i) for i in ids)
+    if len(ids) == 0:
+        raise ConfigError(f"{source}: aux hidden-state layer ids are empty")
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{source}: duplicated aux hidden-state layer ids {list(ids)}")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(
+            f"{source}: aux hidden-state layer ids {bad} out of range for a target with {num_layers} layers "
+            f"(valid: 0..{num_layers - 1}, residual stream entering that layer)"
+        )
+    return tuple(sorted(ids))
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """A Llama-family decoder (Llama 3.x, Mistral, Qwen2, Qwen3)."""
+
+    architecture: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None  # Mistral
+    aux_layer_ids: tuple[int, ...] = ()  # reference convention; () = default_aux_layer_ids
+    dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        source = f"{self.architecture} target config"
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        ids = self.aux_layer_ids or default_aux_layer_ids(self.num_layers)
+        object.__setattr__(self, "aux_layer_ids", validate_aux_layer_ids(ids, self.num_layers, source))
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> "TargetConfig":
+        archs = d.get("architectures") or []
+        arch = next((TARGET_ARCHITECTURES[a] for a in archs if a in TARGET_ARCHITECTURES), None)
+        if arch is None:
+            arch = TARGET_MODEL_TYPES.get(d.get("model_type", ""))
+        if arch is None:
+            raise ConfigError(
+                f"{source}: unsupported architecture {archs or d.get('model_type')!r} "
+                f"(field 'architectures'/'model_type'); supported: {', '.join(TARGET_ARCHITECTURES)}"
+            )
+        hidden = int(_require(d, "hidden_size", source))
+        heads = int(_require(d, "num_attention_heads", source))
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ConfigError(f"{source}: unsupported hidden_act '{act}' (only silu)")
+        if d.get("mlp_bias"):
+            raise ConfigError(f"{source}: mlp_bias=true is not supported")
+        sliding = None
+        if arch == "mistral" or d.get("use_sliding_window"):
+            sliding = d.get("sliding_window")
+        default_bias = arch == "qwen2"
+        return cls(
+            architecture=arch,
+            vocab_size=int(_require(d, "vocab_size", source)),
+            hidden_size=hidden,
+            intermediate_size=int(_require(d, "intermediate_size", source)),
+            num_layers=int(_require(d, "num_hidden_layers", source)),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope=parse_rope(d, source, ROPE_TYPES, 10000.0),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", default_bias)),
+            qk_norm=arch == "qwen3",
+            sliding_window=None if sliding is None else int(sliding),
+            dtype=_dtype_name(d),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "TargetConfig":
+        d, source = read_config_json(path)
+        return cls.from_hf(d, source)
+
+    def to_hf(self) -> dict[str, Any]:
+        """config.json in the transformers-4 dialect, which transformers 4 and 5 both read."""
+        arch_name = {v: k for k, v in TARGET_ARCHITECTURES.items()}[self.architecture]
+        out: dict[str, Any] = {
+            "architectures": [arch_name],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": self.rope.to_hf(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+            if self.architecture != "mistral":
+                out["use_sliding_window"] = True
+        if self.dtype:
+            out["torch_dtype"] = self.dtype
+        return out
+
+    def replace(self, **kw: Any) -> "TargetConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def _aux_ids_field(d: dict[str, Any]) -> list[int] | None:
+    ids = d.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None and isinstance(d.get("eagle_config"), dict):
+        ids = d["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+    return None if ids is None else [int(i) for i in ids]
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """An EAGLE-3 / EAGLE-3.1 drafter: one decoder layer over fused target features (SPEC 3-5)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    num_aux_hidden_states: int = 3
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    fc_norm: bool = False  # 3.1: one RMSNorm per aux chunk before fc
+    norm_output: bool = False  # 3.1: feed RMSNorm_final(h2) to the next step
+    norm_before_fc: bool = False  # one RMSNorm over the whole concatenation (not 3.1)
+    # Aux ids as written in the checkpoint, converted to the reference ('input') convention; None when
+    # the checkpoint does not name them (the target's own default ids are then used).
+    aux_layer_ids: tuple[int, ...] | None = None
+    architectures: tuple[str, ...] = ("LlamaForCausalLMEagle3",)
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        src = "drafter config"
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError(f"{src}: 'fc_norm' and 'norm_before_fc' are mutually exclusive; set one")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"{src}: num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(
+                f"{src}: draft_vocab_size={self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}"
+            )
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != self.num_aux_hidden_states:
+            raise ConfigError(
+                f"{src}: num_aux_hidden_states={self.num_aux_hidden_states} but "
+                f"eagle_aux_hidden_state_layer_ids has {len(self.aux_layer_ids)} entries"
+            )
+
+    @property
+    def fc_in_features(self) -> int:
+        return self.num_aux_hidden_states * self.target_hidden_size
+
+    @classmethod
+    def from_hf(
+        cls, d: dict[str, Any], source: str = "config.json", aux_convention: AuxConvention = "input"
+    ) -> "DrafterConfig":
+        """Reads a drafter config.json.
+
+        ``eagle_aux_hidden_state_layer_ids`` is read in the reference convention ("input": the residual
+        stream entering layer i, HF ``hidden_states[i]``, as the EAGLE code and vLLM read it) unless
+        ``aux_convention="output"`` (SGLang/SpecForge: "output of layer j", i.e. entering j+1).
+        """
+        if aux_convention not in ("input", "output"):
+            raise ConfigError(f"{source}: aux_convention must be 'input' or 'output', got {aux_convention!r}")
+        hidden = int(_require(d, "hidden_size", source))
+        heads = int(_require(d, "num_attention_heads", source))
+        vocab = int(_require(d, "vocab_size", source))
+        ids = _aux_ids_field(d)
+        if ids is not None and aux_convention == "output":
+            ids = [i + 1 for i in ids]
+        if ids is not None and len(set(ids)) != len(ids):
+            raise ConfigError(f"{source}: duplicated eagle_aux_hidden_state_layer_ids {ids}")
+        n_aux = d.get("num_aux_hidden_states")
+        if n_aux is None:
+            n_aux = len(ids) if ids is not None else 3
+        layers = int(d.get("num_hidden_layers", 1))
+        if layers != 1:
+            raise ConfigError(f"{source}: num_hidden_layers={layers}; EAGLE-3 drafters have exactly 1 layer")
+        try:
+            return cls(
+                hidden_size=hidden,
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                intermediate_size=int(_require(d, "intermediate_size", source)),
+                vocab_size=vocab,
+                draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
+                target_hidden_size=int(d.get("target_hidden_size") or hidden),
+                num_aux_hidden_states=int(n_aux),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope=parse_rope(d, source, DRAFTER_ROPE_TYPES, 10000.0),
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                fc_norm=bool(d.get("fc_norm", False)),
+                norm_output=bool(d.get("norm_output", False)),
+                norm_before_fc=bool(d.get("norm_before_fc", False)),
+                aux_layer_ids=None if ids is None else tuple(ids),
+                architectures=tuple(d.get("architectures") or ("LlamaForCausalLMEagle3",)),
+                dtype=_dtype_name(d),
+            )
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("drafter config", source, 1)) from None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, aux_convention: AuxConvention = "input") -> "DrafterConfig":
+        d, source = read_config_json(path)
+        return cls.from_hf(d, source, aux_convention)
+
+    def to_hf(self) -> dict[str, Any]:
+        """config.json as PyTorch engines read it (aux ids in the reference 'input' convention)."""
+        out: dict[str, Any] = {
+            "architectures": list(self.architectures),
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "num_aux_hidden_states": self.num_aux_hidden_states,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": self.rope.to_hf(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
+            "norm_before_fc": self.norm_before_fc,
+            "tie_word_embeddings": False,
+        }
+        if self.aux_layer_ids is not None:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+        if self.dtype:
+            out["torch_dtype"] = self.dtype
+        return out
+
+    def replace(self, **kw: Any) -> "DrafterConfig":
+        return dataclasses.replace(self, **kw)

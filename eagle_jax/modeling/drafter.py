@@ -1,0 +1,118 @@
+"""EAGLE-3 / EAGLE-3.1 drafter (SPEC 3-5): one decoder layer over fused target hidden states."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle_jax.config import DrafterConfig
+from eagle_jax.modeling.layers import MLP, Attention, Frozen, Linear, RMSNorm, causal_mask, rope_cos_sin
+
+Array = jax.Array
+
+
+class Drafter(nnx.Module):
+    """``drafter(features, input_ids) -> (draft_logits [B,T,Vd], next_features [B,T,H])``.
+
+    The pair at position t is (feature g_t, token x_{t+1}). Features of width N*Ht (target aux states)
+    go through ``fuse`` (fc, with the 3.1 per-chunk norms); features of width H (the drafter's own
+    output from the previous step) are used as they are.
+    """
+
+    def __init__(self, config: DrafterConfig, embed: Array | None = None, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        c = config
+        self.config = config
+        self.dtype = dtype
+        h = c.hidden_size
+        if embed is None:
+            embed = jax.random.normal(rngs.params(), (c.vocab_size, h)) * 0.02
+        # The target's embedding, frozen: absent from EAGLE checkpoints.
+        self.embed_tokens = Frozen(jnp.asarray(embed, dtype))
+        self.fc = Linear(c.fc_in_features, h, dtype=dtype, rngs=rngs)
+        if c.fc_norm:
+            self.fc_norm = nnx.List([RMSNorm(c.target_hidden_size, c.rms_norm_eps, dtype=dtype) for _ in range(c.num_aux_hidden_states)])
+        else:
+            self.fc_norm = None
+        self.input_norm = RMSNorm(c.fc_in_features, c.rms_norm_eps, dtype=dtype) if c.norm_before_fc else None
+        self.hidden_norm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(2 * h, h, c.num_heads, c.num_kv_heads, c.head_dim, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(h, c.intermediate_size, dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
+        self.lm_head = Linear(h, c.draft_vocab_size, dtype=dtype, rngs=rngs)
+        # d2t holds offsets: target_id = draft_id + d2t[draft_id]. Identity when Vd == V.
+        self.d2t = Frozen(jnp.zeros((c.draft_vocab_size,), jnp.int32))
+        self.t2d = Frozen(jnp.ones((c.vocab_size,), bool) if c.draft_vocab_size == c.vocab_size else jnp.zeros((c.vocab_size,), bool))
+
+    # -- pieces used by the decoding loop and by training
+
+    def fuse(self, aux: Array) -> Array:
+        """Target aux states [..., N*Ht] -> feature g [..., H] (norms of 3.1 / norm_before_fc first)."""
+        c = self.config
+        if self.fc_norm is not None:
+            chunks = jnp.split(aux, c.num_aux_hidden_states, axis=-1)
+            aux = jnp.concatenate([n(x) for n, x in zip(self.fc_norm, chunks)], axis=-1)
+        elif self.input_norm is not None:
+            aux = self.input_norm(aux)
+        return self.fc(aux)
+
+    def set_vocab_map(self, d2t) -> None:
+        """Sets d2t (offsets, [Vd]) and the t2d mask derived from it (validate with checkpoint.validate_d2t)."""
+        c = self.config
+        d2t = jnp.asarray(d2t, jnp.int32)
+        if d2t.shape != (c.draft_vocab_size,):
+            raise ValueError(f"d2t must have shape [{c.draft_vocab_size}], got {list(d2t.shape)}")
+        self.d2t.set_value(d2t)
+        self.t2d.set_value(jnp.zeros((c.vocab_size,), bool).at[jnp.arange(c.draft_vocab_size) + d2t].set(True))
+
+    def draft_to_target(self, draft_ids: Array) -> Array:
+        return draft_ids + self.d2t[...][draft_ids]
+
+    def step(
+        self,
+        g: Array,
+        input_ids: Array,
+        positions: Array,
+        mask: Array,
+        cache: tuple[Array, Array] | None = None,
+        write_index: Array | None = None,
+    ) -> tuple[Array, Array, Array, tuple[Array, Array] | None]:
+        """The decoder layer on a block of (feature, token) pairs.
+
+        g: [B, T, H] fused features; input_ids, positions: [B, T]. ``mask`` [B, T, T] without cache or
+        [B, T, S] over the cache slots with one. Returns (logits [B,T,Vd], next feature [B,T,H],
+        normed h2 [B,T,H], cache).
+        """
+        c = self.config
+        e = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(g.dtype)
+        u = jnp.concatenate([self.input_layernorm(e), self.hidden_norm(g)], axis=-1)  # embedding first
+        cos, sin = rope_cos_sin(c.rope, c.head_dim, positions, g.dtype)
+        attn, cache = self.self_attn(u, cos, sin, mask, cache, write_index)
+        h1 = g + attn  # residual is the un-normed feature
+        h2 = h1 + self.mlp(self.post_attention_layernorm(h1))
+        normed = self.norm(h2)
+        return self.lm_head(normed), (normed if c.norm_output else h2), normed, cache
+
+    def __call__(self, features: Array, input_ids: Array) -> tuple[Array, Array]:
+        c = self.config
+        if features.shape[-1] == c.fc_in_features:
+            g = self.fuse(features)
+        elif features.shape[-1] == c.hidden_size:
+            g = features
+        else:
+            raise ValueError(
+                f"drafter features have width {features.shape[-1]}; expected {c.fc_in_features} "
+                f"(num_aux_hidden_states x target_hidden_size) or {c.hidden_size} (hidden_size)"
+            )
+        b, t = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        logits, nxt, _, _ = self.step(g.astype(self.dtype), input_ids, positions, causal_mask(b, t))
+        return logits, nxt
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[Array, Array]:
+        c = self.config
+        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        return jnp.zeros(shape, dtype or self.dtype), jnp.zeros(shape, dtype or self.dtype)

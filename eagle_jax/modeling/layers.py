@@ -1,0 +1,230 @@
+"""Building blocks shared by targets and drafters: RMSNorm, linear layers, RoPE variants, GQA attention, MLP.
+
+Numerics follow the PyTorch reference (SPEC 3) so that half-precision outputs match bit for bit where
+possible: RMSNorm in fp32, cast back, THEN times weight; softmax in fp32 then cast back; cos/sin
+built in fp32 and cast to the activation dtype; residual adds in the model dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle_jax.config import RopeConfig
+
+Array = jax.Array
+
+
+class Frozen(nnx.Variable):
+    """A weight that is never trained (the drafter's copy of the target embedding, d2t/t2d maps)."""
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias). The kernel is stored [in, out]: the transpose of a torch Linear weight."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+        std = 1.0 / math.sqrt(d_in)
+        self.kernel = nnx.Param((jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32) * std).astype(dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: Array) -> Array:
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype)
+        return y
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, hidden, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: Array) -> Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int, seq_len: Array | None = None) -> tuple[Array, float]:
+    """Inverse frequencies (fp32, [dim/2]) and the cos/sin scale, as HF's rope init functions compute them.
+
+    ``seq_len`` (max position + 1 of the current call) only matters for dynamic NTK scaling, whose base
+    grows with the sequence once it passes the pretraining context.
+    """
+    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    base = jnp.float32(rope.theta)
+    scale = 1.0
+    if rope.type == "dynamic":
+        orig = rope.original_max_position_embeddings
+        length = jnp.maximum(jnp.float32(orig) if seq_len is None else seq_len.astype(jnp.float32), orig)
+        base = base * ((rope.factor * length / orig) - (rope.factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base**exponents)
+    if rope.type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = jnp.where(medium, smoothed, scaled)
+    elif rope.type == "yarn":
+        inv_freq, scale = _yarn(rope, dim)
+    return inv_freq, scale
+
+
+def _yarn(rope: RopeConfig, dim: int) -> tuple[Array, float]:
+    factor = rope.factor
+
+    def mscale(s: float, m: float = 1.0) -> float:
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    if rope.attention_factor is not None:
+        attn = float(rope.attention_factor)
+    elif rope.mscale and rope.mscale_all_dim:
+        attn = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+    else:
+        attn = mscale(factor)
+    orig = rope.original_max_position_embeddings
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extra_factor = 1 - ramp
+    pos_freqs = jnp.float32(rope.theta) ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extra_factor) + (1.0 / pos_freqs) * extra_factor
+    return inv_freq, attn
+
+
+def rope_cos_sin(rope: RopeConfig, dim: int, positions: Array, dtype) -> tuple[Array, Array]:
+    """cos/sin [..., T, dim] for integer positions [..., T], built in fp32 and cast to ``dtype``."""
+    seq_len = jnp.max(positions) + 1 if rope.type == "dynamic" else None
+    inv_freq, scale = rope_inv_freq(rope, dim, seq_len)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return (jnp.cos(emb) * scale).astype(dtype), (jnp.sin(emb) * scale).astype(dtype)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate-half (NeoX) layout. x: [B, T, heads, D]; cos/sin: [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+
+def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """Grouped-query attention with an explicit boolean mask.
+
+    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, T, S] (True = may attend). Scores and softmax in
+    fp32, probabilities cast back to the activation dtype before the value product (as the reference).
+    Returns [B, T, Hq * D].
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, hq * d)
+
+
+def causal_mask(batch: int, length: int) -> Array:
+    m = jnp.tril(jnp.ones((length, length), dtype=bool))
+    return jnp.broadcast_to(m, (batch, length, length))
+
+
+def write_kv(cache: Array, new: Array, start: Array) -> Array:
+    """Writes new [B, T, Hkv, D] into cache [B, S, Hkv, D] at per-row slot ``start`` [B]."""
+
+    def one(c, n, s):
+        return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
+
+    return jax.vmap(one)(cache, new, start)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with GQA, optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3).
+
+    ``d_in`` is the input width: H for a target layer, 2H for the drafter (embedding and feature).
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = False,
+        qk_norm_eps: float | None = None,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = Linear(d_in, num_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d_in, num_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d_in, num_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(num_heads * head_dim, d_out, dtype=dtype, rngs=rngs)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(
+        self,
+        x: Array,
+        cos: Array,
+        sin: Array,
+        mask: Array,
+        kv: tuple[Array, Array] | None = None,
+        write_index: Array | None = None,
+    ) -> tuple[Array, tuple[Array, Array] | None]:
+        """x: [B, T, d_in]. Without a cache, attends over the block itself; with ``kv`` = (k, v) caches
+        [B, S, Hkv, D], writes this block's keys/values at slots ``write_index`` [B] first and attends over
+        the whole cache under ``mask`` [B, T, S]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is None:
+            return self.o_proj(attend(q, k, v, mask)), None
+        k_cache = write_kv(kv[0], k, write_index)
+        v_cache = write_kv(kv[1], v, write_index)
+        return self.o_proj(attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)), (k_cache, v_cache)

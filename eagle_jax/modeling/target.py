@@ -1,0 +1,137 @@
+"""Llama-family target decoders (Llama 3.x, Mistral, Qwen2, Qwen3) with KV cache and aux-state capture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle_jax.config import TargetConfig, validate_aux_layer_ids
+from eagle_jax.modeling.layers import MLP, Attention, Linear, RMSNorm, causal_mask, rope_cos_sin
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVCache:
+    """Per-layer key/value caches, each [B, S, Hkv, D]. Slot s of a row holds position s of that row."""
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+
+    @classmethod
+    def zeros(cls, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
+        shape = (batch, length, kv_heads, head_dim)
+        return cls(tuple(jnp.zeros(shape, dtype) for _ in range(layers)), tuple(jnp.zeros(shape, dtype) for _ in range(layers)))
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+
+def window_mask(q_pos: Array, k_pos: Array, window: int | None) -> Array:
+    """Causal mask by positions: q_pos [B, T], k_pos [B, S] -> [B, T, S], limited to a sliding window."""
+    m = k_pos[:, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        m &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
+    return m
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, c: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(
+            c.hidden_size,
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            bias=c.attention_bias,
+            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h, cos, sin, mask, kv=None, write_index=None):
+        attn, kv = self.self_attn(self.input_layernorm(h), cos, sin, mask, kv, write_index)
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class Target(nnx.Module):
+    """The target model. ``target(input_ids) -> (logits [B,T,V], aux [B,T,N*H])`` on whole sequences.
+
+    aux = the residual streams ENTERING layers ``aux_layer_ids`` (HF ``hidden_states[i]``), raw, in
+    ascending layer order, concatenated on the feature axis.
+    """
+
+    def __init__(self, config: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.config = config
+        self.dtype = dtype
+        self.aux_layer_ids = config.aux_layer_ids
+        c = config
+        self.embed_tokens = nnx.Param((jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size)) * 0.02).astype(dtype))
+        self.layers = nnx.List([DecoderLayer(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
+
+    def set_aux_layer_ids(self, ids: tuple[int, ...]) -> None:
+        """Captures other layers (a drafter trained on other ids); validated against the depth."""
+        self.aux_layer_ids = validate_aux_layer_ids(tuple(ids), self.config.num_layers, "aux_layer_ids")
+
+    def embed(self, input_ids: Array) -> Array:
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0)
+
+    def logits(self, hidden: Array) -> Array:
+        """Final-normed hidden [..., H] -> logits [..., V] (fp32 accumulation, model dtype out)."""
+        if self.lm_head is None:
+            return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens[...].astype(hidden.dtype))
+        return self.lm_head(hidden)
+
+    def forward(
+        self,
+        input_ids: Array,
+        positions: Array,
+        mask: Array,
+        cache: KVCache | None = None,
+        write_index: Array | None = None,
+    ) -> tuple[Array, Array, KVCache | None]:
+        """The decoder stack. Returns (final-normed hidden [B,T,H], aux [B,T,N*H], updated cache).
+
+        input_ids, positions: [B, T]. Without ``cache``, ``mask`` is [B, T, T] over the block itself. With
+        a cache, the block's keys/values are written at slots ``write_index + 0..T-1`` and ``mask`` is
+        [B, T, S] over all cache slots: any pattern (causal decode, tree verification).
+        """
+        c = self.config
+        h = self.embed(input_ids)
+        cos, sin = rope_cos_sin(c.rope, c.head_dim, positions, h.dtype)
+        aux, ks, vs = [], [], []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layer_ids:
+                aux.append(h)
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            h, kv = layer(h, cos, sin, mask, kv, write_index)
+            if kv is not None:
+                ks.append(kv[0])
+                vs.append(kv[1])
+        new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs))
+        return self.norm(h), jnp.concatenate(aux, axis=-1), new_cache
+
+    def __call__(self, input_ids: Array) -> tuple[Array, Array]:
+        b, t = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = causal_mask(b, t)
+        if self.config.sliding_window is not None:
+            mask = window_mask(positions, positions, self.config.sliding_window)
+        hidden, aux, _ = self.forward(input_ids, positions, mask)
+        return self.logits(hidden), aux
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        c = self.config
+        return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype or self.dtype)

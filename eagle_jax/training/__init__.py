@@ -1,0 +1,1 @@
+"""Training utilities for the bundled tiny target model and the EAGLE-3 drafter."""

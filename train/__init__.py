@@ -1,0 +1,1 @@
+"""Command-line scripts for building data and training the bundled models."""

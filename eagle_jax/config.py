@@ -419,3 +419,62 @@ class DrafterConfig:
 
     def replace(self, **kw: Any) -> "DrafterConfig":
         return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings; all static (they fix the shapes of the compiled loop).
+
+    ``method``: "chain" (K drafts in a line, vLLM style) or "tree" (EAGLE-2 dynamic tree of
+    ``tree_total_tokens`` nodes, ``tree_depth`` levels, ``tree_top_k`` children per expansion).
+    """
+
+    method: str = "chain"
+    num_speculative_tokens: int = 5
+    tree_top_k: int = 8
+    tree_depth: int = 5
+    tree_total_tokens: int = 48
+
+    def __post_init__(self) -> None:
+        if self.method not in ("chain", "tree"):
+            raise ConfigError(f"SpecConfig.method must be 'chain' or 'tree', got {self.method!r}")
+        if self.method == "chain" and self.num_speculative_tokens < 1:
+            raise ConfigError(f"SpecConfig.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.method == "tree":
+            k, d, n = self.tree_top_k, self.tree_depth, self.tree_total_tokens
+            if k < 1 or d < 1:
+                raise ConfigError(f"SpecConfig: tree_top_k ({k}) and tree_depth ({d}) must be >= 1")
+            candidates = k + (d - 1) * k * k
+            if not 2 <= n <= candidates + 1:
+                raise ConfigError(
+                    f"SpecConfig: tree_total_tokens={n} must be in 2..{candidates + 1} "
+                    f"(1 root + at most top_k + (depth-1)*top_k^2 = {candidates} drafted candidates)"
+                )
+
+    @classmethod
+    def parse(cls, spec: "SpecConfig | dict[str, Any] | None") -> "SpecConfig":
+        """Accepts a SpecConfig, our own dict, or vLLM's ``{"method": "eagle3", "num_speculative_tokens": K}``."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, cls):
+            return spec
+        if not isinstance(spec, dict):
+            raise ConfigError(f"spec must be a SpecConfig or a dict, got {type(spec).__name__}")
+        d = dict(spec)
+        if d.get("method") in ("eagle3", "eagle", "eagle-3", "eagle3.1"):
+            d["method"] = "chain"
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"spec: unknown fields {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    @property
+    def verify_width(self) -> int:
+        """Target positions verified per round (root/pending included)."""
+        return self.num_speculative_tokens + 1 if self.method == "chain" else self.tree_total_tokens
+
+    @property
+    def max_emitted(self) -> int:
+        """Most tokens a round can emit (accepted drafts + 1)."""
+        return self.num_speculative_tokens + 1 if self.method == "chain" else self.tree_depth + 1

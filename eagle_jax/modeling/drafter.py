@@ -71,7 +71,7 @@ class Drafter(nnx.Module):
     def draft_to_target(self, draft_ids: Array) -> Array:
         return draft_ids + self.d2t[...][draft_ids]
 
-    def step(
+    def layer(
         self,
         g: Array,
         input_ids: Array,
@@ -79,12 +79,12 @@ class Drafter(nnx.Module):
         mask: Array,
         cache: tuple[Array, Array] | None = None,
         write_index: Array | None = None,
-    ) -> tuple[Array, Array, Array, tuple[Array, Array] | None]:
-        """The decoder layer on a block of (feature, token) pairs.
+    ) -> tuple[Array, Array, tuple[Array, Array] | None]:
+        """The decoder layer on a block of (feature, token) pairs, without the lm_head.
 
         g: [B, T, H] fused features; input_ids, positions: [B, T]. ``mask`` [B, T, T] without cache or
-        [B, T, S] over the cache slots with one. Returns (logits [B,T,Vd], next feature [B,T,H],
-        normed h2 [B,T,H], cache).
+        [B, T, S] over the cache slots with one. Returns (normed h2 [B,T,H] for the lm_head, the feature
+        fed to the next step [B,T,H]: post-norm with ``norm_output``, else pre-norm h2, cache).
         """
         c = self.config
         e = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(g.dtype)
@@ -94,7 +94,20 @@ class Drafter(nnx.Module):
         h1 = g + attn  # residual is the un-normed feature
         h2 = h1 + self.mlp(self.post_attention_layernorm(h1))
         normed = self.norm(h2)
-        return self.lm_head(normed), (normed if c.norm_output else h2), normed, cache
+        return normed, (normed if c.norm_output else h2), cache
+
+    def step(
+        self,
+        g: Array,
+        input_ids: Array,
+        positions: Array,
+        mask: Array,
+        cache: tuple[Array, Array] | None = None,
+        write_index: Array | None = None,
+    ) -> tuple[Array, Array, Array, tuple[Array, Array] | None]:
+        """``layer`` plus the lm_head: (logits [B,T,Vd], next feature, normed h2, cache)."""
+        normed, nxt, cache = self.layer(g, input_ids, positions, mask, cache, write_index)
+        return self.lm_head(normed), nxt, normed, cache
 
     def __call__(self, features: Array, input_ids: Array) -> tuple[Array, Array]:
         c = self.config

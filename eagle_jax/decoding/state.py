@@ -1,0 +1,66 @@
+"""The loop state of speculative decoding: one small pytree carried through ``lax.while_loop``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from eagle_jax.modeling.target import KVCache
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class LoopState:
+    """Per-row decoding state; every array has the batch on axis 0 except ``rounds`` and ``key``.
+
+    Invariant at the start of a round: the target cache holds positions 0..length-1; ``pending`` is the
+    last emitted token (position ``length``), not yet run by the target; the drafter cache holds the
+    pairs (target feature g_t, token x_{t+1}) for t < length, and ``d_logits``/``d_feat`` are the
+    drafter's outputs for the last pair (t = length-1), predicting the token after ``pending``.
+    """
+
+    t_cache: KVCache
+    d_cache: tuple[Array, Array] | None
+    length: Array  # [B] int32
+    pending: Array  # [B] int32
+    d_logits: Array | None  # [B, Vd]
+    d_feat: Array | None  # [B, H]
+    out: Array  # [B, out_len] emitted tokens
+    n_out: Array  # [B] int32
+    done: Array  # [B] bool
+    accepted: Array  # [B, max_rounds] drafts accepted per round; -1 where the row did not run
+    rounds: Array  # [] int32
+    key: Array
+
+
+def emit(state: LoopState, tokens: Array, count: Array, eos_ids: tuple[int, ...], max_new: int) -> tuple[Array, Array, Array]:
+    """Appends tokens[:, :count] to each active row's output; stops rows at EOS or ``max_new`` tokens.
+
+    Returns (out, n_out, done). Tokens after an EOS are not emitted.
+    """
+    b, w = tokens.shape
+    idx = jnp.arange(w)
+    valid = idx[None, :] < count[:, None]
+    if eos_ids:
+        is_eos = valid & jnp.isin(tokens, jnp.asarray(eos_ids, tokens.dtype))
+        first_eos = jnp.min(jnp.where(is_eos, idx[None, :], w), axis=1)
+        count = jnp.minimum(count, first_eos + 1)
+        hit_eos = first_eos < w
+    else:
+        hit_eos = jnp.zeros((b,), bool)
+    count = jnp.where(state.done, 0, count)
+
+    def write(row_out, row_tokens, start):
+        return jax.lax.dynamic_update_slice(row_out, row_tokens, (start,))
+
+    out = jax.vmap(write)(state.out, tokens.astype(state.out.dtype), jnp.minimum(state.n_out, state.out.shape[1] - w))
+    # Slots past ``count`` were written with drafts that were not accepted; they lie beyond n_out and are
+    # overwritten by the next emission or cut off by n_out at the end.
+    out = jnp.where(state.done[:, None], state.out, out)
+    n_out = state.n_out + count
+    done = state.done | (hit_eos & ~state.done) | (n_out >= max_new)
+    return out, jnp.minimum(n_out, max_new), done

@@ -1,0 +1,259 @@
+"""``eagle_jax.generate``: the Python entry point of speculative decoding."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.config import ConfigError, SpecConfig
+from eagle_jax.decoding.engine import Plan, prefill, run_rounds
+from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.target import Target
+
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass
+class GenerationResult:
+    """Tokens per row (prompt excluded), text when a tokenizer was given, and the run's statistics.
+
+    ``accepted[b][r]``: drafts accepted by row b in round r (a round emits accepted + 1 tokens).
+    ``acceptance_length``: tokens produced per target forward = mean over row-rounds of accepted + 1
+    (the bonus token counted once; the prefill's first token is not a round and is not counted).
+    ``position_acceptance[i]``: fraction of rounds whose draft i (0-based) was accepted.
+    """
+
+    tokens: list[list[int]]
+    text: list[str] | None
+    accepted: list[list[int]]
+    acceptance_length: float
+    position_acceptance: list[float]
+    compile_s: float
+    run_s: float
+    rounds: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated / self.run_s if self.run_s > 0 else float("inf")
+
+
+def bucket(n: int) -> int:
+    for b in PROMPT_BUCKETS:
+        if n <= b:
+            return b
+    raise ConfigError(f"prompt of {n} tokens is longer than the largest bucket {PROMPT_BUCKETS[-1]}")
+
+
+class _Programs:
+    """Compiled programs, one per (models' graph, plan); reused across calls with the same shapes."""
+
+    def __init__(self) -> None:
+        self._cache: dict[Any, Any] = {}
+
+    def get(self, kind: str, t_graph, d_graph, plan: Plan, args: tuple, build) -> tuple[Any, float]:
+        key = (kind, t_graph, d_graph, plan, jax.tree_util.tree_structure(args), tuple((getattr(a, "shape", None), str(getattr(a, "dtype", ""))) for a in jax.tree_util.tree_leaves(args)))
+        if key in self._cache:
+            return self._cache[key], 0.0
+        t0 = time.perf_counter()
+        compiled = jax.jit(build).lower(*args).compile()
+        self._cache[key] = compiled
+        return compiled, time.perf_counter() - t0
+
+
+_PROGRAMS = _Programs()
+
+
+def _eos_ids(eos_token_id, tokenizer) -> tuple[int, ...]:
+    if eos_token_id is None and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_token_id = tokenizer.eos_token_id
+    if eos_token_id is None:
+        return ()
+    if isinstance(eos_token_id, int):
+        return (eos_token_id,)
+    return tuple(int(e) for e in eos_token_id)
+
+
+def check_pair(target: Target, drafter: Drafter | None) -> None:
+    if drafter is None:
+        return
+    tc, dc = target.config, drafter.config
+    problems = []
+    if dc.vocab_size != tc.vocab_size:
+        problems.append(f"drafter vocab_size {dc.vocab_size} != target vocab_size {tc.vocab_size}")
+    if dc.target_hidden_size != tc.hidden_size:
+        problems.append(f"drafter target_hidden_size {dc.target_hidden_size} != target hidden_size {tc.hidden_size}")
+    if dc.num_aux_hidden_states != len(target.aux_layer_ids):
+        problems.append(
+            f"drafter reads {dc.num_aux_hidden_states} aux states, the target captures {len(target.aux_layer_ids)} "
+            f"(layers {list(target.aux_layer_ids)})"
+        )
+    if problems:
+        raise ConfigError("mismatched target/drafter pair: " + "; ".join(problems))
+
+
+def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer):
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_pair(target, drafter)
+    if isinstance(prompts, (str, np.ndarray)) or (prompts and isinstance(prompts[0], int)):
+        raise ConfigError("prompts must be a list of prompts (token-id lists or strings), not a single prompt")
+    if len(prompts) == 0:
+        raise ConfigError("prompts is empty")
+    ids: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ConfigError(f"prompt {i} is a string but no tokenizer was given")
+            p = tokenizer.encode(p, add_special_tokens=False) if hasattr(tokenizer, "encode") else tokenizer(p)
+        p = [int(t) for t in p]
+        if not p:
+            raise ConfigError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < target.config.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {target.config.vocab_size})")
+        ids.append(p)
+    spec_cfg = None if drafter is None else SpecConfig.parse(spec)
+    plan = Plan(
+        batch=len(ids),
+        prompt_len=bucket(max(len(p) for p in ids)),
+        max_new=int(max_new_tokens),
+        spec=spec_cfg,
+        sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
+        eos_ids=_eos_ids(eos_token_id, tokenizer),
+    )
+    longest = max(len(p) for p in ids)
+    limit = target.config.max_position_embeddings
+    if longest + plan.max_new > limit:
+        raise ConfigError(
+            f"prompt of {longest} tokens + max_new_tokens={plan.max_new} exceeds the target's "
+            f"max_position_embeddings={limit}"
+        )
+    prompt = np.zeros((plan.batch, plan.prompt_len), np.int32)
+    for i, p in enumerate(ids):
+        prompt[i, : len(p)] = p
+    lens = np.array([len(p) for p in ids], np.int32)
+    return plan, jnp.asarray(prompt), jnp.asarray(lens)
+
+
+def _split(module):
+    if module is None:
+        return None, None
+    return nnx.split(module)
+
+
+def _result(state, plan: Plan, compile_s: float, run_s: float, tokenizer) -> GenerationResult:
+    out, n_out, accepted, rounds = jax.device_get((state.out, state.n_out, state.accepted, state.rounds))
+    tokens = [out[b, : n_out[b]].tolist() for b in range(plan.batch)]
+    acc = [[int(a) for a in row[:rounds] if a >= 0] for row in accepted]
+    flat = [a for row in acc for a in row]
+    al = float(np.mean(flat) + 1) if flat else 0.0
+    k = 0 if plan.spec is None else plan.spec.max_emitted - 1
+    pos = [float(np.mean([a > i for a in flat])) if flat else 0.0 for i in range(k)]
+    text = None
+    if tokenizer is not None:
+        text = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    return GenerationResult(tokens, text, acc, al, pos, compile_s, run_s, int(rounds))
+
+
+def generate(
+    target: Target,
+    drafter: Drafter | None,
+    prompts: Sequence[Sequence[int] | str],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    spec: SpecConfig | dict | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int = 0,
+    tokenizer=None,
+    mesh=None,
+) -> GenerationResult:
+    """Generates up to ``max_new_tokens`` per prompt with speculative decoding (``drafter=None``: plain).
+
+    One XLA program per call: target prefill with aux capture, drafter prefill, then a while_loop of
+    rounds with no host round trip. Greedy output equals the target's own greedy decoding; sampling
+    keeps the target's distribution (temperature / top_k / top_p). Prompts are padded to length buckets
+    so new lengths reuse compiled programs. ``mesh``: run tensor-parallel over the mesh's ``model`` axis.
+    """
+    plan, prompt, lens = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer)
+    if mesh is not None:
+        from eagle_jax.sharding import shard_module
+
+        target, drafter = shard_module(target, mesh), (None if drafter is None else shard_module(drafter, mesh))
+    t_graph, t_state = _split(target)
+    d_graph, d_state = _split(drafter)
+
+    def program(t_state, d_state, prompt, lens, key):
+        tgt = nnx.merge(t_graph, t_state)
+        drf = None if d_graph is None else nnx.merge(d_graph, d_state)
+        st = prefill(tgt, drf, plan, prompt, lens, key)
+        return run_rounds(tgt, drf, plan, st, jnp.int32(plan.max_rounds))
+
+    args = (t_state, d_state, prompt, lens, jax.random.key(seed))
+    compiled, compile_s = _PROGRAMS.get("generate", t_graph, d_graph, plan, args, program)
+    t0 = time.perf_counter()
+    state = compiled(*args)
+    jax.block_until_ready(state.out)
+    run_s = time.perf_counter() - t0
+    return _result(state, plan, compile_s, run_s, tokenizer)
+
+
+def generate_stream(
+    target: Target,
+    drafter: Drafter | None,
+    prompts: Sequence[Sequence[int] | str],
+    *,
+    max_new_tokens: int,
+    rounds_per_chunk: int = 8,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    spec: SpecConfig | dict | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int = 0,
+    tokenizer=None,
+) -> Iterator[list[list[int]]]:
+    """The same loop run in chunks of ``rounds_per_chunk`` rounds; yields each row's new tokens per chunk."""
+    if rounds_per_chunk < 1:
+        raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
+    plan, prompt, lens = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer)
+    t_graph, t_state = _split(target)
+    d_graph, d_state = _split(drafter)
+
+    def start(t_state, d_state, prompt, lens, key):
+        drf = None if d_graph is None else nnx.merge(d_graph, d_state)
+        return prefill(nnx.merge(t_graph, t_state), drf, plan, prompt, lens, key)
+
+    def chunk(t_state, d_state, st, limit):
+        drf = None if d_graph is None else nnx.merge(d_graph, d_state)
+        return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit)
+
+    args = (t_state, d_state, prompt, lens, jax.random.key(seed))
+    start_c, _ = _PROGRAMS.get("stream_start", t_graph, d_graph, plan, args, start)
+    st = start_c(*args)
+    chunk_args = (t_state, d_state, st, jnp.int32(0))
+    chunk_c, _ = _PROGRAMS.get("stream_chunk", t_graph, d_graph, plan, chunk_args, chunk)
+    sent = [0] * plan.batch
+    while True:
+        n_out, out, done, rounds = jax.device_get((st.n_out, st.out, st.done, st.rounds))
+        new = [out[b, sent[b] : n_out[b]].tolist() for b in range(plan.batch)]
+        sent = [int(n) for n in n_out]
+        if any(new):
+            yield new
+        if done.all() or rounds >= plan.max_rounds:
+            return
+        st = chunk_c(t_state, d_state, st, jnp.int32(rounds + rounds_per_chunk))

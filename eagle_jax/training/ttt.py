@@ -1,0 +1,201 @@
+"""Training-time test (TTT): the drafter unrolled over its own features, and its loss (SPEC 7).
+
+Data layout. ``input_ids`` [B, T] are the tokens of the training sequence; the frozen target gives, at
+every position t, its aux states (feature_t) and logits (its distribution for token t+1). The pair at
+draft index t is (feature_t, token_{t+1}) and it is supervised by the target's distribution for token
+t+2, i.e. ``target_logits[t+1]``. Step i of the unroll moves everything i positions further:
+
+- step 0 reads the fused target features; step i > 0 reads the features the drafter produced at step
+  i-1 at the SAME index (pre-norm h2 for EAGLE-3, RMSNorm_final(h2) with ``norm_output``, EAGLE-3.1);
+- its token at index j is input_ids[j+1+i], its RoPE position is j+i, its target is
+  target_logits[j+1+i] and its loss mask loss_mask[j+1+i] (zero past the end of the sequence);
+- its query at index j attends over the step-0 keys 0..j (causal) plus the single key of every step
+  s = 1..i at index j (the "diagonal"), in ONE fp32 softmax over all of them.
+
+The attention never builds anything larger than [B, heads, T, T + ttt_length] (step-0 scores plus one
+column per diagonal key), so memory grows as T x (T + steps), not T x (T * steps).
+
+Loss of step i (SPEC 7): p = softmax(target_logits restricted to the draft vocabulary) in fp32,
+mask = loss_mask * [target's argmax is a draft token], l_i = -sum(mask * p . log_softmax(draft_logits)),
+total = sum_i decay^i * l_i. Normalisation (``normalize``):
+
+- "all": each l_i is divided by B*T, every position counted, padded or not (the EAGLE reference);
+- "valid": by the number of positions with mask == 1 at that step (TorchSpec); independent of padding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.layers import apply_rope, rope_cos_sin
+
+Array = jax.Array
+
+NORMALIZATIONS = ("all", "valid")
+ACC_DENOMINATORS = ("mask", "loss_mask")
+
+
+class TTTOutput(NamedTuple):
+    """``total`` = sum_i decay^i * losses[i]; per-step ``losses``, ``accuracies`` and ``counts`` [steps].
+
+    counts[i] = number of supervised positions (mask == 1) at step i, for weighting across batches.
+    """
+
+    total: Array
+    losses: Array
+    accuracies: Array
+    counts: Array
+
+
+def shift_left(x: Array, n: int = 1) -> Array:
+    """Shifts along axis 1 left by ``n``, zero-padding the end (tokens 0, mask 0)."""
+    if n == 0:
+        return x
+    pad = jnp.zeros((x.shape[0], n) + x.shape[2:], x.dtype)
+    return jnp.concatenate([x[:, n:], pad], axis=1)
+
+
+def _qkv(drafter: Drafter, g: Array, tokens: Array, positions: Array) -> tuple[Array, Array, Array]:
+    """The drafter layer's projections for pairs (g, token): q [B,T,Hq,D], k/v [B,T,Hkv,D], q/k rotated."""
+    c = drafter.config
+    attn = drafter.self_attn
+    b, t, _ = g.shape
+    e = jnp.take(drafter.embed_tokens[...], tokens, axis=0).astype(g.dtype)
+    u = jnp.concatenate([drafter.input_layernorm(e), drafter.hidden_norm(g)], axis=-1)  # embedding first
+    q = attn.q_proj(u).reshape(b, t, c.num_heads, c.head_dim)
+    k = attn.k_proj(u).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = attn.v_proj(u).reshape(b, t, c.num_kv_heads, c.head_dim)
+    cos, sin = rope_cos_sin(c.rope, c.head_dim, positions, g.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _finish(drafter: Drafter, g: Array, attn_out: Array) -> tuple[Array, Array]:
+    """attn_out [B,T,Hq*D] -> (draft logits [B,T,Vd], feature for the next step [B,T,H])."""
+    h1 = g + drafter.self_attn.o_proj(attn_out)  # residual is the un-normed feature
+    h2 = h1 + drafter.mlp(drafter.post_attention_layernorm(h1))
+    normed = drafter.norm(h2)
+    return drafter.lm_head(normed), (normed if drafter.config.norm_output else h2)
+
+
+def _extended_attention(q: Array, k0: Array, v0: Array, diag_k: list[Array], diag_v: list[Array]) -> Array:
+    """Query j attends over step-0 keys 0..j and the diagonal keys (index j) of later steps.
+
+    q: [B,T,Hq,D]; k0/v0 and each diag_k/diag_v: [B,T,Hkv,D]. Returns [B,T,Hq*D].
+    """
+    b, t, hq, d = q.shape
+    hkv = k0.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scale = 1.0 / math.sqrt(d)
+    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [query, key]
+    s0 = jnp.where(causal, s0, jnp.finfo(jnp.float32).min)
+    cols = [jnp.einsum("btkgd,btkd->bkgt", qg, kd, preferred_element_type=jnp.float32)[..., None] * scale for kd in diag_k]
+    probs = jax.nn.softmax(jnp.concatenate([s0, *cols], axis=-1), axis=-1).astype(v0.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t], v0)
+    for s, vd in enumerate(diag_v):
+        out = out + jnp.einsum("bkgt,btkd->btkgd", probs[..., t + s], vd)
+    return out.reshape(b, t, hq * d)
+
+
+def ttt_unroll(drafter: Drafter, aux: Array, input_ids: Array, ttt_length: int = 7) -> list[Array]:
+    """Draft logits [B,T,Vd] of each of the ``ttt_length`` steps (index j of step i predicts token j+i+2)."""
+    b, t = input_ids.shape
+    dtype = drafter.fc.kernel[...].dtype
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    tokens = shift_left(input_ids)  # pair feature_t with token_{t+1}
+    g = drafter.fuse(aux.astype(dtype))
+    k0 = v0 = None
+    diag_k: list[Array] = []
+    diag_v: list[Array] = []
+    logits = []
+    for i in range(ttt_length):
+        q, k, v = _qkv(drafter, g, tokens, positions + i)  # step i sits i positions further along
+        if i == 0:
+            k0, v0 = k, v
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+        step_logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v))
+        logits.append(step_logits)
+        tokens = shift_left(tokens)
+    return logits
+
+
+def ttt_loss(
+    drafter: Drafter,
+    aux: Array,
+    input_ids: Array,
+    target_logits: Array,
+    loss_mask: Array,
+    *,
+    ttt_length: int = 7,
+    decay: float = 0.8,
+    normalize: str = "all",
+    acc_denominator: str = "mask",
+) -> TTTOutput:
+    """TTT loss of SPEC 7 (see the module docstring for the alignment).
+
+    aux [B,T,N*Ht] and target_logits [B,T,V] from the frozen target on ``input_ids`` [B,T];
+    loss_mask [B,T] is 1 on tokens to learn (assistant tokens), aligned with input_ids.
+    ``normalize``: "all" (divide by B*T, EAGLE reference) or "valid" (by the step's masked count,
+    TorchSpec). Accuracy of step i = draft argmax == target argmax (in draft-id space) over positions
+    with mask == 1, divided by their count ("mask") or by the shifted loss_mask count ("loss_mask",
+    as the EAGLE reference reports it: a target argmax outside the draft vocabulary counts as wrong).
+    """
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"ttt_loss: normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+    if acc_denominator not in ACC_DENOMINATORS:
+        raise ValueError(f"ttt_loss: acc_denominator must be one of {ACC_DENOMINATORS}, got {acc_denominator!r}")
+    b, t = input_ids.shape
+    vd = drafter.config.draft_vocab_size
+    all_logits = ttt_unroll(drafter, aux, input_ids, ttt_length)
+
+    # Computed once for every target position, then read at an offset per step (no shifted copies).
+    # d2t is sorted, so gathering the used ids keeps draft-id order: column i = draft id i.
+    used = jnp.arange(vd) + drafter.d2t[...]
+    tl = jax.lax.stop_gradient(target_logits).astype(jnp.float32)
+    p_all = jax.nn.softmax(jnp.take(tl, used, axis=-1), axis=-1)  # [B,T,Vd]
+    p_arg = jnp.argmax(p_all, axis=-1)
+    in_draft = drafter.t2d[...][jnp.argmax(tl, axis=-1)].astype(jnp.float32)
+    lmask_all = loss_mask.astype(jnp.float32)
+
+    losses, accs, counts = [], [], []
+    total = jnp.zeros((), jnp.float32)
+    for i, logits in enumerate(all_logits):
+        o = i + 1  # index j of step i is supervised by target position j + 1 + i
+        n = t - o
+        if n <= 0:  # the unroll ran past the sequence: nothing left to supervise
+            losses.append(jnp.zeros((), jnp.float32))
+            accs.append(jnp.zeros((), jnp.float32))
+            counts.append(jnp.zeros((), jnp.float32))
+            continue
+        logq = jax.nn.log_softmax(logits[:, :n].astype(jnp.float32), axis=-1)
+        lmask = lmask_all[:, o:]
+        mask = lmask * in_draft[:, o:]
+        per_pos = -jnp.sum(p_all[:, o:] * logq, axis=-1)  # cross-entropy against the soft target
+        count = jnp.sum(mask)
+        denom = jnp.float32(b * t) if normalize == "all" else jnp.maximum(count, 1.0)
+        l_i = jnp.sum(mask * per_pos) / denom
+        correct = (jnp.argmax(logits[:, :n], axis=-1) == p_arg[:, o:]).astype(jnp.float32)
+        acc_den = count if acc_denominator == "mask" else jnp.sum(lmask)
+        accs.append(jax.lax.stop_gradient(jnp.sum(correct * mask) / jnp.maximum(acc_den, 1.0)))
+        losses.append(l_i)
+        counts.append(count)
+        total = total + (decay**i) * l_i
+    return TTTOutput(total, jnp.stack(losses), jnp.stack(accs), jnp.stack(counts))
+
+
+def simulated_acceptance_length(accuracies) -> Array:
+    """Expected tokens per target forward of a chain of ``len(accuracies)`` drafts.
+
+    acc_i is the accuracy of step i given that the tokens before it were right (TTT feeds the true
+    tokens), so draft k is accepted with probability prod_{i<=k} acc_i and
+    AL = 1 + sum_k prod_{i<=k} acc_i (the 1 is the target's own bonus token, counted once).
+    """
+    acc = jnp.asarray(accuracies, jnp.float32)
+    return 1.0 + jnp.sum(jnp.cumprod(acc))

@@ -1,0 +1,150 @@
+"""Decoding speed: tokens/s and acceptance with and without speculation in one run, plus a round's time split.
+
+    python -m bench.speed                                   # bundled pair if present, else random models
+    python -m bench.speed --target DIR --drafter DIR --batch 1 4 16 --ks 1 3 5 --trees 8,5,48
+
+Writes JSON (``--out``) and prints a table. The round split times, inside jitted loops (no host
+dispatch, like the real loop): one drafter step (1 token), one target verification of the round's
+width, and one whole round; overhead = round / (K x drafter step + verify) (goal <= 1.15). Random
+weights make acceptance meaningless: use a trained pair for acceptance numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import eagle_jax
+from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
+from eagle_jax.decoding.engine import Plan, causal_cache_mask, prefill, run_rounds
+from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.generate import bucket
+from bench.common import load_pair_or_random, print_table, write_json
+
+
+def _timed(fn, *args, repeats: int = 3) -> float:
+    """Best wall time of ``fn(*args)`` after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, rounds: int = 16) -> dict:
+    """Seconds per drafter step, per verification and per whole round, each inside a jitted loop."""
+    plan = Plan(batch, bucket(prompt_len), rounds * spec.max_emitted + 8, spec, SamplingParams(), ())
+    t_graph, t_state = nnx.split(target)
+    d_graph, d_state = nnx.split(drafter)
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, plan.prompt_len)), jnp.int32)
+    lens = jnp.full((batch,), prompt_len, jnp.int32)
+
+    @jax.jit
+    def start(ts, ds):
+        return prefill(nnx.merge(t_graph, ts), nnx.merge(d_graph, ds), plan, prompt, lens, jax.random.key(0))
+
+    st = start(t_state, d_state)
+
+    @jax.jit
+    def loop(ts, ds, st):
+        return run_rounds(nnx.merge(t_graph, ts), nnx.merge(d_graph, ds), plan, st, jnp.int32(rounds)).rounds
+
+    @jax.jit
+    def draft_steps(ds, st):
+        drf = nnx.merge(d_graph, ds)
+
+        def body(i, carry):
+            feat, tok, cache = carry
+            pos = (st.length + i)[:, None]
+            normed, f, cache = drf.layer(feat[:, None], tok[:, None], pos, causal_cache_mask(pos, plan.cache_len, None), cache, st.length + i)
+            return f[:, 0], jnp.argmax(drf.lm_head(normed[:, 0]), -1).astype(jnp.int32), cache
+
+        return jax.lax.fori_loop(0, rounds, body, (st.d_feat, st.pending, st.d_cache))[1]
+
+    width = spec.verify_width
+
+    @jax.jit
+    def verifies(ts, st):
+        tgt = nnx.merge(t_graph, ts)
+
+        def body(i, carry):
+            tok, cache = carry
+            pos = st.length[:, None] + jnp.arange(width)[None, :]
+            block = jnp.broadcast_to(tok[:, None], (batch, width))
+            h, _, cache = tgt.forward(block, pos, causal_cache_mask(pos, plan.cache_len, None), cache, st.length)
+            return jnp.argmax(tgt.logits(h[:, -1]), -1).astype(jnp.int32), cache
+
+        return jax.lax.fori_loop(0, rounds, body, (st.pending, st.t_cache))[0]
+
+    t_round = _timed(loop, t_state, d_state, st) / rounds
+    t_draft = _timed(draft_steps, d_state, st) / rounds
+    t_verify = _timed(verifies, t_state, st) / rounds
+    # A chain round runs K drafter forwards (K-1 single steps + the extend block); a tree round
+    # runs depth-1 expansions of top_k nodes plus the extend block.
+    steps = spec.num_speculative_tokens if spec.method == "chain" else spec.tree_depth
+    ideal = steps * t_draft + t_verify
+    return {"round_s": t_round, "draft_step_s": t_draft, "verify_s": t_verify, "draft_steps": steps, "overhead": t_round / ideal, "rest_s": t_round - ideal}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target")
+    ap.add_argument("--drafter")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
+    ap.add_argument("--trees", nargs="*", default=["8,5,48"], help="top_k,depth,total_tokens")
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--prompts", help="JSONL with 'prompt' fields (text, needs a tokenizer) for real acceptance")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--out", default="bench/results/speed.json")
+    args = ap.parse_args(argv)
+
+    target, drafter, tokenizer, prompts, source = load_pair_or_random(args.target, args.drafter, args.prompts, args.prompt_len)
+    specs = [SpecConfig(num_speculative_tokens=k) for k in args.ks]
+    for t in args.trees:
+        k, d, n = (int(x) for x in t.split(","))
+        specs.append(SpecConfig(method="tree", tree_top_k=k, tree_depth=d, tree_total_tokens=n))
+    rows, results = [], {"models": source, "runs": [], "round_split": []}
+    for b in args.batch:
+        batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
+        kw = dict(max_new_tokens=args.max_new, temperature=args.temperature)
+        first = eagle_jax.generate(target, None, batch_prompts, **kw)
+        base = eagle_jax.generate(target, None, batch_prompts, **kw)
+        rows.append([b, "none", "-", f"{base.tokens_per_s:.1f}", "1.00x", f"{first.compile_s:.1f}"])
+        results["runs"].append({"batch": b, "spec": None, "tokens_per_s": base.tokens_per_s, "speedup": 1.0})
+        for spec in specs:
+            first = eagle_jax.generate(target, drafter, batch_prompts, spec=spec, **kw)
+            r = eagle_jax.generate(target, drafter, batch_prompts, spec=spec, **kw)
+            name = f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
+            speedup = r.tokens_per_s / base.tokens_per_s
+            rows.append([b, name, f"{r.acceptance_length:.2f}", f"{r.tokens_per_s:.1f}", f"{speedup:.2f}x", f"{first.compile_s:.1f}"])
+            results["runs"].append(
+                {"batch": b, "spec": name, "acceptance_length": r.acceptance_length, "position_acceptance": r.position_acceptance,
+                 "tokens_per_s": r.tokens_per_s, "speedup": speedup, "compile_s": first.compile_s}
+            )
+    print_table(["batch", "speculation", "AL", "tok/s", "speedup", "compile s"], rows)
+    split_rows = []
+    for spec in specs:
+        s = round_split(target, drafter, spec, 1, args.prompt_len)
+        name = f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
+        results["round_split"].append({"spec": name, **s})
+        split_rows.append([name, f"{s['draft_step_s'] * 1e3:.2f}", f"{s['verify_s'] * 1e3:.2f}", f"{s['round_s'] * 1e3:.2f}", f"{s['rest_s'] * 1e3:.2f}", f"{s['overhead']:.3f}"])
+    print()
+    print_table(["batch 1", "draft step ms", "verify ms", "round ms", "rest ms", "round/(steps*draft+verify)"], split_rows)
+    write_json(args.out, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

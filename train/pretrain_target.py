@@ -1,0 +1,87 @@
+"""Pretrain the bundled tiny code target on the standard library's Python source.
+
+    python -m train.pretrain_target --out runs/target --export assets/target [--steps N] [--seq-len T]
+
+Builds the corpus manifest and tokenizer first if missing (``python -m train.build_data``), resumes
+from ``<out>/ckpt`` if present, and at the end exports an HF directory (config.json,
+model.safetensors in bf16, tokenizer files) that transformers' LlamaForCausalLM also loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from eagle_jax.config import RopeConfig, TargetConfig
+from eagle_jax.training.corpus import load_corpus
+from eagle_jax.training.pretrain import PretrainConfig, pretrain
+
+DATA = Path("assets/data/manifest.json")
+TOKENIZER = Path("assets/tokenizer")
+
+
+def target_config(vocab_size: int, bos: int, eos: int) -> TargetConfig:
+    """12 layers x 384, GQA 6 q / 2 kv heads, RoPE, 2048 context, tied embeddings."""
+    return TargetConfig(
+        architecture="llama", vocab_size=vocab_size, hidden_size=384, intermediate_size=1024, num_layers=12,
+        num_heads=6, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos,
+    )
+
+
+def token_stream(split: str, tokenizer_dir: Path, cache: Path) -> np.ndarray:
+    """The split's files tokenized and joined by <|end_of_text|>, cached as .npy."""
+    if cache.exists():
+        return np.load(cache)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    sep = tok.token_to_id("<|end_of_text|>")
+    ids: list[int] = []
+    for enc in tok.encode_batch(load_corpus(DATA, split), add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(sep)
+    arr = np.asarray(ids, np.uint16)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    np.save(cache, arr)
+    return arr
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/target")
+    ap.add_argument("--export", default="assets/target")
+    ap.add_argument("--steps", type=int, default=PretrainConfig.steps)
+    ap.add_argument("--batch", type=int, default=PretrainConfig.batch)
+    ap.add_argument("--seq-len", type=int, default=PretrainConfig.seq_len)
+    ap.add_argument("--lr", type=float, default=PretrainConfig.lr)
+    ap.add_argument("--save-every", type=int, default=PretrainConfig.save_every)
+    args = ap.parse_args(argv)
+    if not DATA.exists() or not (TOKENIZER / "tokenizer.json").exists():
+        from train.build_data import main as build_data
+
+        build_data(["--out", str(DATA.parent), "--tokenizer-out", str(TOKENIZER)])
+    out = Path(args.out)
+    stream = token_stream("train", TOKENIZER, out / "train_tokens.npy")
+    heldout = token_stream("heldout", TOKENIZER, out / "heldout_tokens.npy")
+    print(f"train stream {len(stream):,} tokens, heldout {len(heldout):,}")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    config = target_config(len(tok), tok.bos_token_id, tok.eos_token_id)
+    cfg = PretrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, save_every=args.save_every)
+    target = pretrain(config, stream, heldout, cfg, out)
+    from eagle_jax.checkpoint.hf_target import save_target
+
+    export = Path(args.export)
+    save_target(target, export, dtype="bfloat16")
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, export / f.name)
+    print(f"exported {export}")
+
+
+if __name__ == "__main__":
+    main()

@@ -112,7 +112,7 @@ def parse_rope(d: dict[str, Any], source: str, allowed: tuple[str, ...], default
     if rtype == "llama3" and orig is None:
         raise ConfigError(f"{source}: llama3 rope scaling needs 'original_max_position_embeddings'")
     if rtype in ("yarn", "dynamic") and orig is None:
-        orig = d.get("max_position_embeddings")
+        orig = d.get("max_position_embeddings") or 2048  # HF LlamaConfig's default
     return RopeConfig(
         theta=float(theta),
         type=rtype,
@@ -226,7 +226,7 @@ class TargetConfig:
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope=parse_rope(d, source, ROPE_TYPES, 10000.0),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", default_bias)),
             qk_norm=arch == "qwen3",
@@ -370,7 +370,7 @@ class DrafterConfig:
                 num_aux_hidden_states=int(n_aux),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope=parse_rope(d, source, DRAFTER_ROPE_TYPES, 10000.0),
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 fc_norm=bool(d.get("fc_norm", False)),
                 norm_output=bool(d.get("norm_output", False)),
                 norm_before_fc=bool(d.get("norm_before_fc", False)),

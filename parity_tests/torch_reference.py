@@ -222,7 +222,7 @@ def rope_cos_sin(
         if seq_len > cfg.max_position_embeddings:
             f = sc["factor"]
             base = base * ((f * seq_len / cfg.max_position_embeddings) - (f - 1)) ** (d / (d - 2))
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64, device=pos.device).to(torch.float32) / d))
     if sc is not None and sc["type"] == "linear":
         pos = pos / sc["factor"]
     freqs = pos[..., None] * inv_freq  # [B, T, d/2], fp32
@@ -387,8 +387,8 @@ class RefDrafter(nn.Module):
         S = k.shape[2]
         P = S - T
         if attn_mask is None:
-            qi = torch.arange(T)[:, None] + P
-            attn_mask = (torch.arange(S)[None, :] <= qi)[None].expand(B, T, S)
+            qi = torch.arange(T, device=g.device)[:, None] + P
+            attn_mask = (torch.arange(S, device=g.device)[None, :] <= qi)[None].expand(B, T, S)
         if attn_mask.shape != (B, T, S):
             raise ValueError(f"step: attn_mask shape {tuple(attn_mask.shape)} != {(B, T, S)}")
         n_rep = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -419,7 +419,7 @@ class RefDrafter(nn.Module):
                 raise ValueError(f"forward: feature width {w} is neither N*Ht={self.cfg.fc_in} nor H")
         g = features if fused else self.fuse(features)
         B, T = input_ids.shape
-        pos = torch.arange(T)[None].expand(B, T)
+        pos = torch.arange(T, device=input_ids.device)[None].expand(B, T)
         logits, nxt, _ = self.step(g, input_ids, pos)
         return logits, nxt
 

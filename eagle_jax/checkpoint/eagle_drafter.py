@@ -39,7 +39,7 @@ def drafter_key(path: tuple) -> str:
 
 def canonical_key(key: str) -> str:
     """Normalises the accepted key variants to the canonical layout."""
-    if key.startswith("model.") and not key.startswith("model.lm_head"):
+    if key.startswith("model."):
         key = key[len("model.") :]
     if key.startswith("layers.0."):
         key = "midlayer." + key[len("layers.0.") :]
@@ -160,11 +160,14 @@ def save_drafter(drafter: Drafter, path: str | Path, dtype=None, *, include_embe
     """Writes config.json + model.safetensors in the EAGLE layout PyTorch engines load.
 
     d2t is written as int64 offsets and t2d as bool (omitted only never: engines expect both when
-    Vd < V). The embedding is omitted unless ``include_embedding`` (engines take the target's).
+    Vd < V). The embedding is omitted unless ``include_embedding`` (engines take the target's), and
+    always written when ``hidden_size != target_hidden_size``: it cannot be the target's then, and
+    without it the checkpoint could not be loaded again.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     out_dtype = drafter.dtype if dtype is None else resolve_dtype(dtype, None, None, "")
+    include_embedding = include_embedding or drafter.config.hidden_size != drafter.config.target_hidden_size
 
     def tensors():
         for key, arr in export_tensors(drafter, drafter_key, out_dtype, skip=lambda p: p == ("embed_tokens",) and not include_embedding):

@@ -172,9 +172,13 @@ def write_safetensors(file: str | Path, tensors: Iterator[tuple[str, np.ndarray]
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = file.with_name(file.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, arr in items:
-            f.write(np.ascontiguousarray(arr).astype(np.asarray(arr).dtype.newbyteorder("<"), copy=False).tobytes())
-    os.replace(tmp, file)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for _, arr in items:
+                f.write(np.ascontiguousarray(arr).astype(np.asarray(arr).dtype.newbyteorder("<"), copy=False).tobytes())
+        os.replace(tmp, file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a partial (possibly huge) temp file behind
+        raise

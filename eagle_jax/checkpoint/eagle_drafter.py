@@ -107,7 +107,11 @@ def load_drafter(path: str | Path, target: Target, dtype=None, *, aux_convention
     where = str(path / "config.json")
     check_pair(config, target, where)
     if config.aux_layer_ids is not None:
-        validate_aux_layer_ids(config.aux_layer_ids, target.config.num_layers, where)
+        validate_aux_layer_ids(
+            config.aux_layer_ids,
+            target.config.num_layers,
+            f"{where}: eagle_aux_hidden_state_layer_ids (read in the '{aux_convention}' convention)",
+        )
     source = TensorSource(path)
     renamed = {k: canonical_key(k) for k in source.keys()}
     stored = {v: k for k, v in renamed.items()}

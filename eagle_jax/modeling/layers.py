@@ -42,10 +42,11 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: Array) -> Array:
-        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
-        if self.bias is not None:
-            y = y + self.bias[...].astype(x.dtype)
-        return y
+        if self.bias is None:
+            return jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
+        # Bias added to the fp32 accumulator and rounded once, as torch's addmm does in half precision.
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class MLP(nnx.Module):
@@ -57,7 +58,9 @@ class MLP(nnx.Module):
         self.down_proj = Linear(inter, hidden, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        # silu in fp32, rounded once (torch computes it in fp32 for half inputs)
+        act = jax.nn.silu(self.gate_proj(x).astype(jnp.float32)).astype(x.dtype)
+        return self.down_proj(act * self.up_proj(x))
 
 
 # ----------------------------------------------------------------------------------------------- RoPE
@@ -146,14 +149,15 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """Grouped-query attention with an explicit boolean mask.
 
-    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, T, S] (True = may attend). Scores and softmax in
-    fp32, probabilities cast back to the activation dtype before the value product (as the reference).
+    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, T, S] (True = may attend). As the reference (EAGLE
+    code, HF eager attention): scores q.k / sqrt(D) in the activation dtype, softmax in fp32, probabilities
+    cast back to the activation dtype before the value product.
     Returns [B, T, Hq * D].
     """
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = (jnp.einsum("btkgd,bskd->bkgts", qg, k) / math.sqrt(d)).astype(jnp.float32)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)

@@ -1,0 +1,328 @@
+"""Training data for TTT: JSONL records -> token ids + loss masks -> fixed-shape batches.
+
+Record formats (one JSON object per line):
+
+- chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
+- ShareGPT: ``{"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}``
+- plain text: ``{"text": str, "prompt": str (optional)}``; the prompt prefix is not trained on.
+
+Chats are rendered with the target tokenizer's own chat template; the loss mask is exactly the
+assistant tokens, taken from ``apply_chat_template(..., return_assistant_tokens_mask=True)``, which
+needs ``{% generation %}`` markers in the template (checked, with a clear error). Samples longer than
+``max_length`` are dropped (and counted), never truncated: a truncated conversation teaches the drafter
+to stop mid-turn.
+
+Batching is deterministic: the order of epoch e is a function of (seed, e) only, so a data position
+(epoch, index of the next batch) is all a resumed run needs to continue exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+from tqdm.auto import tqdm
+
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+}
+CHAT_ROLES = ("system", "user", "assistant")
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class DataError(ValueError):
+    """A data file, record or tokenizer cannot be used for training; the message names which."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    input_ids: np.ndarray  # int32 [L]
+    loss_mask: np.ndarray  # uint8 [L], 1 = train on this token
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class DataStats:
+    records: int = 0
+    kept: int = 0
+    too_long: int = 0  # longer than max_length: dropped
+    no_loss: int = 0  # no assistant / text token to learn: dropped
+    tokens: int = 0
+    loss_tokens: int = 0
+
+    def summary(self) -> str:
+        return (
+            f"{self.kept}/{self.records} samples kept ({self.too_long} over max length, {self.no_loss} with no "
+            f"loss tokens dropped); {self.tokens} tokens, {self.loss_tokens} with loss"
+        )
+
+
+def check_chat_template(tokenizer: Any, where: str = "tokenizer") -> None:
+    """The assistant-token mask needs ``{% generation %}`` ... ``{% endgeneration %}`` in the template."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not template:
+        raise DataError(f"{where}: has no chat_template; chat records need one (or use {{'text': ...}} records)")
+    if not _GENERATION.search(template):
+        raise DataError(
+            f"{where}: the chat template has no {{% generation %}} markers, so assistant tokens cannot be "
+            f"masked (return_assistant_tokens_mask); add {{% generation %}}...{{% endgeneration %}} around "
+            f"the assistant content in the template"
+        )
+
+
+def messages_of(record: dict, where: str) -> list[dict[str, str]] | None:
+    """The chat of a ``messages`` or ShareGPT ``conversations`` record (None for a text record)."""
+    if "messages" in record:
+        out = []
+        for m in record["messages"]:
+            if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: each message needs 'role' in {CHAT_ROLES} and a string 'content', got {m!r:.120}")
+            out.append({"role": m["role"], "content": m["content"]})
+        return out
+    if "conversations" in record:
+        out = []
+        for m in record["conversations"]:
+            role = SHAREGPT_ROLES.get(str(m.get("from", "")).lower()) if isinstance(m, dict) else None
+            if role is None or not isinstance(m.get("value"), str):
+                raise DataError(
+                    f"{where}: each ShareGPT turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value', got {m!r:.120}"
+                )
+            out.append({"role": role, "content": m["value"]})
+        return out
+    return None
+
+
+def encode_chat(messages: list[dict[str, str]], tokenizer: Any) -> Sample:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_assistant_tokens_mask=True, return_dict=True)
+    ids = np.asarray(out["input_ids"], np.int32)
+    mask = np.asarray(out["assistant_masks"], np.uint8)
+    return Sample(ids, mask)
+
+
+def encode_text(text: str, tokenizer: Any, prompt: str | None = None) -> Sample:
+    """``prompt`` (unmasked) then ``text`` (masked); special tokens (e.g. BOS) only at the very start."""
+    head = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
+    body = tokenizer(text, add_special_tokens=not prompt)["input_ids"]
+    ids = np.asarray(list(head) + list(body), np.int32)
+    mask = np.concatenate([np.zeros(len(head), np.uint8), np.ones(len(body), np.uint8)])
+    return Sample(ids, mask)
+
+
+def encode_record(record: dict, tokenizer: Any, where: str = "record") -> Sample:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    messages = messages_of(record, where)
+    if messages is not None:
+        return encode_chat(messages, tokenizer)
+    if isinstance(record.get("text"), str):
+        prompt = record.get("prompt")
+        if prompt is not None and not isinstance(prompt, str):
+            raise DataError(f"{where}: 'prompt' must be a string")
+        return encode_text(record["text"], tokenizer, prompt)
+    raise DataError(f"{where}: needs 'messages', 'conversations' or 'text'; has keys {sorted(record)}")
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """(``file:line``, record) for every non-empty line."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: data file not found")
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{n}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e})") from e
+
+
+def load_samples(
+    paths: str | Path | Iterable[str | Path],
+    tokenizer: Any,
+    max_length: int,
+    *,
+    progress: bool = True,
+) -> tuple[list[Sample], DataStats]:
+    """Tokenises JSONL files; drops (and counts) samples over ``max_length`` or without loss tokens."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    stats = DataStats()
+    samples: list[Sample] = []
+    template_checked = False
+    for path in paths:
+        for where, record in tqdm(read_jsonl(path), desc=f"tokenizing {Path(path).name}", unit=" rec", disable=not progress):
+            stats.records += 1
+            if not template_checked and isinstance(record, dict) and ("messages" in record or "conversations" in record):
+                check_chat_template(tokenizer, f"tokenizer for {where}")
+                template_checked = True
+            s = encode_record(record, tokenizer, where)
+            if len(s) > max_length:
+                stats.too_long += 1
+            elif not s.loss_mask.any():
+                stats.no_loss += 1
+            else:
+                samples.append(s)
+                stats.kept += 1
+                stats.tokens += len(s)
+                stats.loss_tokens += int(s.loss_mask.sum())
+    return samples, stats
+
+
+# -------------------------------------------------------------------------------------------- batches
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where the data stream is: ``index`` = the next batch of epoch ``epoch``."""
+
+    epoch: int = 0
+    index: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, int]) -> "DataPosition":
+        return cls(int(d["epoch"]), int(d["index"]))
+
+
+def default_buckets(max_length: int, count: int = 4, multiple: int = 16) -> tuple[int, ...]:
+    """``count`` lengths halving down from max_length, rounded up to ``multiple`` (few shapes to compile)."""
+    out = {max_length}
+    for k in range(1, count):
+        out.add(min(max_length, -(-max(max_length >> k, 1) // multiple) * multiple))
+    return tuple(sorted(out))
+
+
+@dataclass
+class Batcher:
+    """Deterministic batches of ``batch_size`` samples.
+
+    mode "pad": every batch padded to ``max_length`` (one shape). mode "bucket": each sample goes to the
+    smallest bucket length that holds it, batches are drawn within a bucket and padded to its length,
+    and the batch order is shuffled across buckets. Incomplete batches are dropped (fixed shapes), so
+    a few samples per epoch are skipped; the epoch's order is reshuffled with (seed, epoch).
+    """
+
+    samples: list[Sample]
+    batch_size: int
+    max_length: int
+    mode: str = "pad"
+    buckets: tuple[int, ...] | None = None
+    seed: int = 0
+    pad_id: int = 0
+    _plans: dict[int, list[tuple[int, np.ndarray]]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pad", "bucket"):
+            raise DataError(f"batching mode must be 'pad' or 'bucket', got {self.mode!r}")
+        if self.mode == "bucket":
+            self.buckets = tuple(sorted(self.buckets or default_buckets(self.max_length)))
+            if self.buckets[-1] < self.max_length:
+                raise DataError(f"largest bucket {self.buckets[-1]} < max_length {self.max_length}")
+        else:
+            self.buckets = (self.max_length,)
+        lengths = np.array([len(s) for s in self.samples], np.int64)
+        if lengths.size and lengths.max() > self.max_length:
+            i = int(np.argmax(lengths))
+            raise DataError(f"sample {i} has {lengths[i]} tokens > max_length {self.max_length}")
+        self._which = np.searchsorted(np.asarray(self.buckets), lengths, side="left")
+        counts = np.bincount(self._which, minlength=len(self.buckets))
+        self._num_batches = int(sum(c // self.batch_size for c in counts))
+        if self._num_batches == 0:
+            raise DataError(f"{len(self.samples)} samples do not fill one batch of {self.batch_size}")
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self._num_batches
+
+    def plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """[(padded length, sample indices)] for every batch of ``epoch``."""
+        if epoch not in self._plans:
+            rng = np.random.default_rng([self.seed, epoch])
+            which = self._which
+            batches = []
+            for b, length in enumerate(self.buckets):
+                idx = rng.permutation(np.nonzero(which == b)[0])
+                n = len(idx) // self.batch_size
+                batches += [(length, idx[k * self.batch_size : (k + 1) * self.batch_size]) for k in range(n)]
+            order = rng.permutation(len(batches))
+            self._plans = {epoch: [batches[k] for k in order]}  # keep one epoch: the plan is cheap to redo
+        return self._plans[epoch]
+
+    def batch(self, pos: DataPosition) -> dict[str, np.ndarray]:
+        length, idx = self.plan(pos.epoch)[pos.index]
+        ids = np.full((len(idx), length), self.pad_id, np.int32)
+        mask = np.zeros((len(idx), length), np.float32)
+        for r, i in enumerate(idx):
+            s = self.samples[i]
+            ids[r, : len(s)] = s.input_ids
+            mask[r, : len(s)] = s.loss_mask
+        return {"input_ids": ids, "loss_mask": mask}
+
+    def next_position(self, pos: DataPosition) -> DataPosition:
+        if pos.index + 1 < self.batches_per_epoch:
+            return DataPosition(pos.epoch, pos.index + 1)
+        return DataPosition(pos.epoch + 1, 0)
+
+    def iterate(self, start: DataPosition = DataPosition()) -> Iterator[tuple[DataPosition, dict[str, np.ndarray]]]:
+        """Endless (position of this batch, batch) from ``start`` on, across epochs."""
+        pos = start
+        if pos.index >= self.batches_per_epoch:
+            pos = DataPosition(pos.epoch + 1, 0)
+        while True:
+            yield pos, self.batch(pos)
+            pos = self.next_position(pos)
+
+
+# ------------------------------------------------------------------------------------ synthetic data
+
+
+def greedy_samples(target: Any, num_samples: int, prompt_length: int, length: int, *, seed: int = 0, batch_size: int = 64) -> list[Sample]:
+    """Random prompts continued greedily by ``target`` to ``length`` tokens; loss on the continuation.
+
+    A stand-in for regenerated data when there is no tokenizer or corpus (tiny recipes and tests):
+    the continuations are the target's own, which is what the drafter must learn to predict.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(target)
+
+    @jax.jit
+    def extend(state, ids):
+        model = nnx.merge(graphdef, state)
+
+        def body(t, ids):
+            logits, _ = model(ids)  # causal: position t-1 does not see the not-yet-written tail
+            return ids.at[:, t].set(jnp.argmax(logits[:, t - 1], axis=-1).astype(ids.dtype))
+
+        return jax.lax.fori_loop(prompt_length, length, body, ids)
+
+    rng = np.random.default_rng(seed)
+    vocab = target.config.vocab_size
+    out: list[Sample] = []
+    mask = np.concatenate([np.zeros(prompt_length, np.uint8), np.ones(length - prompt_length, np.uint8)])
+    for start in range(0, num_samples, batch_size):
+        n = min(batch_size, num_samples - start)
+        ids = np.zeros((batch_size, length), np.int32)
+        ids[:, :prompt_length] = rng.integers(0, vocab, (batch_size, prompt_length))
+        ids = np.asarray(extend(state, jnp.asarray(ids)))
+        out += [Sample(ids[r].copy(), mask.copy()) for r in range(n)]
+    return out

@@ -1,0 +1,594 @@
+"""TTT training of an EAGLE-3 / 3.1 drafter against a frozen target (SPEC 7).
+
+One jitted step, compiled once: (drafter params, optimiser state, frozen drafter variables, target
+state, batch) -> (params, optimiser state, metrics). The target's aux states and logits are computed
+inside it under ``stop_gradient``; only the drafter's ``nnx.Param`` variables are trained (the
+embedding and d2t/t2d are ``Frozen``). Master weights stay fp32; ``compute_dtype`` bfloat16 casts
+a copy for the forward/backward. Gradient accumulation is a ``lax.scan`` over micro-batches inside the
+step, so one step = one optimiser update whatever the accumulation. Batches are sharded over
+(data, fsdp), parameters and optimiser state by the rules of ``eagle_jax.sharding``.
+
+Checkpoints (orbax, every ``checkpoint.every`` steps, last ``checkpoint.keep`` kept) hold the params,
+the optimiser state, the step, the data position (epoch, next batch) and the seed, plus the drafter
+config and d2t needed to export without the training run. There is no other randomness: the data
+order is a function of (seed, epoch) and the model has no dropout. A resumed run therefore continues
+the same loss curve.
+
+Config: a nested dict (YAML recipe, ``configs/train/*.yaml``) merged over ``DEFAULTS``; unknown keys
+are errors.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+from eagle_jax.checkpoint.eagle_drafter import load_drafter, save_drafter
+from eagle_jax.checkpoint.hf_target import DTYPES, load_target
+from eagle_jax.config import DrafterConfig, RopeConfig, TargetConfig
+from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.target import Target
+from eagle_jax.sharding import BATCH_AXES, logical_to_spec, make_mesh, put, tree_shardings
+from eagle_jax.training.data import Batcher, DataPosition, Sample, greedy_samples, load_samples
+from eagle_jax.training.ttt import ttt_loss, simulated_acceptance_length
+from eagle_jax.training.vocab_map import build_vocab_map, coverage, load_vocab_map, token_counts
+
+DEFAULTS: dict[str, Any] = {
+    "run_dir": "runs/ttt",
+    "seed": 0,
+    "target": {
+        "path": None,  # HF checkpoint directory
+        "random": None,  # or TargetConfig fields of a randomly initialised llama (tiny recipes, tests)
+        "dtype": "float32",
+        "aux_layer_ids": None,  # reference convention (entering layer i); None = (2, L//2, L-3)
+    },
+    "drafter": {
+        "init": None,  # an EAGLE drafter checkpoint to start from; else fresh weights
+        "hidden_size": None,  # None = the target's
+        "num_heads": None,
+        "num_kv_heads": None,
+        "head_dim": None,
+        "intermediate_size": None,
+        "draft_vocab_size": None,  # None = the target's vocabulary (identity map)
+        "vocab_map": None,  # .npz from train.vocab_map; None with Vd < V = built from the training data
+        "rope_theta": None,  # None = the target's theta
+        "fc_norm": False,  # EAGLE-3.1
+        "norm_output": False,  # EAGLE-3.1
+        "rms_norm_eps": None,
+    },
+    "data": {
+        "path": None,  # JSONL file(s): chat / ShareGPT / text records
+        "tokenizer": None,  # None = target.path
+        "max_length": 2048,
+        "batching": "pad",  # pad | bucket
+        "buckets": None,
+        "synthetic": None,  # {num_samples, prompt_length}: random prompts + the target's greedy continuations
+    },
+    "train": {
+        "steps": 1000,
+        "batch_size": 8,  # global, per optimiser step
+        "grad_accum": 1,
+        "lr": 5e-5,
+        "warmup_ratio": 0.015,
+        "min_lr_ratio": 0.0,
+        "b1": 0.9,
+        "b2": 0.95,
+        "weight_decay": 0.0,
+        "clip_norm": 0.5,
+        "ttt_length": 7,
+        "decay": 0.8,
+        "normalize": "all",  # all: / B*T (EAGLE reference) | valid: / masked count (TorchSpec)
+        "compute_dtype": "float32",  # float32 | bfloat16 (master weights stay fp32)
+    },
+    "mesh": {"data": -1, "fsdp": 1, "model": 1},  # -1: all remaining devices
+    "distributed": {"coordinator": None, "num_processes": 1, "process_id": None, "cpu_collectives": "gloo"},
+    "checkpoint": {"every": 500, "keep": 3},
+    "log": {"every": 10, "progress": True},
+    "export": {"dir": None, "dtype": None},  # None: <run_dir>/export, params' dtype
+}
+
+
+class TrainConfigError(ValueError):
+    """A training config key or value is wrong; the message names it."""
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def merge_config(base: dict, update: dict, where: str = "") -> dict:
+    out = copy.deepcopy(base)
+    for key, value in (update or {}).items():
+        name = f"{where}{key}"
+        if key not in base:
+            raise TrainConfigError(f"unknown config key '{name}'; known here: {sorted(base)}")
+        if isinstance(base[key], dict) and key not in ("random", "synthetic"):
+            if not isinstance(value, dict):
+                raise TrainConfigError(f"config key '{name}' must be a mapping")
+            out[key] = merge_config(base[key], value, name + ".")
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override(item: str) -> dict:
+    """``a.b.c=value`` (value parsed as YAML) -> {"a": {"b": {"c": value}}}."""
+    if "=" not in item:
+        raise TrainConfigError(f"--set expects key=value, got {item!r}")
+    key, raw = item.split("=", 1)
+    value = yaml.safe_load(raw)
+    for part in reversed(key.strip().split(".")):
+        value = {part: value}
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> dict:
+    cfg = copy.deepcopy(DEFAULTS)
+    if path is not None:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            cfg = merge_config(cfg, raw)
+        except TrainConfigError as e:
+            raise TrainConfigError(f"{path}: {e}") from None
+    for item in overrides:
+        cfg = merge_config(cfg, parse_override(item))
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ building
+
+
+def maybe_initialize_distributed(cfg: dict) -> None:
+    """``jax.distributed.initialize`` when the config names a coordinator (multi-process / multi-host)."""
+    d = cfg["distributed"]
+    if not d["coordinator"] and int(d["num_processes"] or 1) == 1:
+        return
+    if d.get("cpu_collectives"):
+        # CPU devices of several processes need a collectives backend; GPU/TPU ignore this option.
+        jax.config.update("jax_cpu_collectives_implementation", d["cpu_collectives"])
+    if jax.distributed.is_initialized():
+        return
+    kwargs: dict[str, Any] = {}
+    if d["coordinator"]:
+        kwargs.update(coordinator_address=d["coordinator"], num_processes=int(d["num_processes"]))
+        if d["process_id"] is not None:
+            kwargs["process_id"] = int(d["process_id"])
+    jax.distributed.initialize(**kwargs)  # no arguments: auto-detected on TPU pods / SLURM
+
+
+def build_target(cfg: dict) -> Target:
+    t = cfg["target"]
+    dtype = DTYPES[t["dtype"]]
+    aux = tuple(t["aux_layer_ids"]) if t["aux_layer_ids"] else None
+    if t["path"]:
+        return load_target(t["path"], dtype, aux_layer_ids=aux)
+    if not t["random"]:
+        raise TrainConfigError("config: set target.path (an HF checkpoint) or target.random (a TargetConfig dict)")
+    fields = {"architecture": "llama", **t["random"]}
+    if aux:
+        fields["aux_layer_ids"] = aux
+    if "rope_theta" in fields:
+        fields["rope"] = RopeConfig(theta=float(fields.pop("rope_theta")))
+    return Target(TargetConfig(**fields), dtype=dtype, rngs=nnx.Rngs(int(cfg["seed"]) + 1000))
+
+
+def build_samples(cfg: dict, target: Target) -> tuple[list[Sample], int, str]:
+    """(samples, pad id, one-line summary) from JSONL files or synthetic greedy continuations."""
+    d = cfg["data"]
+    if d["path"]:
+        from transformers import AutoTokenizer
+
+        tok_dir = d["tokenizer"] or cfg["target"]["path"]
+        if not tok_dir:
+            raise TrainConfigError("config: data.path needs data.tokenizer (or target.path holding a tokenizer)")
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        paths = d["path"] if isinstance(d["path"], list) else [d["path"]]
+        samples, stats = load_samples(paths, tok, int(d["max_length"]), progress=jax.process_index() == 0)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        return samples, int(pad), stats.summary()
+    if d["synthetic"]:
+        s = {"num_samples": 512, "prompt_length": 8, **d["synthetic"]}
+        samples = greedy_samples(target, int(s["num_samples"]), int(s["prompt_length"]), int(d["max_length"]), seed=int(cfg["seed"]))
+        return samples, 0, f"{len(samples)} synthetic samples (random prompts + the target's greedy continuations)"
+    raise TrainConfigError("config: set data.path (JSONL) or data.synthetic")
+
+
+def drafter_config_for(cfg: dict, target: Target) -> DrafterConfig:
+    d, tc = cfg["drafter"], target.config
+    h = d["hidden_size"] or tc.hidden_size
+    heads = d["num_heads"] or tc.num_heads
+    return DrafterConfig(
+        hidden_size=h,
+        num_heads=heads,
+        num_kv_heads=d["num_kv_heads"] or tc.num_kv_heads,
+        head_dim=d["head_dim"] or (tc.head_dim if h == tc.hidden_size else h // heads),
+        intermediate_size=d["intermediate_size"] or tc.intermediate_size,
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=d["draft_vocab_size"] or tc.vocab_size,
+        target_hidden_size=tc.hidden_size,
+        num_aux_hidden_states=len(target.aux_layer_ids),
+        rms_norm_eps=d["rms_norm_eps"] or tc.rms_norm_eps,
+        rope=RopeConfig(theta=float(d["rope_theta"] or tc.rope.theta)),
+        max_position_embeddings=tc.max_position_embeddings,
+        fc_norm=bool(d["fc_norm"]),
+        norm_output=bool(d["norm_output"]),
+        aux_layer_ids=tuple(target.aux_layer_ids),
+    )
+
+
+def build_drafter(cfg: dict, target: Target, samples: list[Sample]) -> tuple[Drafter, str]:
+    """A drafter (fresh or from ``drafter.init``) with its vocabulary map; returns (drafter, note)."""
+    d = cfg["drafter"]
+    if d["init"]:
+        return load_drafter(d["init"], target, jnp.float32), f"drafter initialised from {d['init']}"
+    config = drafter_config_for(cfg, target)
+    if config.hidden_size != target.config.hidden_size:
+        raise TrainConfigError(
+            f"config: drafter.hidden_size={config.hidden_size} differs from the target's {target.config.hidden_size}; "
+            f"the drafter shares the target's embedding"
+        )
+    drafter = Drafter(config, target.embed_tokens[...], dtype=jnp.float32, rngs=nnx.Rngs(int(cfg["seed"])))
+    v, vd = config.vocab_size, config.draft_vocab_size
+    counts = token_counts(samples, v)
+    if d["vocab_map"]:
+        d2t, t2d = load_vocab_map(d["vocab_map"], v, vd)
+        note = f"vocab map from {d['vocab_map']}"
+    else:
+        # Built from this run's data (SPEC 5 procedure), never a "first Vd ids" default.
+        d2t, t2d = build_vocab_map(counts, vd) if vd < v else (np.zeros(vd, np.int64), np.ones(v, bool))
+        note = "identity vocab map" if vd == v else f"vocab map built from the training data ({vd} of {v} ids)"
+    drafter.set_vocab_map(d2t)
+    return drafter, f"{note}; covers {100 * coverage(counts, t2d):.1f}% of loss tokens"
+
+
+def make_optimizer(cfg: dict) -> tuple[optax.GradientTransformation, Callable]:
+    t = cfg["train"]
+    steps = int(t["steps"])
+    warmup = max(1, int(round(float(t["warmup_ratio"]) * steps)))
+    lr = float(t["lr"])
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * float(t["min_lr_ratio"]))
+    tx = optax.chain(
+        optax.clip_by_global_norm(float(t["clip_norm"])),
+        optax.adamw(schedule, b1=float(t["b1"]), b2=float(t["b2"]), weight_decay=float(t["weight_decay"])),
+    )
+    return tx, schedule
+
+
+# ------------------------------------------------------------------------------------- throughput
+
+
+def _matmul_params(module: nnx.Module, skip: Callable[[str], bool] = lambda p: False) -> int:
+    n = 0
+    for path, leaf in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        name = "/".join(map(str, path))
+        if path[-1] == "kernel" and not skip(name):
+            n += int(np.prod(leaf.get_value().shape))
+    return n
+
+
+def train_flops_per_token(target: Target, drafter: Drafter, seq_len: int, ttt_length: int) -> float:
+    """Model FLOPs per token of one train step (matmuls only; norms, softmax, RoPE ignored).
+
+    Target: forward only, 2 x its matmul weights (+ lm_head, or the tied embedding as lm_head) plus
+    causal attention 2 x 2 x (T/2) x Hq x D per layer. Drafter: fc once, and per TTT step the layer
+    and lm_head, each forward + backward = 6 x weights, plus attention over T/2 + steps keys.
+    """
+    tc, dc = target.config, drafter.config
+    t_params = _matmul_params(target) + (tc.vocab_size * tc.hidden_size if tc.tie_word_embeddings else 0)
+    t_attn = 4 * (seq_len / 2) * tc.num_heads * tc.head_dim * tc.num_layers
+    fc = dc.fc_in_features * dc.hidden_size
+    layer = _matmul_params(drafter) - fc
+    d_attn = 4 * (seq_len / 2 + ttt_length / 2) * dc.num_heads * dc.head_dim
+    return 2 * t_params + t_attn + 6 * fc + ttt_length * (6 * layer + 3 * d_attn)
+
+
+def measure_matmul_peak(dtype=jnp.float32) -> float:
+    """Achievable FLOP/s of one device: best of a few timed square matmuls (once, at start)."""
+    n = 1024 if jax.default_backend() == "cpu" else 8192
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+# ------------------------------------------------------------------------------------------ the step
+
+
+def make_train_step(
+    graphdef_d: nnx.GraphDef,
+    graphdef_t: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    *,
+    ttt_length: int,
+    decay: float,
+    normalize: str,
+    compute_dtype,
+) -> Callable:
+    """The pure train step: (params, opt_state, frozen, target_state, batch) -> (params, opt_state, metrics).
+
+    batch: input_ids / loss_mask [grad_accum, micro_batch, T].
+    """
+
+    def cast(tree):
+        return jax.tree.map(lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def loss_fn(params, frozen, aux, ids, t_logits, mask):
+        drafter = nnx.merge(graphdef_d, cast(params), frozen)
+        out = ttt_loss(drafter, aux, ids, t_logits, mask, ttt_length=ttt_length, decay=decay, normalize=normalize)
+        return out.total, out
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def micro(params, frozen, target_state, ids, mask):
+        t_logits, aux = nnx.merge(graphdef_t, target_state)(ids)  # the frozen target, no gradient
+        t_logits, aux = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(aux.astype(compute_dtype))
+        (_, out), grads = grad_fn(params, frozen, aux, ids, t_logits, mask)
+        return grads, out
+
+    def step(params, opt_state, frozen, target_state, batch):
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        accum = ids.shape[0]
+        if accum == 1:
+            grads, out = micro(params, frozen, target_state, ids[0], mask[0])
+            outs = jax.tree.map(lambda x: x[None], out)
+        else:
+
+            def body(acc, mb):
+                g, out = micro(params, frozen, target_state, *mb)
+                return jax.tree.map(jnp.add, acc, g), out
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            grads, outs = jax.lax.scan(body, zeros, (ids, mask))
+            grads = jax.tree.map(lambda g: g / accum, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        metrics = {
+            "loss": jnp.mean(outs.total),
+            "losses": jnp.mean(outs.losses, axis=0),
+            "accuracies": jnp.mean(outs.accuracies, axis=0),
+            "grad_norm": optax.global_norm(grads),
+        }
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    return step
+
+
+# ----------------------------------------------------------------------------------- checkpointing
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated or fully addressable array as numpy on this process."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    return np.asarray(x.addressable_data(0))
+
+
+def _gather(tree: Any) -> Any:
+    """Full values of (possibly multi-process sharded) arrays on every process (a collective)."""
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if getattr(x, "is_fully_addressable", True):
+            return np.asarray(jax.device_get(x))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
+
+
+def _checkpoint_manager(run_dir: Path, cfg: dict | None = None, read_only: bool = False):
+    import orbax.checkpoint as ocp
+
+    c = (cfg or DEFAULTS)["checkpoint"]
+    options = ocp.CheckpointManagerOptions(max_to_keep=int(c["keep"]) if c["keep"] else None, create=not read_only, read_only=read_only)
+    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
+
+
+def export_drafter(graphdef_d: nnx.GraphDef, params: Any, frozen: Any, out_dir: str | Path, dtype=None) -> None:
+    """Writes the drafter in the EAGLE PyTorch layout (``save_drafter``); call on every process."""
+    host_params = _gather(params)
+    if jax.process_index() == 0:
+        drafter = nnx.merge(graphdef_d, host_params, frozen)
+        save_drafter(drafter, out_dir, dtype)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype=None) -> int:
+    """Exports a training checkpoint (a run's ``checkpoints`` directory = its latest step, or one step's
+    directory) to the EAGLE layout without the target or the data. Returns the exported step."""
+    import orbax.checkpoint as ocp
+
+    checkpoint = Path(checkpoint).absolute()
+    if checkpoint.name.isdigit() and (checkpoint / "meta").exists():
+        root, step = checkpoint.parent, int(checkpoint.name)
+    else:
+        root = checkpoint / "checkpoints" if (checkpoint / "checkpoints").is_dir() else checkpoint
+        step = None
+    mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"{root}: no training checkpoint found")
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    config = DrafterConfig.from_hf(meta["drafter_config"], f"{root}/{step}/meta")
+    abstract = nnx.eval_shape(lambda: Drafter(config))
+    graphdef, params, frozen = nnx.split(abstract, nnx.Param, ...)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params)
+    restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(params)))
+    drafter = nnx.merge(graphdef, restored.params, frozen)
+    drafter.set_vocab_map(np.asarray(meta["d2t"], np.int64))
+    save_drafter(drafter, out_dir, dtype)  # the (abstract) embedding is not written
+    return step
+
+
+# ------------------------------------------------------------------------------------------ the loop
+
+
+def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
+    """Runs (or resumes) the training run described by ``cfg``; returns a summary with the logged records.
+
+    ``stop_after``: stop once this step is done (after its checkpoint), as if the job were killed; the
+    next call with the same config resumes from the latest checkpoint.
+    """
+    maybe_initialize_distributed(cfg)
+    t_cfg = cfg["train"]
+    run_dir = Path(cfg["run_dir"])
+    is_main = jax.process_index() == 0
+    log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
+
+    m = {k: int(v) for k, v in cfg["mesh"].items()}
+    n_dev = jax.device_count()
+    data_ax = m["data"]
+    if data_ax == -1:
+        if n_dev % (m["fsdp"] * m["model"]):
+            raise TrainConfigError(f"config: mesh fsdp x model = {m['fsdp'] * m['model']} does not divide {n_dev} devices")
+        data_ax = n_dev // (m["fsdp"] * m["model"])
+    mesh = make_mesh(data_ax, m["fsdp"], m["model"])
+    accum = int(t_cfg["grad_accum"])
+    batch_size = int(t_cfg["batch_size"])
+    if batch_size % accum or (batch_size // accum) % (data_ax * m["fsdp"]):
+        raise TrainConfigError(
+            f"config: train.batch_size={batch_size} / grad_accum={accum} must be a multiple of "
+            f"mesh data x fsdp = {data_ax * m['fsdp']}"
+        )
+    compute_dtype = DTYPES[t_cfg["compute_dtype"]]
+
+    target = build_target(cfg)
+    samples, pad_id, data_note = build_samples(cfg, target)
+    drafter, vocab_note = build_drafter(cfg, target, samples)
+    log(f"data: {data_note}\n{vocab_note}")
+    batcher = Batcher(samples, batch_size, int(cfg["data"]["max_length"]), mode=cfg["data"]["batching"],
+                      buckets=tuple(cfg["data"]["buckets"]) if cfg["data"]["buckets"] else None, seed=int(cfg["seed"]), pad_id=pad_id)
+
+    tx, schedule = make_optimizer(cfg)
+    graphdef_d, params, frozen = nnx.split(drafter, nnx.Param, ...)
+    graphdef_t, target_state = nnx.split(target)
+    param_sh = tree_shardings(params, mesh)
+    params = jax.tree.map(put, params, param_sh)
+    frozen = jax.tree.map(put, frozen, tree_shardings(frozen, mesh))
+    target_state = jax.tree.map(put, target_state, tree_shardings(target_state, mesh))
+    opt_sh = tree_shardings(jax.eval_shape(tx.init, params), mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_sh = NamedSharding(mesh, PartitionSpec(None, *logical_to_spec(BATCH_AXES, (batch_size // accum, 1), mesh)))
+
+    step_fn = make_train_step(
+        graphdef_d, graphdef_t, tx, ttt_length=int(t_cfg["ttt_length"]), decay=float(t_cfg["decay"]),
+        normalize=t_cfg["normalize"], compute_dtype=compute_dtype,
+    )
+    jitted = jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, replicated))
+
+    # Resume.
+    import orbax.checkpoint as ocp
+
+    every = int(cfg["checkpoint"]["every"] or 0)
+    mngr = _checkpoint_manager(run_dir, cfg) if every else None
+    step, pos = 0, DataPosition()
+    if mngr is not None and mngr.latest_step() is not None:
+        last = mngr.latest_step()
+        abstract = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+        r = mngr.restore(last, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract(params, param_sh)),
+            opt_state=ocp.args.StandardRestore(abstract(opt_state, opt_sh)),
+            meta=ocp.args.JsonRestore(),
+        ))
+        params, opt_state = r.params, r.opt_state
+        step, pos = int(r.meta["step"]), DataPosition.from_dict(r.meta["data"])
+        if int(r.meta["seed"]) != int(cfg["seed"]):
+            raise TrainConfigError(f"{run_dir}: checkpoint was trained with seed {r.meta['seed']}, config has {cfg['seed']}")
+        log(f"resumed from step {step} (epoch {pos.epoch}, batch {pos.index})")
+
+    total_steps = int(t_cfg["steps"])
+    seq_len = int(cfg["data"]["max_length"])
+    flops_tok = train_flops_per_token(target, drafter, seq_len, int(t_cfg["ttt_length"]))
+    peak = measure_matmul_peak(compute_dtype) * jax.device_count()
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    log(f"mesh {dict(mesh.shape)}; drafter {n_params / 1e6:.2f}M trainable params; "
+        f"~{flops_tok / 1e6:.1f} MFLOP/token; measured matmul peak {peak / 1e9:.1f} GFLOP/s")
+
+    meta_base = {"seed": int(cfg["seed"]), "drafter_config": drafter.config.to_hf(), "d2t": np.asarray(drafter.d2t[...]).tolist()}
+    log_path = run_dir / "log.jsonl"
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    log_every = max(1, int(cfg["log"]["every"]))
+    records: list[dict] = []
+    pending: list[tuple[dict, int, int]] = []  # (device metrics, tokens, loss tokens) since the last log
+    bar = tqdm(total=total_steps, initial=step, desc="ttt", unit="step", disable=not (is_main and cfg["log"]["progress"]))
+    t_last = time.perf_counter()
+    compile_s = None
+    while step < total_steps:
+        host_batch = batcher.batch(pos)
+        length = host_batch["input_ids"].shape[1]
+        batch = {k: put(v.reshape(accum, batch_size // accum, length), batch_sh) for k, v in host_batch.items()}
+        t0 = time.perf_counter()
+        params, opt_state, metrics = jitted(params, opt_state, frozen, target_state, batch)
+        timed_tokens = host_batch["input_ids"].size
+        if compile_s is None:
+            jax.block_until_ready(metrics)
+            compile_s = time.perf_counter() - t0
+            t_last, timed_tokens = time.perf_counter(), 0  # throughput excludes the compiling step
+        step += 1
+        pos = batcher.next_position(pos)
+        pending.append((metrics, timed_tokens, int(host_batch["loss_mask"].sum())))
+        bar.update(1)
+        if step % log_every == 0 or step == total_steps or step == stop_after:
+            host = [(jax.tree.map(_host, mt), n, nl) for mt, n, nl in pending]
+            now = time.perf_counter()
+            tokens = sum(n for _, n, _ in host)
+            tok_s = tokens / (now - t_last) if tokens else None  # None: only the compiling step
+            accs = np.mean([h["accuracies"] for h, _, _ in host], axis=0)
+            rec = {
+                "step": step,
+                "loss": float(np.mean([h["loss"] for h, _, _ in host])),
+                "loss_per_position": np.mean([h["losses"] for h, _, _ in host], axis=0).round(6).tolist(),
+                "acc_per_position": accs.round(6).tolist(),
+                "simulated_al": float(simulated_acceptance_length(accs)),
+                "grad_norm": float(host[-1][0]["grad_norm"]),
+                "lr": float(schedule(step - 1)),
+                "tokens_per_s": tok_s,
+                "loss_tokens": sum(nl for _, _, nl in host),
+                "mfu": None if tok_s is None else tok_s * flops_tok / peak,
+                "epoch": pos.epoch,
+                "next_batch": pos.index,
+                "compile_s": compile_s,
+            }
+            records.append(rec)
+            pending, t_last = [], now
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", acc0=f"{accs[0]:.3f}", al=f"{rec['simulated_al']:.2f}", tok_s=f"{tok_s or 0:.0f}")
+            if is_main:
+                with log_path.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+        if mngr is not None and (step % every == 0 or step == total_steps or step == stop_after):
+            meta = {**meta_base, "step": step, "data": pos.to_dict()}
+            mngr.save(step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta)
+            ), force=True)
+        if stop_after is not None and step >= stop_after:
+            break
+    bar.close()
+    if mngr is not None:
+        mngr.wait_until_finished()
+        mngr.close()
+    summary = {"step": step, "records": records, "run_dir": str(run_dir), "compile_s": compile_s}
+    if step >= total_steps:
+        out = Path(cfg["export"]["dir"] or run_dir / "export")
+        export_drafter(graphdef_d, params, _gather(frozen), out, cfg["export"]["dtype"])
+        log(f"exported drafter (EAGLE layout) to {out}")
+        summary["export_dir"] = str(out)
+    return summary

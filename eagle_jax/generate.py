@@ -63,7 +63,9 @@ class _Programs:
         self._cache: dict[Any, Any] = {}
 
     def get(self, kind: str, t_graph, d_graph, plan: Plan, args: tuple, build) -> tuple[Any, float]:
-        key = (kind, t_graph, d_graph, plan, jax.tree_util.tree_structure(args), tuple((getattr(a, "shape", None), str(getattr(a, "dtype", ""))) for a in jax.tree_util.tree_leaves(args)))
+        key = (kind, t_graph, d_graph, plan, jax.tree_util.tree_structure(args), tuple(
+            (getattr(a, "shape", None), str(getattr(a, "dtype", "")), getattr(a, "sharding", None)) for a in jax.tree_util.tree_leaves(args)
+        ))
         if key in self._cache:
             return self._cache[key], 0.0
         t0 = time.perf_counter()
@@ -190,12 +192,15 @@ def generate(
     so new lengths reuse compiled programs. ``mesh``: run tensor-parallel over the mesh's ``model`` axis.
     """
     plan, prompt, lens = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer)
-    if mesh is not None:
-        from eagle_jax.sharding import shard_module
-
-        target, drafter = shard_module(target, mesh), (None if drafter is None else shard_module(drafter, mesh))
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
+    if mesh is not None:
+        # Tensor parallel: heads / MLP / vocabulary over the mesh's "model" axis by the one rule table;
+        # the compiled program follows the placement of its inputs. The caller's modules are untouched.
+        from eagle_jax.sharding import shard_tree
+
+        t_state = shard_tree(t_state, mesh)
+        d_state = None if d_state is None else shard_tree(d_state, mesh)
 
     def program(t_state, d_state, prompt, lens, key):
         tgt = nnx.merge(t_graph, t_state)

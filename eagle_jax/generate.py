@@ -105,7 +105,7 @@ def check_pair(target: Target, drafter: Drafter | None) -> None:
         raise ConfigError("mismatched target/drafter pair: " + "; ".join(problems))
 
 
-def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer):
+def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh=None):
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_pair(target, drafter)
@@ -134,6 +134,7 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
         spec=spec_cfg,
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
         eos_ids=_eos_ids(eos_token_id, tokenizer),
+        mesh=mesh,
     )
     longest = max(len(p) for p in ids)
     limit = target.config.max_position_embeddings
@@ -191,7 +192,7 @@ def generate(
     keeps the target's distribution (temperature / top_k / top_p). Prompts are padded to length buckets
     so new lengths reuse compiled programs. ``mesh``: run tensor-parallel over the mesh's ``model`` axis.
     """
-    plan, prompt, lens = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer)
+    plan, prompt, lens = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
     if mesh is not None:

@@ -9,6 +9,7 @@ path into contiguous slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ class Plan:
     spec: SpecConfig | None  # None: plain decoding
     sampling: SamplingParams
     eos_ids: tuple[int, ...]
+    mesh: Any = None  # tensor parallel: caches are laid out by the sharding rules
 
     @property
     def width(self) -> int:
@@ -65,6 +67,20 @@ def _pick(logits: Array, sp: SamplingParams, key: Array) -> Array:
     return sample(key, target_probs(logits, sp))
 
 
+def _placed(plan: Plan, cache):
+    """Lays a fresh KV cache out as the rule table says (kv heads over "model") under a mesh."""
+    if plan.mesh is None:
+        return cache
+    from jax.sharding import NamedSharding
+
+    from eagle_jax.sharding import kv_cache_spec
+
+    def place(x):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, kv_cache_spec(plan.mesh, x.shape)))
+
+    return jax.tree.map(place, cache)
+
+
 def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, key: Array) -> LoopState:
     """Runs the padded prompts through the target (capturing aux states) and the drafter."""
     b, p = prompt.shape
@@ -72,7 +88,7 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     window = target.config.sliding_window
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     zero = jnp.zeros((b,), jnp.int32)
-    hidden, aux, t_cache = target.forward(prompt, positions, causal_cache_mask(positions, s, window), target.init_cache(b, s), zero)
+    hidden, aux, t_cache = target.forward(prompt, positions, causal_cache_mask(positions, s, window), _placed(plan, target.init_cache(b, s)), zero)
     last = lens - 1
     key, k_first = jax.random.split(key)
     first = _pick(target.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), plan.sampling, k_first)
@@ -82,7 +98,7 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
         nxt = jnp.concatenate([prompt[:, 1:], zero[:, None]], axis=1)
         nxt = jnp.where(jnp.arange(p)[None, :] == last[:, None], first[:, None], nxt)
         normed, feat, d_cache = drafter.layer(
-            drafter.fuse(aux.astype(drafter.dtype)), nxt, positions, causal_cache_mask(positions, s, None), drafter.init_cache(b, s), zero
+            drafter.fuse(aux.astype(drafter.dtype)), nxt, positions, causal_cache_mask(positions, s, None), _placed(plan, drafter.init_cache(b, s)), zero
         )
         normed_last = jnp.take_along_axis(normed, last[:, None, None], axis=1)[:, 0]
         d_logits = drafter.lm_head(normed_last)

@@ -1,0 +1,165 @@
+"""Tiny target/drafter pairs for the engine tests, some built by hand so that drafts are often accepted.
+
+``markov_target`` / ``markov_drafter``: a target that is (almost) a bigram Markov model of the current token, and a drafter
+that predicts that bigram from the current input token, so chain drafts are accepted for long runs and
+rejected where the two successor maps differ on purpose (mixed accept/reject rounds).
+
+Target: one-hot-like embeddings ``e_v = onehot(v) + onehot(H-1)`` (the last dimension is a constant
+"bias unit"); every layer's o_proj / down_proj kernel is scaled by ``eps`` so the residual stream stays
+close to ``e_v`` (small but nonzero context effects: the target cache still matters for the output);
+the lm_head row of token v puts a margin on ``succ[v]``, a single cycle through the vocabulary (greedy
+text does not fall into a short loop).
+
+Drafter: the query and key read only the bias unit with a large constant, so with a short RoPE
+wavelength (theta 10) attention is sharply peaked on the pair's own slot; the value reads the token
+embedding (plus a little of the fused target feature, so the drafter's cache depends on the features),
+o_proj is the identity, the MLP is off; h2 is then ~ the embedding of the pair's token x_{t+1}, and the
+lm_head maps it to ``draft_succ[x_{t+1}]``, i.e. the token after next. For ranks below the first the
+lm_head prefers the target's own successor, so tree siblings can rescue a wrong first choice.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax import Drafter, DrafterConfig, RopeConfig, Target, TargetConfig
+
+
+def target_config(vocab: int, hidden: int = 64, layers: int = 3, **kw) -> TargetConfig:
+    return TargetConfig(
+        architecture="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=hidden // 4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=kw.pop("max_position_embeddings", 256),
+        **kw,
+    )
+
+
+def drafter_config(tc: TargetConfig, draft_vocab: int | None = None, hidden: int | None = None, **kw) -> DrafterConfig:
+    hidden = hidden or tc.hidden_size
+    return DrafterConfig(
+        hidden_size=hidden,
+        num_heads=4,
+        num_kv_heads=kw.pop("num_kv_heads", 2),
+        head_dim=hidden // 4,
+        intermediate_size=2 * hidden,
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=draft_vocab or tc.vocab_size,
+        target_hidden_size=tc.hidden_size,
+        num_aux_hidden_states=len(tc.aux_layer_ids),
+        max_position_embeddings=tc.max_position_embeddings,
+        **kw,
+    )
+
+
+def random_pair(vocab: int = 32, hidden: int = 32, seed: int = 0, logit_scale: float = 1.0, layers: int = 3, **dkw):
+    """Random-weight target and drafter (the drafter shares the target's embedding)."""
+    tc = target_config(vocab, hidden, layers=layers)
+    target = Target(tc, rngs=nnx.Rngs(seed))
+    if logit_scale != 1.0:
+        target.lm_head.kernel.set_value(target.lm_head.kernel[...] * logit_scale)
+    drafter = Drafter(drafter_config(tc, **dkw), embed=target.embed_tokens[...], rngs=nnx.Rngs(seed + 1))
+    return target, drafter
+
+
+def _set(param, value) -> None:
+    param.set_value(jnp.asarray(value, param[...].dtype))
+
+
+def successor_maps(vocab: int, seed: int, disagree: float):
+    """(succ, draft_succ): the target's bigram successor map and the drafter's, differing on ``disagree``."""
+    rng = np.random.default_rng(seed)
+    # One cycle through the whole vocabulary: greedy text does not fall into a short loop.
+    order = rng.permutation(vocab)
+    succ = np.empty(vocab, np.int64)
+    succ[order] = np.roll(order, -1)
+    draft_succ = succ.copy()
+    wrong = rng.random(vocab) < disagree
+    draft_succ[wrong] = (succ[wrong] + 1 + rng.integers(0, vocab - 1, size=int(wrong.sum()))) % vocab
+    return succ, draft_succ
+
+
+def markov_target(vocab: int = 32, hidden: int = 64, seed: int = 0, eps: float = 0.05, margin: float = 1.0) -> tuple[Target, np.ndarray]:
+    """The near-bigram target of the module docstring; returns (target, succ).
+
+    ``eps`` scales the layers' o_proj / down_proj: 0 gives an exact bigram model, ~0.1 lets the context
+    change some greedy choices (about one in eight here), larger values soon drown the bigram.
+    """
+    assert vocab < hidden
+    succ, _ = successor_maps(vocab, seed, 0.0)
+    tc = target_config(vocab, hidden)
+    t = Target(tc, rngs=nnx.Rngs(seed))
+    embed = np.zeros((vocab, hidden), np.float32)
+    embed[np.arange(vocab), np.arange(vocab)] = 1.0
+    embed[:, hidden - 1] = 1.0
+    _set(t.embed_tokens, embed)
+    for layer in t.layers:
+        _set(layer.self_attn.o_proj.kernel, layer.self_attn.o_proj.kernel[...] * eps)
+        _set(layer.mlp.down_proj.kernel, layer.mlp.down_proj.kernel[...] * eps)
+    rng = np.random.default_rng(seed + 100)
+    head = rng.normal(0, 0.1, (hidden, vocab)).astype(np.float32)
+    head[np.arange(vocab), succ] += margin
+    head[hidden - 1] = 0.0
+    _set(t.lm_head.kernel, head)
+    return t, succ
+
+
+def markov_drafter(
+    target: Target,
+    succ: np.ndarray,
+    seed: int = 0,
+    disagree: float = 0.25,
+    draft_vocab: list[int] | None = None,
+    feature_mix: float = 0.005,
+) -> tuple[Drafter, np.ndarray]:
+    """The hand-built drafter described in the module docstring; returns (drafter, draft_succ).
+
+    ``draft_vocab``: a sorted subset of target ids (Vd < V, exercises d2t); tokens outside it are never drafted.
+    """
+    tc = target.config
+    v, h = tc.vocab_size, tc.hidden_size
+    _, draft_succ = successor_maps(v, seed, disagree)
+    dvocab = np.arange(v) if draft_vocab is None else np.asarray(sorted(draft_vocab))
+    dc = drafter_config(tc, draft_vocab=len(dvocab), num_kv_heads=4, rope=RopeConfig(theta=10.0))
+    d = Drafter(dc, embed=target.embed_tokens[...], rngs=nnx.Rngs(seed + 7))
+    if draft_vocab is not None:
+        d.set_vocab_map(dvocab - np.arange(len(dvocab)))
+    rng = np.random.default_rng(seed + 200)
+    hd = dc.num_heads * dc.head_dim
+    bias_u = h - 1  # the bias unit in the embedding half of u = [norm(e), norm(g)]
+    scale = float(np.sqrt(h / 2))  # value of norm(e_v) on its two nonzero dimensions
+    c = 10.0 / scale
+    wq = np.zeros((2 * h, hd), np.float32)
+    wq[bias_u, :] = c
+    wk = np.zeros((2 * h, dc.num_kv_heads * dc.head_dim), np.float32)
+    wk[bias_u, :] = c
+    wv = np.zeros((2 * h, dc.num_kv_heads * dc.head_dim), np.float32)
+    wv[np.arange(h), np.arange(h)] = 1.0 / scale
+    wv[h:] = rng.normal(0, feature_mix, (h, wv.shape[1]))
+    _set(d.self_attn.q_proj.kernel, wq)
+    _set(d.self_attn.k_proj.kernel, wk)
+    _set(d.self_attn.v_proj.kernel, wv)
+    _set(d.self_attn.o_proj.kernel, np.eye(hd, h, dtype=np.float32))
+    _set(d.mlp.down_proj.kernel, np.zeros_like(d.mlp.down_proj.kernel[...]))
+    _set(d.fc.kernel, rng.normal(0, 0.3 / np.sqrt(dc.fc_in_features), d.fc.kernel[...].shape))
+    # h2 ~ onehot(x) + onehot(H-1) (+ small noise); normed h2 ~ scale * that.
+    head = rng.normal(0, 0.05, (h, len(dvocab))).astype(np.float32)
+    pos = {int(t): i for i, t in enumerate(dvocab)}
+    for x in range(v):
+        ranks = list(dict.fromkeys([int(draft_succ[x]), int(succ[x]), int(succ[succ[x]])]))
+        bonus = 1.0
+        for tok in ranks:
+            if tok in pos:
+                head[x, pos[tok]] += bonus
+                bonus *= 0.5
+    head[bias_u] = 0.0
+    _set(d.lm_head.kernel, head)
+    return d, draft_succ

@@ -5,7 +5,8 @@ state, batch) -> (params, optimiser state, metrics). The target's aux states and
 inside it under ``stop_gradient``; only the drafter's ``nnx.Param`` variables are trained (the
 embedding and d2t/t2d are ``Frozen``). Master weights stay fp32; ``compute_dtype`` bfloat16 casts
 a copy for the forward/backward. Gradient accumulation is a ``lax.scan`` over micro-batches inside the
-step, so one step = one optimiser update whatever the accumulation. Batches are sharded over
+step, so one step = one optimiser update whatever the accumulation (with ``normalize: valid`` each
+micro-batch is normalised by its own count before averaging). Batches are sharded over
 (data, fsdp), parameters and optimiser state by the rules of ``eagle_jax.sharding``.
 
 Checkpoints (orbax, every ``checkpoint.every`` steps, last ``checkpoint.keep`` kept) hold the params,
@@ -23,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -84,6 +84,7 @@ DEFAULTS: dict[str, Any] = {
         "grad_accum": 1,
         "lr": 5e-5,
         "warmup_ratio": 0.015,
+        "warmup_steps": None,  # overrides warmup_ratio
         "min_lr_ratio": 0.0,
         "b1": 0.9,
         "b2": 0.95,
@@ -95,6 +96,7 @@ DEFAULTS: dict[str, Any] = {
         "compute_dtype": "float32",  # float32 | bfloat16 (master weights stay fp32)
     },
     "mesh": {"data": -1, "fsdp": 1, "model": 1},  # -1: all remaining devices
+    # coordinator: "host:port" (then num_processes, process_id per process) or "auto" (TPU pods, SLURM).
     "distributed": {"coordinator": None, "num_processes": 1, "process_id": None, "cpu_collectives": "gloo"},
     "checkpoint": {"every": 500, "keep": 3},
     "log": {"every": 10, "progress": True},
@@ -154,7 +156,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 def maybe_initialize_distributed(cfg: dict) -> None:
     """``jax.distributed.initialize`` when the config names a coordinator (multi-process / multi-host)."""
     d = cfg["distributed"]
-    if not d["coordinator"] and int(d["num_processes"] or 1) == 1:
+    if not d["coordinator"]:
         return
     if d.get("cpu_collectives"):
         # CPU devices of several processes need a collectives backend; GPU/TPU ignore this option.
@@ -162,11 +164,26 @@ def maybe_initialize_distributed(cfg: dict) -> None:
     if jax.distributed.is_initialized():
         return
     kwargs: dict[str, Any] = {}
-    if d["coordinator"]:
+    if d["coordinator"] != "auto":  # "auto": TPU pods, SLURM, ... tell JAX themselves
         kwargs.update(coordinator_address=d["coordinator"], num_processes=int(d["num_processes"]))
         if d["process_id"] is not None:
             kwargs["process_id"] = int(d["process_id"])
-    jax.distributed.initialize(**kwargs)  # no arguments: auto-detected on TPU pods / SLURM
+    jax.distributed.initialize(**kwargs)
+
+
+def mesh_from_config(m: dict) -> jax.sharding.Mesh:
+    """data / fsdp / model sizes; one of them may be -1 = all remaining devices."""
+    sizes = {k: int(m[k]) for k in ("data", "fsdp", "model")}
+    n_dev = jax.device_count()
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        raise TrainConfigError(f"config: mesh may have one axis = -1, got {sizes}")
+    if free:
+        rest = math.prod(v for v in sizes.values() if v != -1)
+        if n_dev % rest:
+            raise TrainConfigError(f"config: mesh {sizes}: the fixed axes ({rest}) do not divide {n_dev} devices")
+        sizes[free[0]] = n_dev // rest
+    return make_mesh(**sizes)
 
 
 def build_target(cfg: dict) -> Target:
@@ -178,11 +195,17 @@ def build_target(cfg: dict) -> Target:
     if not t["random"]:
         raise TrainConfigError("config: set target.path (an HF checkpoint) or target.random (a TargetConfig dict)")
     fields = {"architecture": "llama", **t["random"]}
+    # A random init has near-uniform next-token distributions; scaling the lm_head makes them as
+    # peaked as a trained model's, so that there is something to learn.
+    logit_scale = float(fields.pop("logit_scale", 1.0))
     if aux:
         fields["aux_layer_ids"] = aux
     if "rope_theta" in fields:
         fields["rope"] = RopeConfig(theta=float(fields.pop("rope_theta")))
-    return Target(TargetConfig(**fields), dtype=dtype, rngs=nnx.Rngs(int(cfg["seed"]) + 1000))
+    target = Target(TargetConfig(**fields), dtype=dtype, rngs=nnx.Rngs(int(cfg["seed"]) + 1000))
+    if target.lm_head is not None and logit_scale != 1.0:
+        target.lm_head.kernel.set_value(target.lm_head.kernel[...] * logit_scale)
+    return target
 
 
 def build_samples(cfg: dict, target: Target) -> tuple[list[Sample], int, str]:
@@ -257,7 +280,8 @@ def build_drafter(cfg: dict, target: Target, samples: list[Sample]) -> tuple[Dra
 def make_optimizer(cfg: dict) -> tuple[optax.GradientTransformation, Callable]:
     t = cfg["train"]
     steps = int(t["steps"])
-    warmup = max(1, int(round(float(t["warmup_ratio"]) * steps)))
+    warmup = int(t["warmup_steps"]) if t["warmup_steps"] is not None else int(round(float(t["warmup_ratio"]) * steps))
+    warmup = max(1, warmup)
     lr = float(t["lr"])
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * float(t["min_lr_ratio"]))
     tx = optax.chain(
@@ -363,7 +387,7 @@ def make_train_step(
             "loss": jnp.mean(outs.total),
             "losses": jnp.mean(outs.losses, axis=0),
             "accuracies": jnp.mean(outs.accuracies, axis=0),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
         }
         return optax.apply_updates(params, updates), opt_state, metrics
 
@@ -439,6 +463,30 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype=None) -
 # ------------------------------------------------------------------------------------------ the loop
 
 
+def _record(pending: list, seconds: float, step: int, pos: DataPosition, lr: float, flop_fraction: float,
+            compile_s: float | None) -> dict[str, Any]:
+    """One log record from the steps since the last one: means of their metrics, throughput."""
+    host = [(jax.tree.map(_host, mt), n, nl) for mt, n, nl in pending]
+    tokens = sum(n for _, n, _ in host)
+    tok_s = tokens / seconds if tokens else None  # None: only the compiling step
+    accs = np.mean([h["accuracies"] for h, _, _ in host], axis=0)
+    return {
+        "step": step,
+        "loss": float(np.mean([h["loss"] for h, _, _ in host])),
+        "loss_per_position": np.mean([h["losses"] for h, _, _ in host], axis=0).round(6).tolist(),
+        "acc_per_position": accs.round(6).tolist(),
+        "simulated_al": float(simulated_acceptance_length(accs)),
+        "grad_norm": float(host[-1][0]["grad_norm"]),
+        "lr": lr,
+        "tokens_per_s": tok_s,
+        "loss_tokens": sum(nl for _, _, nl in host),
+        "mfu": None if tok_s is None else tok_s * flop_fraction,  # fraction of the measured matmul peak
+        "epoch": pos.epoch,
+        "next_batch": pos.index,
+        "compile_s": compile_s,
+    }
+
+
 def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     """Runs (or resumes) the training run described by ``cfg``; returns a summary with the logged records.
 
@@ -451,20 +499,14 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     is_main = jax.process_index() == 0
     log = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
 
-    m = {k: int(v) for k, v in cfg["mesh"].items()}
-    n_dev = jax.device_count()
-    data_ax = m["data"]
-    if data_ax == -1:
-        if n_dev % (m["fsdp"] * m["model"]):
-            raise TrainConfigError(f"config: mesh fsdp x model = {m['fsdp'] * m['model']} does not divide {n_dev} devices")
-        data_ax = n_dev // (m["fsdp"] * m["model"])
-    mesh = make_mesh(data_ax, m["fsdp"], m["model"])
+    mesh = mesh_from_config(cfg["mesh"])
     accum = int(t_cfg["grad_accum"])
     batch_size = int(t_cfg["batch_size"])
-    if batch_size % accum or (batch_size // accum) % (data_ax * m["fsdp"]):
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if batch_size % accum or (batch_size // accum) % shards:
         raise TrainConfigError(
             f"config: train.batch_size={batch_size} / grad_accum={accum} must be a multiple of "
-            f"mesh data x fsdp = {data_ax * m['fsdp']}"
+            f"mesh data x fsdp = {shards}"
         )
     compute_dtype = DTYPES[t_cfg["compute_dtype"]]
 
@@ -512,6 +554,11 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
         if int(r.meta["seed"]) != int(cfg["seed"]):
             raise TrainConfigError(f"{run_dir}: checkpoint was trained with seed {r.meta['seed']}, config has {cfg['seed']}")
         log(f"resumed from step {step} (epoch {pos.epoch}, batch {pos.index})")
+        if is_main and (run_dir / "log.jsonl").exists():
+            # Steps logged after the checkpoint are redone: drop their records so the log stays one curve.
+            lines = (run_dir / "log.jsonl").read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)["step"] <= step]
+            (run_dir / "log.jsonl").write_text("".join(line + "\n" for line in kept))
 
     total_steps = int(t_cfg["steps"])
     seq_len = int(cfg["data"]["max_length"])
@@ -548,29 +595,12 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
         pending.append((metrics, timed_tokens, int(host_batch["loss_mask"].sum())))
         bar.update(1)
         if step % log_every == 0 or step == total_steps or step == stop_after:
-            host = [(jax.tree.map(_host, mt), n, nl) for mt, n, nl in pending]
             now = time.perf_counter()
-            tokens = sum(n for _, n, _ in host)
-            tok_s = tokens / (now - t_last) if tokens else None  # None: only the compiling step
-            accs = np.mean([h["accuracies"] for h, _, _ in host], axis=0)
-            rec = {
-                "step": step,
-                "loss": float(np.mean([h["loss"] for h, _, _ in host])),
-                "loss_per_position": np.mean([h["losses"] for h, _, _ in host], axis=0).round(6).tolist(),
-                "acc_per_position": accs.round(6).tolist(),
-                "simulated_al": float(simulated_acceptance_length(accs)),
-                "grad_norm": float(host[-1][0]["grad_norm"]),
-                "lr": float(schedule(step - 1)),
-                "tokens_per_s": tok_s,
-                "loss_tokens": sum(nl for _, _, nl in host),
-                "mfu": None if tok_s is None else tok_s * flops_tok / peak,
-                "epoch": pos.epoch,
-                "next_batch": pos.index,
-                "compile_s": compile_s,
-            }
+            rec = _record(pending, now - t_last, step, pos, float(schedule(step - 1)), flops_tok / peak, compile_s)
             records.append(rec)
             pending, t_last = [], now
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", acc0=f"{accs[0]:.3f}", al=f"{rec['simulated_al']:.2f}", tok_s=f"{tok_s or 0:.0f}")
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", acc0=f"{rec['acc_per_position'][0]:.3f}",
+                            al=f"{rec['simulated_al']:.2f}", tok_s=f"{rec['tokens_per_s'] or 0:.0f}")
             if is_main:
                 with log_path.open("a") as f:
                     f.write(json.dumps(rec) + "\n")

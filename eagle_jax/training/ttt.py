@@ -26,7 +26,7 @@ total = sum_i decay^i * l_i. Normalisation (``normalize``):
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,48 +82,68 @@ def _finish(drafter: Drafter, g: Array, attn_out: Array) -> tuple[Array, Array]:
     return drafter.lm_head(normed), (normed if drafter.config.norm_output else h2)
 
 
-def _extended_attention(q: Array, k0: Array, v0: Array, diag_k: list[Array], diag_v: list[Array]) -> Array:
-    """Query j attends over step-0 keys 0..j and the diagonal keys (index j) of later steps.
+def _extended_attention(q: Array, k0: Array, v0: Array, diag_k: Array, diag_v: Array, n_diag: Array | int) -> Array:
+    """Query j attends over step-0 keys 0..j and the diagonal keys (index j) of the later steps.
 
-    q: [B,T,Hq,D]; k0/v0 and each diag_k/diag_v: [B,T,Hkv,D]. Returns [B,T,Hq*D].
+    q: [B,T,Hq,D]; k0/v0: [B,T,Hkv,D]; diag_k/diag_v: [S,B,T,Hkv,D], the keys/values of steps 1..S, of
+    which the first ``n_diag`` are valid (the rest are masked out). Returns [B,T,Hq*D].
     """
     b, t, hq, d = q.shape
     hkv = k0.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     scale = 1.0 / math.sqrt(d)
+    neg = jnp.finfo(jnp.float32).min
     s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [query, key]
-    s0 = jnp.where(causal, s0, jnp.finfo(jnp.float32).min)
-    cols = [jnp.einsum("btkgd,btkd->bkgt", qg, kd, preferred_element_type=jnp.float32)[..., None] * scale for kd in diag_k]
-    probs = jax.nn.softmax(jnp.concatenate([s0, *cols], axis=-1), axis=-1).astype(v0.dtype)
+    s0 = jnp.where(jnp.arange(t)[None, :] <= jnp.arange(t)[:, None], s0, neg)  # [query, key]: causal
+    sd = jnp.einsum("btkgd,nbtkd->bkgtn", qg, diag_k, preferred_element_type=jnp.float32) * scale
+    sd = jnp.where(jnp.arange(diag_k.shape[0]) < n_diag, sd, neg)
+    probs = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1).astype(v0.dtype)  # [B,kv,g,T,T+S]
     out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t], v0)
-    for s, vd in enumerate(diag_v):
-        out = out + jnp.einsum("bkgt,btkd->btkgd", probs[..., t + s], vd)
+    out = out + jnp.einsum("bkgtn,nbtkd->btkgd", probs[..., t:], diag_v)
     return out.reshape(b, t, hq * d)
 
 
-def ttt_unroll(drafter: Drafter, aux: Array, input_ids: Array, ttt_length: int = 7) -> list[Array]:
-    """Draft logits [B,T,Vd] of each of the ``ttt_length`` steps (index j of step i predicts token j+i+2)."""
+def _unroll(drafter: Drafter, aux: Array, input_ids: Array, ttt_length: int, per_step: Callable[[Array, Array], Any]) -> Any:
+    """Runs the unroll; returns ``per_step(i, logits_i)`` of every step, stacked on a leading axis.
+
+    Steps 1.. run in a ``lax.scan`` (compile time independent of ttt_length); the diagonal keys live
+    in a fixed [ttt_length-1, B, T, Hkv, D] buffer filled one slot per step.
+    """
     b, t = input_ids.shape
     dtype = drafter.fc.kernel[...].dtype
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     tokens = shift_left(input_ids)  # pair feature_t with token_{t+1}
     g = drafter.fuse(aux.astype(dtype))
-    k0 = v0 = None
-    diag_k: list[Array] = []
-    diag_v: list[Array] = []
-    logits = []
-    for i in range(ttt_length):
+    q, k0, v0 = _qkv(drafter, g, tokens, positions)
+    n = max(ttt_length - 1, 1)
+    diag_k = jnp.zeros((n,) + k0.shape, k0.dtype)
+    diag_v = jnp.zeros((n,) + v0.shape, v0.dtype)
+    logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v, 0))
+    first = per_step(jnp.int32(0), logits)
+    if ttt_length == 1:
+        return jax.tree.map(lambda x: x[None], first)
+
+    def body(carry, i):
+        g, tokens, diag_k, diag_v = carry
+        tokens = shift_left(tokens)  # one token further along than step i-1
         q, k, v = _qkv(drafter, g, tokens, positions + i)  # step i sits i positions further along
-        if i == 0:
-            k0, v0 = k, v
-        else:
-            diag_k.append(k)
-            diag_v.append(v)
-        step_logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v))
-        logits.append(step_logits)
-        tokens = shift_left(tokens)
-    return logits
+        diag_k = jax.lax.dynamic_update_index_in_dim(diag_k, k, i - 1, 0)
+        diag_v = jax.lax.dynamic_update_index_in_dim(diag_v, v, i - 1, 0)
+        logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v, i))
+        return (g, tokens, diag_k, diag_v), per_step(i, logits)
+
+    _, rest = jax.lax.scan(body, (g, tokens, diag_k, diag_v), jnp.arange(1, ttt_length, dtype=jnp.int32))
+    return jax.tree.map(lambda a, r: jnp.concatenate([a[None], r], axis=0), first, rest)
+
+
+def ttt_unroll(drafter: Drafter, aux: Array, input_ids: Array, ttt_length: int = 7) -> Array:
+    """Draft logits [ttt_length, B, T, Vd]; index j of step i predicts token j+i+2."""
+    return _unroll(drafter, aux, input_ids, ttt_length, lambda i, logits: logits)
+
+
+def _shift_dynamic(x: Array, n: Array) -> Array:
+    """x[:, n:] moved to the front (axis 1); the wrapped tail is garbage the caller masks out."""
+    return jnp.roll(x, -n, axis=1)
 
 
 def ttt_loss(
@@ -146,6 +166,7 @@ def ttt_loss(
     TorchSpec). Accuracy of step i = draft argmax == target argmax (in draft-id space) over positions
     with mask == 1, divided by their count ("mask") or by the shifted loss_mask count ("loss_mask",
     as the EAGLE reference reports it: a target argmax outside the draft vocabulary counts as wrong).
+    Each step's loss is computed inside the unroll, so the step logits are never stacked.
     """
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"ttt_loss: normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
@@ -153,41 +174,34 @@ def ttt_loss(
         raise ValueError(f"ttt_loss: acc_denominator must be one of {ACC_DENOMINATORS}, got {acc_denominator!r}")
     b, t = input_ids.shape
     vd = drafter.config.draft_vocab_size
-    all_logits = ttt_unroll(drafter, aux, input_ids, ttt_length)
 
-    # Computed once for every target position, then read at an offset per step (no shifted copies).
+    # Computed once for every target position; step i reads them i+1 positions further on.
     # d2t is sorted, so gathering the used ids keeps draft-id order: column i = draft id i.
     used = jnp.arange(vd) + drafter.d2t[...]
     tl = jax.lax.stop_gradient(target_logits).astype(jnp.float32)
     p_all = jax.nn.softmax(jnp.take(tl, used, axis=-1), axis=-1)  # [B,T,Vd]
     p_arg = jnp.argmax(p_all, axis=-1)
-    in_draft = drafter.t2d[...][jnp.argmax(tl, axis=-1)].astype(jnp.float32)
     lmask_all = loss_mask.astype(jnp.float32)
+    mask_all = lmask_all * drafter.t2d[...][jnp.argmax(tl, axis=-1)].astype(jnp.float32)
 
-    losses, accs, counts = [], [], []
-    total = jnp.zeros((), jnp.float32)
-    for i, logits in enumerate(all_logits):
+    def per_step(i, logits):
         o = i + 1  # index j of step i is supervised by target position j + 1 + i
-        n = t - o
-        if n <= 0:  # the unroll ran past the sequence: nothing left to supervise
-            losses.append(jnp.zeros((), jnp.float32))
-            accs.append(jnp.zeros((), jnp.float32))
-            counts.append(jnp.zeros((), jnp.float32))
-            continue
-        logq = jax.nn.log_softmax(logits[:, :n].astype(jnp.float32), axis=-1)
-        lmask = lmask_all[:, o:]
-        mask = lmask * in_draft[:, o:]
-        per_pos = -jnp.sum(p_all[:, o:] * logq, axis=-1)  # cross-entropy against the soft target
+        valid = (jnp.arange(t) < t - o).astype(jnp.float32)[None, :]  # zero past the end
+        lmask = _shift_dynamic(lmask_all, o) * valid
+        mask = _shift_dynamic(mask_all, o) * valid
+        logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        per_pos = -jnp.sum(_shift_dynamic(p_all, o) * logq, axis=-1)  # cross-entropy against the soft target
         count = jnp.sum(mask)
         denom = jnp.float32(b * t) if normalize == "all" else jnp.maximum(count, 1.0)
-        l_i = jnp.sum(mask * per_pos) / denom
-        correct = (jnp.argmax(logits[:, :n], axis=-1) == p_arg[:, o:]).astype(jnp.float32)
+        loss = jnp.sum(mask * per_pos) / denom
+        correct = (jnp.argmax(logits, axis=-1) == _shift_dynamic(p_arg, o)).astype(jnp.float32)
         acc_den = count if acc_denominator == "mask" else jnp.sum(lmask)
-        accs.append(jax.lax.stop_gradient(jnp.sum(correct * mask) / jnp.maximum(acc_den, 1.0)))
-        losses.append(l_i)
-        counts.append(count)
-        total = total + (decay**i) * l_i
-    return TTTOutput(total, jnp.stack(losses), jnp.stack(accs), jnp.stack(counts))
+        acc = jax.lax.stop_gradient(jnp.sum(correct * mask) / jnp.maximum(acc_den, 1.0))
+        return loss, acc, count
+
+    losses, accs, counts = _unroll(drafter, aux, input_ids, ttt_length, per_step)
+    total = jnp.sum(losses * decay ** jnp.arange(ttt_length, dtype=jnp.float32))
+    return TTTOutput(total, losses, accs, counts)
 
 
 def simulated_acceptance_length(accuracies) -> Array:

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 import eagle_jax
-from eagle_jax.config import DrafterConfig, TargetConfig
+from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
 
 BUNDLED_TARGET = Path("assets/target")
 BUNDLED_DRAFTER = Path("assets/drafter-eagle3.1")
@@ -67,3 +67,225 @@ def write_json(path: str | Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared by bench/acceptance.py, bench/drift.py and bench/peer.py: several drafters over one target,
+# held-out code prompts, per-prompt acceptance statistics and plots.
+
+BUNDLED_DRAFTERS = ("assets/drafter-eagle3", "assets/drafter-eagle3.1")
+HELDOUT_MANIFEST = Path("assets/data/manifest.json")
+FALLBACK_TOKENIZER = Path("assets/tokenizer")
+RANDOM_WARNING = (
+    "WARNING: no trained pair found ({missing}); using RANDOM models of the bundled shape. "
+    "Acceptance lengths below are meaningless (about 1.0); only the plumbing is exercised."
+)
+
+
+def drafter_label(drafter) -> str:
+    """EAGLE-3.1 when the drafter has any of the 3.1 flags (fc_norm / norm_output), else EAGLE-3."""
+    c = drafter.config
+    return "EAGLE-3.1" if (c.fc_norm or c.norm_output) else "EAGLE-3"
+
+
+def random_drafter(target, eagle31: bool, seed: int = 1):
+    """An untrained drafter of the bundled shape for ``target`` (EAGLE-3.1 flags on or off)."""
+    tc = target.config
+    draft_vocab = min(2048, tc.vocab_size)
+    dc = DrafterConfig(hidden_size=tc.hidden_size, num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
+                       intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size, draft_vocab_size=draft_vocab,
+                       target_hidden_size=tc.hidden_size, num_aux_hidden_states=len(target.aux_layer_ids),
+                       fc_norm=eagle31, norm_output=eagle31)
+    drafter = eagle_jax.Drafter(dc, target.embed_tokens[...], rngs=nnx.Rngs(seed))
+    step = tc.vocab_size // draft_vocab
+    drafter.set_vocab_map(np.arange(draft_vocab) * step - np.arange(draft_vocab))
+    return drafter
+
+
+def load_tokenizer(path: str | Path | None, vocab_size: int | None = None):
+    """AutoTokenizer from ``path`` when it has tokenizer files (and, if given, the right vocabulary size)."""
+    if path is None or not (Path(path) / "tokenizer.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if vocab_size is not None and len(tok) > vocab_size:
+        print(f"tokenizer at {path} has {len(tok)} tokens > model vocabulary {vocab_size}: not used")
+        return None
+    return tok
+
+
+def load_models(target_dir: str | None, drafter_dirs: list[str], dtype: str = "float32", *, need_drafters: bool = True):
+    """(target, {name: drafter}, tokenizer or None, description, is_random).
+
+    Loads ``target_dir`` and every drafter directory that exists (missing ones are skipped with a
+    message). When the target or all drafters are missing, falls back to random models of the bundled
+    shape (one random drafter per requested directory, EAGLE-3.1 flags when its name says "3.1") and
+    the bundled tokenizer if present, with a loud warning: acceptance is then meaningless.
+    """
+    target_dir = target_dir or str(BUNDLED_TARGET)
+    present = [d for d in drafter_dirs if Path(d).exists()]
+    for d in drafter_dirs:
+        if not Path(d).exists():
+            print(f"drafter {d} not found: skipped")
+    if Path(target_dir).exists() and (present or not need_drafters):
+        target = eagle_jax.load_target(target_dir, dtype=dtype)
+        drafters = {}
+        for d in present:
+            drafter = eagle_jax.load_drafter(d, target, dtype=dtype)
+            drafters[f"{Path(d).name} ({drafter_label(drafter)})"] = drafter
+        tokenizer = load_tokenizer(target_dir, target.config.vocab_size)
+        source = {"target": target_dir, "drafters": present, "dtype": dtype, "random": False}
+        return target, drafters, tokenizer, source, False
+    missing = target_dir if not Path(target_dir).exists() else ", ".join(drafter_dirs)
+    print(RANDOM_WARNING.format(missing=missing))
+    target, _ = random_pair()
+    drafters = {}
+    for i, d in enumerate(drafter_dirs):
+        eagle31 = "3.1" in Path(d).name or "31" in Path(d).name
+        drafter = random_drafter(target, eagle31, seed=1 + i)
+        drafters[f"random {Path(d).name} ({drafter_label(drafter)})"] = drafter
+    tokenizer = load_tokenizer(FALLBACK_TOKENIZER, target.config.vocab_size)
+    source = {"target": "random 12x384", "drafters": [f"random ({d})" for d in drafter_dirs], "dtype": "float32",
+              "random": True, "warning": "random weights: acceptance meaningless"}
+    return target, drafters, tokenizer, source, True
+
+
+def stop_ids(tokenizer, enabled: bool = True) -> tuple[int, ...]:
+    """Tokens that end a row: the tokenizer's eos plus ``<|end_of_text|>`` (the file separator of the
+    bundled target's pretraining stream) when the vocabulary has it. Empty when disabled."""
+    if not enabled or tokenizer is None:
+        return ()
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    sep = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
+    if isinstance(sep, int) and sep != tokenizer.unk_token_id and sep >= 0:
+        ids.add(sep)
+    return tuple(sorted(ids))
+
+
+def heldout_code_prompts(tokenizer, n: int, *, seed: int = 0, min_chars: int = 200, max_chars: int = 2000,
+                         vocab_size: int = 0, manifest: str | Path = HELDOUT_MANIFEST) -> list[dict]:
+    """``n`` completion prompts from the held-out split (``code_prompts``), as {"ids", "name", "text"}.
+
+    Without a tokenizer (random fallback only) the prompts are random token ids of similar length.
+    """
+    if tokenizer is None:
+        rng = np.random.default_rng(seed)
+        return [{"ids": rng.integers(10, vocab_size, int(rng.integers(60, 200))).tolist(), "name": f"random{i}", "text": None}
+                for i in range(n)]
+    from eagle_jax.training.corpus import code_prompts, load_corpus
+
+    picked = code_prompts(load_corpus(manifest, "heldout"), n, seed=seed, min_chars=min_chars, max_chars=max_chars)
+    if len(picked) < n:
+        print(f"only {len(picked)} held-out prompts available (asked for {n})")
+    return [{"ids": tokenizer.encode(p["prompt"], add_special_tokens=False), "name": f"{p['name']}:{p['lineno']}", "text": p["prompt"]}
+            for p in picked]
+
+
+def question_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[dict]:
+    """FastChat question file (``{"question_id", "category", "turns": [...]}`` per line): the first turn
+    rendered with the tokenizer's chat template and ``add_generation_prompt=True``."""
+    if tokenizer is None:
+        raise SystemExit(f"--questions {path}: needs a tokenizer with a chat template (none loaded)")
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit(f"--questions {path}: the tokenizer has no chat template")
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        q = json.loads(line)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, tokenize=False)
+        out.append({"ids": tokenizer.encode(text, add_special_tokens=False), "name": str(q.get("question_id")),
+                    "category": q.get("category", "all"), "text": text})
+        if limit and len(out) >= limit:
+            break
+    return out
+
+
+def fit_prompts(prompts: list[dict], max_new: int, limit: int) -> list[dict]:
+    """Drops prompts too long for ``limit`` context positions with ``max_new`` new tokens (says how many)."""
+    kept = [p for p in prompts if len(p["ids"]) + max_new <= limit]
+    if len(kept) < len(prompts):
+        print(f"dropped {len(prompts) - len(kept)} prompts longer than {limit - max_new} tokens")
+    return kept
+
+
+def parse_tree(text: str):
+    k, d, n = (int(x) for x in text.split(","))
+    return SpecConfig(method="tree", tree_top_k=k, tree_depth=d, tree_total_tokens=n)
+
+
+def spec_name(spec) -> str:
+    if spec is None:
+        return "none"
+    if spec.method == "chain":
+        return f"chain K={spec.num_speculative_tokens}"
+    return f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
+
+
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def mean_ci95(values) -> tuple[float, float]:
+    """(mean, half-width of the 95% Student-t confidence interval of the mean); half-width nan for n < 2."""
+    v = np.asarray([x for x in values if x is not None], float)
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    if len(v) < 2:
+        return float(v.mean()), float("nan")
+    df = len(v) - 1
+    t = _T95[df - 1] if df <= len(_T95) else 1.96 + 2.4 / df  # t_0.975 to ~0.01 for df > 30
+    return float(v.mean()), float(t * v.std(ddof=1) / np.sqrt(len(v)))
+
+
+def run_batched(target, drafter, prompts: list[list[int]], *, spec, max_new: int, temperature: float = 0.0, eos=(),
+                seed: int = 0, batch_size: int = 0) -> dict:
+    """``eagle_jax.generate`` over ``prompts`` in calls of ``batch_size`` rows (0: one call); rows are
+    independent, so the split changes nothing but memory (and the sampling keys). Returns the merged
+    per-row tokens / accepted lists and the summed compile / run seconds."""
+    bs = batch_size or len(prompts)
+    tokens, accepted, compile_s, run_s = [], [], 0.0, 0.0
+    for i in range(0, len(prompts), bs):
+        r = eagle_jax.generate(target, drafter, prompts[i : i + bs], max_new_tokens=max_new, temperature=temperature,
+                               spec=spec, eos_token_id=list(eos) or None, seed=seed + i)
+        tokens += r.tokens
+        accepted += r.accepted
+        compile_s += r.compile_s
+        run_s += r.run_s
+    return {"tokens": tokens, "accepted": accepted, "compile_s": compile_s, "run_s": run_s}
+
+
+def acceptance_stats(accepted: list[list[int]], max_drafts: int) -> dict:
+    """AL statistics from per-row, per-round accepted counts.
+
+    al_mean / al_ci95: mean over prompts of the per-prompt AL (mean of accepted + 1 over that row's
+    rounds) and the 95% t-interval half-width; al_pooled: over all rounds of all rows (what
+    ``GenerationResult.acceptance_length`` reports); position_acceptance[i]: fraction of rounds whose
+    draft i was accepted; conditional[i]: the same given draft i-1 was accepted.
+    """
+    per_prompt = [float(np.mean(row) + 1) if row else None for row in accepted]
+    mean, half = mean_ci95(per_prompt)
+    flat = np.asarray([a for row in accepted for a in row], float)
+    pos = [float(np.mean(flat > i)) if len(flat) else float("nan") for i in range(max_drafts)]
+    cond = [pos[0] if pos else float("nan")] + [pos[i] / pos[i - 1] if pos[i - 1] > 0 else float("nan") for i in range(1, len(pos))]
+    return {"al_mean": mean, "al_ci95": half, "al_pooled": float(flat.mean() + 1) if len(flat) else float("nan"),
+            "position_acceptance": pos, "conditional_acceptance": cond, "per_prompt_al": per_prompt,
+            "rounds": int(len(flat)), "prompts": int(sum(p is not None for p in per_prompt))}
+
+
+def fmt_al(stats: dict) -> str:
+    half = stats["al_ci95"]
+    return f"{stats['al_mean']:.2f}" + ("" if np.isnan(half) else f" ± {half:.2f}")
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -17,7 +17,8 @@ from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# Powers of two and the midpoints between them: at most 1/3 of a prefill is padding.
+PROMPT_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 
 
 @dataclass

@@ -444,11 +444,10 @@ def test_sampling_keeps_target_distribution(sampling_pair, sample_logits, sample
     counts = _counts3(res.tokens, target.config.vocab_size)
     pval = g_test_pvalue(counts, exact)
     assert pval > P_THRESHOLD, f"{name}: G-test p-value {pval:.2e}"
-    # Both outcomes of the acceptance test happened, at both draft positions where there are two.
+    # Both outcomes of the acceptance test happened. (With 3 tokens, 1 from the prefill, a round can
+    # emit at most 2: ``accepted`` counts emitted drafts, so it is 0 or 1 here.)
     flat = [a for row in res.accepted for a in row]
     assert 0 in flat and 1 in flat
-    if case["spec"].max_emitted > 2:
-        assert 2 in flat
     if case["top_k"] or case["top_p"] < 1:
         assert np.all(counts[exact == 0] == 0)  # and the truncation really removes mass:
         assert _exact_joint3(sample_logits, 1.0, 0, 1.0)[exact == 0].sum() > 0.1

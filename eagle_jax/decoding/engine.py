@@ -88,7 +88,9 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     window = target.config.sliding_window
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     zero = jnp.zeros((b,), jnp.int32)
-    hidden, aux, t_cache = target.forward(prompt, positions, causal_cache_mask(positions, s, window), _placed(plan, target.init_cache(b, s)), zero)
+    # The prompt block attends only to itself (P x P), then sits in cache slots 0..P-1.
+    block_mask = window_mask(positions, positions, window)
+    hidden, aux, t_cache = target.forward(prompt, positions, block_mask, _placed(plan, target.init_cache(b, s)), zero)
     last = lens - 1
     key, k_first = jax.random.split(key)
     first = _pick(target.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), plan.sampling, k_first)
@@ -98,7 +100,7 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
         nxt = jnp.concatenate([prompt[:, 1:], zero[:, None]], axis=1)
         nxt = jnp.where(jnp.arange(p)[None, :] == last[:, None], first[:, None], nxt)
         normed, feat, d_cache = drafter.layer(
-            drafter.fuse(aux.astype(drafter.dtype)), nxt, positions, causal_cache_mask(positions, s, None), _placed(plan, drafter.init_cache(b, s)), zero
+            drafter.fuse(aux.astype(drafter.dtype)), nxt, positions, window_mask(positions, positions, None), _placed(plan, drafter.init_cache(b, s)), zero
         )
         normed_last = jnp.take_along_axis(normed, last[:, None, None], axis=1)[:, 0]
         d_logits = drafter.lm_head(normed_last)
@@ -258,7 +260,8 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         out=out,
         n_out=n_out,
         done=done,
-        accepted=st.accepted.at[:, st.rounds].set(jnp.where(active, n, -1)),
+        # Drafts that became output: a round cut short by EOS or max_new counts what it emitted.
+        accepted=st.accepted.at[:, st.rounds].set(jnp.where(active, n_out - st.n_out - 1, -1)),
         rounds=st.rounds + 1,
         key=key,
     )

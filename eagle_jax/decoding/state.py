@@ -40,7 +40,8 @@ class LoopState:
 def emit(state: LoopState, tokens: Array, count: Array, eos_ids: tuple[int, ...], max_new: int) -> tuple[Array, Array, Array]:
     """Appends tokens[:, :count] to each active row's output; stops rows at EOS or ``max_new`` tokens.
 
-    Returns (out, n_out, done). Tokens after an EOS are not emitted.
+    Returns (out, n_out, done). Tokens after an EOS or past ``max_new`` are not emitted (n_out - the old
+    n_out is what a row really produced this round).
     """
     b, w = tokens.shape
     idx = jnp.arange(w)

@@ -1,0 +1,284 @@
+"""Attention drift at small scale: EAGLE-3 vs EAGLE-3.1 drafters on the same target (greedy, chain K).
+
+Three measurements, each with the mean acceptance length (AL) over prompts and a 95% Student-t interval:
+
+1. AL vs context length: prompts of exactly L tokens (default 256, 512, 1024, 1536 and the target's
+   context minus --max-new) cut from the held-out source files joined as in pretraining (files
+   separated by ``<|end_of_text|>``). Every L uses the SAME end points (a line start whose next
+   --max-new reference tokens stay in one file), so the text to continue is identical and only the
+   amount of history differs.
+2. AL vs draft position: per-position acceptance at K (default 7): the fraction of rounds whose i-th
+   draft was accepted, and the conditional rate given draft i-1 was accepted.
+3. Out-of-distribution prefix: held-out code prompts (``code_prompts``) with and without ~--ood-tokens
+   tokens of licence text written as ``#`` comments put before them.
+
+    python -m bench.drift                                   # bundled target + both drafters
+    python -m bench.drift --drafters assets/drafter-eagle3 assets/drafter-eagle3.1 --k 7 --n-prompts 32 \\
+        --contexts 256 512 1024 1536 1920 --max-new 128 --ood-tokens 600 --out bench/results/drift.json
+    python -m bench.drift --n-prompts 2 --max-new 16 --contexts 64 128 --k 3 --ood-tokens 60   # smoke test
+
+Writes JSON (``--out``) and, next to it, ``drift_context.png`` (AL vs context, one line per drafter)
+and ``drift_position.png`` (acceptance vs draft position). Without the trained models it falls back to
+random ones: the numbers are then meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import (
+    BUNDLED_DRAFTERS,
+    BUNDLED_TARGET,
+    HELDOUT_MANIFEST,
+    acceptance_stats,
+    fit_prompts,
+    fmt_al,
+    heldout_code_prompts,
+    load_models,
+    print_table,
+    pyplot,
+    run_batched,
+    stop_ids,
+    write_json,
+)
+from eagle_jax.config import SpecConfig
+
+# Public licence texts (MIT, BSD 3-Clause, Apache-2.0 header): prose the code model rarely sees at length.
+LICENSE_TEXT = """\
+Copyright (c) <year> <copyright holders>
+
+Permission is hereby granted, free of charge, to any person obtaining a copy of this software and
+associated documentation files (the "Software"), to deal in the Software without restriction,
+including without limitation the rights to use, copy, modify, merge, publish, distribute,
+sublicense, and/or sell copies of the Software, and to permit persons to whom the Software is
+furnished to do so, subject to the following conditions:
+
+The above copyright notice and this permission notice shall be included in all copies or
+substantial portions of the Software.
+
+THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED, INCLUDING BUT
+NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY, FITNESS FOR A PARTICULAR PURPOSE AND
+NONINFRINGEMENT. IN NO EVENT SHALL THE AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM, DAMAGES
+OR OTHER LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM, OUT OF OR IN
+CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE SOFTWARE.
+
+Redistribution and use in source and binary forms, with or without modification, are permitted
+provided that the following conditions are met:
+
+1. Redistributions of source code must retain the above copyright notice, this list of conditions
+   and the following disclaimer.
+
+2. Redistributions in binary form must reproduce the above copyright notice, this list of
+   conditions and the following disclaimer in the documentation and/or other materials provided
+   with the distribution.
+
+3. Neither the name of the copyright holder nor the names of its contributors may be used to
+   endorse or promote products derived from this software without specific prior written
+   permission.
+
+THIS SOFTWARE IS PROVIDED BY THE COPYRIGHT HOLDERS AND CONTRIBUTORS "AS IS" AND ANY EXPRESS OR
+IMPLIED WARRANTIES, INCLUDING, BUT NOT LIMITED TO, THE IMPLIED WARRANTIES OF MERCHANTABILITY AND
+FITNESS FOR A PARTICULAR PURPOSE ARE DISCLAIMED. IN NO EVENT SHALL THE COPYRIGHT HOLDER OR
+CONTRIBUTORS BE LIABLE FOR ANY DIRECT, INDIRECT, INCIDENTAL, SPECIAL, EXEMPLARY, OR CONSEQUENTIAL
+DAMAGES (INCLUDING, BUT NOT LIMITED TO, PROCUREMENT OF SUBSTITUTE GOODS OR SERVICES; LOSS OF USE,
+DATA, OR PROFITS; OR BUSINESS INTERRUPTION) HOWEVER CAUSED AND ON ANY THEORY OF LIABILITY, WHETHER
+IN CONTRACT, STRICT LIABILITY, OR TORT (INCLUDING NEGLIGENCE OR OTHERWISE) ARISING IN ANY WAY OUT OF
+THE USE OF THIS SOFTWARE, EVEN IF ADVISED OF THE POSSIBILITY OF SUCH DAMAGE.
+
+Licensed under the Apache License, Version 2.0 (the "License"); you may not use this file except in
+compliance with the License. You may obtain a copy of the License at
+
+    http://www.apache.org/licenses/LICENSE-2.0
+
+Unless required by applicable law or agreed to in writing, software distributed under the License
+is distributed on an "AS IS" BASIS, WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or
+implied. See the License for the specific language governing permissions and limitations under the
+License.
+"""
+
+
+def license_prefix(tokenizer, n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """About ``n_tokens`` tokens of licence text as ``#`` comment lines, cut at a line end (the text is
+    repeated if too short). Without a tokenizer: random ids from the top of the vocabulary."""
+    if tokenizer is None:
+        return np.random.default_rng(seed + 1).integers(vocab_size // 2, vocab_size, n_tokens).tolist()
+    lines = [("# " + ln).rstrip() + "\n" for ln in LICENSE_TEXT.splitlines()]
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        for ln in lines:
+            piece = tokenizer.encode(ln, add_special_tokens=False)
+            if ids and len(ids) + len(piece) > n_tokens:
+                return ids + tokenizer.encode("\n", add_special_tokens=False)
+            ids += piece
+    return ids
+
+
+def heldout_stream(tokenizer, vocab_size: int, seed: int) -> tuple[np.ndarray, int | None, np.ndarray]:
+    """(tokens of the held-out files joined by <|end_of_text|>, the separator id, bool: token ends a line)."""
+    if tokenizer is None:
+        rng = np.random.default_rng(seed)
+        toks = rng.integers(10, vocab_size, 200_000)
+        return toks, None, rng.random(len(toks)) < 0.1
+    from eagle_jax.training.corpus import load_corpus
+
+    sep = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
+    sep = sep if isinstance(sep, int) and sep >= 0 and sep != tokenizer.unk_token_id else None
+    ids: list[int] = []
+    for text in load_corpus(HELDOUT_MANIFEST, "heldout"):
+        ids += tokenizer.encode(text, add_special_tokens=False)
+        if sep is not None:
+            ids.append(sep)
+    toks = np.asarray(ids, np.int64)
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    newline = np.array([tokenizer.convert_tokens_to_string([t]).endswith("\n") if t is not None else False for t in vocab])
+    return toks, sep, newline[toks]
+
+
+def context_prompts(stream, sep, ends_line, contexts: list[int], n: int, max_new: int, seed: int) -> tuple[dict[int, list[list[int]]], list[int]]:
+    """For each L in ``contexts``: the L tokens before each of ``n`` shared end points."""
+    longest = max(contexts)
+    idx = np.arange(longest, len(stream) - max_new)
+    ok = ends_line[idx - 1]
+    if sep is not None:
+        seps = np.concatenate([[0], np.cumsum(stream == sep)])
+        ok &= (seps[idx + max_new] - seps[idx]) == 0  # the reference continuation stays inside one file
+    cand = idx[ok]
+    if len(cand) < n:
+        raise SystemExit(f"only {len(cand)} end points for contexts up to {longest} tokens (asked for {n})")
+    ends = sorted(np.random.default_rng(seed).choice(cand, n, replace=False).tolist())
+    return {L: [stream[e - L : e].tolist() for e in ends] for L in contexts}, ends
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(BUNDLED_TARGET))
+    ap.add_argument("--drafters", nargs="+", default=list(BUNDLED_DRAFTERS))
+    ap.add_argument("--contexts", type=int, nargs="*", help="prompt lengths in tokens (default 256 512 1024 1536 and context - max-new)")
+    ap.add_argument("--k", type=int, default=7, help="chain depth for every run")
+    ap.add_argument("--n-prompts", type=int, default=32, help="prompts per context length / per OOD condition")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--ood-tokens", type=int, default=600, help="licence-comment prefix length (0: skip the OOD study)")
+    ap.add_argument("--batch-size", type=int, default=8, help="rows per generate call (long contexts need memory)")
+    ap.add_argument("--no-eos", action="store_true", help="ignore eos: every row runs max-new tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", default="bench/results/drift.json")
+    args = ap.parse_args(argv)
+
+    target, drafters, tokenizer, source, is_random = load_models(args.target, args.drafters, args.dtype)
+    vocab = target.config.vocab_size
+    limit = target.config.max_position_embeddings
+    contexts = args.contexts or [c for c in (256, 512, 1024, 1536) if c < limit - args.max_new] + [limit - args.max_new]
+    if max(contexts) + args.max_new > limit:
+        raise SystemExit(f"context {max(contexts)} + max-new {args.max_new} exceeds the target's {limit} positions")
+    spec = SpecConfig(num_speculative_tokens=args.k)
+    eos = stop_ids(tokenizer, not args.no_eos)
+    kw = dict(spec=spec, max_new=args.max_new, temperature=0.0, eos=eos, seed=args.seed, batch_size=args.batch_size)
+    results = {"models": source, "settings": {k: v for k, v in vars(args).items() if k != "out"}, "contexts": contexts,
+               "eos_ids": list(eos), "context": [], "ood": []}
+
+    stream, sep, ends_line = heldout_stream(tokenizer, vocab, args.seed)
+    by_len, ends = context_prompts(stream, sep, ends_line, contexts, args.n_prompts, args.max_new, args.seed)
+    results["context_end_points"] = ends
+    ctx_rows = []
+    for dname, drafter in drafters.items():
+        for L in contexts:
+            st = acceptance_stats(run_batched(target, drafter, by_len[L], **kw)["accepted"], args.k)
+            results["context"].append({"drafter": dname, "context": L, **st})
+            ctx_rows.append([dname, L, st["prompts"], fmt_al(st), f"{st['al_pooled']:.2f}", " ".join(f"{p:.2f}" for p in st["position_acceptance"])])
+            print(f"  context {L} | {dname}: AL {fmt_al(st)}", flush=True)
+
+    ood_rows = []
+    if args.ood_tokens:
+        prefix = license_prefix(tokenizer, args.ood_tokens, vocab, args.seed)
+        base = heldout_code_prompts(tokenizer, args.n_prompts, seed=args.seed, vocab_size=vocab)
+        base = fit_prompts(base, args.max_new + len(prefix), limit)
+        results["ood_prefix_tokens"] = len(prefix)
+        for dname, drafter in drafters.items():
+            pair = {}
+            for cond, prompts in (("plain", [p["ids"] for p in base]), ("licence prefix", [prefix + p["ids"] for p in base])):
+                st = acceptance_stats(run_batched(target, drafter, prompts, **kw)["accepted"], args.k)
+                pair[cond] = st
+                results["ood"].append({"drafter": dname, "condition": cond, **st})
+                print(f"  OOD {cond} | {dname}: AL {fmt_al(st)}", flush=True)
+            ratio = pair["licence prefix"]["al_mean"] / pair["plain"]["al_mean"]
+            for cond, st in pair.items():
+                ood_rows.append([dname, cond, st["prompts"], fmt_al(st), f"{st['al_pooled']:.2f}", f"{ratio:.3f}" if cond != "plain" else "",
+                                 " ".join(f"{p:.2f}" for p in st["position_acceptance"])])
+
+    print()
+    if is_random:
+        print("(random models: acceptance meaningless)")
+    print(f"AL vs context length (greedy, chain K={args.k}, {args.max_new} new tokens)")
+    print_table(["drafter", "context", "prompts", "AL (95% CI)", "AL pooled", f"pos acceptance 1..{args.k}"], ctx_rows)
+    if ood_rows:
+        print()
+        print(f"Out-of-distribution prefix: {results['ood_prefix_tokens']} tokens of licence text as # comments")
+        print_table(["drafter", "condition", "prompts", "AL (95% CI)", "AL pooled", "AL ratio", f"pos acceptance 1..{args.k}"], ood_rows)
+    write_json(args.out, results)
+    plot_dir = Path(args.out).parent
+    plot_context(results, plot_dir / "drift_context.png", args.k)
+    plot_position(results, plot_dir / "drift_position.png", args.k)
+    return results
+
+
+def plot_context(results: dict, path: Path, k: int) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for dname in dict.fromkeys(r["drafter"] for r in results["context"]):
+        rs = [r for r in results["context"] if r["drafter"] == dname]
+        ax.errorbar([r["context"] for r in rs], [r["al_mean"] for r in rs], yerr=[0 if np.isnan(r["al_ci95"]) else r["al_ci95"] for r in rs],
+                    marker="o", capsize=3, label=dname)
+    ax.set_xlabel("context length (prompt tokens)")
+    ax.set_ylabel("acceptance length (tokens / target forward)")
+    ax.set_title(f"AL vs context length (greedy, chain K={k}, 95% CI over prompts)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def plot_position(results: dict, path: Path, k: int) -> None:
+    """Cumulative and conditional acceptance per draft position: code prompts (OOD 'plain' condition,
+    or the shortest context without it) solid, the longest context dashed, the licence prefix dotted."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    x = np.arange(1, k + 1)
+    longest = max(results["contexts"])
+    shortest = min(results["contexts"])
+    for i, dname in enumerate(dict.fromkeys(r["drafter"] for r in results["context"])):
+        color = f"C{i}"
+        curves = []
+        plain = [r for r in results["ood"] if r["drafter"] == dname and r["condition"] == "plain"]
+        if plain:
+            curves.append(("code prompts", "-", plain[0]))
+        else:
+            curves.append((f"context {shortest}", "-", next(r for r in results["context"] if r["drafter"] == dname and r["context"] == shortest)))
+        curves.append((f"context {longest}", "--", next(r for r in results["context"] if r["drafter"] == dname and r["context"] == longest)))
+        curves += [("licence prefix", ":", r) for r in results["ood"] if r["drafter"] == dname and r["condition"] != "plain"]
+        for label, style, r in curves:
+            axes[0].plot(x, r["position_acceptance"], style, marker="o", color=color, label=f"{dname}, {label}")
+            axes[1].plot(x, r["conditional_acceptance"], style, marker="o", color=color, label=f"{dname}, {label}")
+    axes[0].set_title("P(draft i accepted)")
+    axes[1].set_title("P(draft i accepted | draft i-1 accepted)")
+    for ax in axes:
+        ax.set_xlabel("draft position i")
+        ax.set_ylim(0, 1.02)
+        ax.set_xticks(x)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("acceptance rate")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"Acceptance vs draft position (greedy, chain K={k})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Peer comparison at batch 1 on CPU: the same target in HF transformers (PyTorch, its own greedy
+``generate``) vs eagle_jax plain decoding vs eagle_jax speculative decoding (chain K and dynamic trees),
+tokens/s side by side in one run, on the same held-out code prompts, plus the agreement of the greedy
+tokens with HF's.
+
+    python -m bench.peer                                    # bundled target + EAGLE-3.1 drafter
+    python -m bench.peer --target assets/target --drafter assets/drafter-eagle3.1 --n-prompts 8 \\
+        --max-new 128 --ks 5 --trees 8,5,48 --threads 2 --out bench/results/peer.json
+    python -m bench.peer --n-prompts 2 --max-new 16 --trees 4,3,12          # smoke test
+
+Timing: every engine is warmed up first (HF: one short generate; eagle_jax: one call per prompt-length
+bucket and configuration, so compilation is excluded), then each prompt is generated --repeats times and
+the best wall time around the call is summed (eagle_jax: the whole ``generate`` call including host-side
+preparation, not only its ``run_s``; HF: ``model.generate``); tok/s = generated tokens / summed time.
+Both engines load the same checkpoint in float32 and stop at the same eos ids (``--no-eos``: never).
+torch runs with ``--threads`` intra-op threads; XLA's CPU client uses the machine's cores.
+
+Prefill / decode split (``--no-split`` to skip): the same calls with max-new 1 give the prompt-processing
+time per prompt (eagle_jax pads prompts to power-of-two buckets, HF does not); decode tok/s = the
+remaining tokens / (full time - that time).
+
+Agreement: a row agrees when its tokens equal HF's exactly; ``prefix`` is the mean over prompts of the
+length of the common prefix / HF's length. float32 near-ties in the argmax can legitimately flip a
+token between two implementations and everything after it, so agreement below 1.0 is not by itself a
+bug; speculative vs eagle_jax plain (``same_as_plain`` in the JSON) should agree too, up to the same
+near-tie caveat (a verify block sums in a different order than one-token steps).
+Without the trained target it saves a random one in HF format to a temporary folder and compares on
+that (acceptance is then meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import eagle_jax
+from bench.common import (
+    BUNDLED_DRAFTERS,
+    BUNDLED_TARGET,
+    FALLBACK_TOKENIZER,
+    RANDOM_WARNING,
+    acceptance_stats,
+    drafter_label,
+    fit_prompts,
+    heldout_code_prompts,
+    load_tokenizer,
+    parse_tree,
+    print_table,
+    random_drafter,
+    random_pair,
+    spec_name,
+    stop_ids,
+    write_json,
+)
+from eagle_jax.config import SpecConfig
+from eagle_jax.generate import bucket
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict:
+    exact = [a == b for a, b in zip(ours, ref)]
+    prefix = []
+    for a, b in zip(ours, ref):
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        prefix.append(n / max(len(b), 1))
+    return {"exact_rows": int(sum(exact)), "rows": len(exact), "exact_fraction": float(np.mean(exact)),
+            "prefix_fraction": float(np.mean(prefix)), "per_row_prefix": prefix}
+
+
+def hf_generate(model, prompts: list[list[int]], max_new: int, repeats: int = 1):
+    """HF greedy generate per prompt; seconds = sum over prompts of the best of ``repeats`` calls."""
+    import torch
+
+    outs, total = [], 0.0
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids], dtype=torch.long)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new)
+                best = min(best, time.perf_counter() - t0)
+            total += best
+            outs.append(y[0, len(ids):].tolist())
+    return outs, total
+
+
+def jax_generate(target, drafter, prompts: list[list[int]], spec, max_new: int, eos, repeats: int = 1):
+    """Warm-up (compile) once per prompt bucket, then one timed call per prompt at batch 1.
+
+    Returns (tokens per prompt, wall seconds of the calls, compile seconds, accepted per round, the
+    calls' own ``run_s`` summed: the compiled program alone, without host-side preparation); per
+    prompt the best of ``repeats`` calls."""
+    kw = dict(max_new_tokens=max_new, spec=spec, eos_token_id=list(eos) or None)
+    compile_s = 0.0
+    seen = set()
+    for ids in prompts:
+        if bucket(len(ids)) not in seen:
+            seen.add(bucket(len(ids)))
+            compile_s += eagle_jax.generate(target, drafter, [ids], **kw).compile_s
+    outs, accepted, total, run_s = [], [], 0.0, 0.0
+    for ids in prompts:
+        best = (float("inf"), None)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            r = eagle_jax.generate(target, drafter, [ids], **kw)
+            best = min(best, (time.perf_counter() - t0, r), key=lambda x: x[0])
+        total += best[0]
+        r = best[1]
+        run_s += r.run_s
+        outs.append(r.tokens[0])
+        accepted += r.accepted
+    return outs, total, compile_s, accepted, run_s
+
+
+def split(prefill_s: float | None, total_s: float, tokens: int, rows: int) -> dict:
+    """Prefill (time of the same calls with max-new 1: prompt processing + first token) and the decode
+    rate of the remaining tokens from the full runs."""
+    if prefill_s is None:
+        return {}
+    decode_s = total_s - prefill_s
+    return {"prefill_s_per_prompt": prefill_s / rows,
+            "decode_tokens_per_s": (tokens - rows) / decode_s if decode_s > 0 else float("nan")}  # nan: timing noise
+
+
+def split_cells(run: dict) -> list[str]:
+    if "prefill_s_per_prompt" not in run:
+        return ["-", "-"]
+    return [f"{run['prefill_s_per_prompt'] * 1e3:.0f}", f"{run['decode_tokens_per_s']:.1f}"]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(BUNDLED_TARGET))
+    ap.add_argument("--drafter", default=BUNDLED_DRAFTERS[-1])
+    ap.add_argument("--ks", type=int, nargs="*", default=[5], help="chain depths")
+    ap.add_argument("--trees", nargs="*", default=["8,5,48"], help="top_k,depth,total_tokens")
+    ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--no-eos", action="store_true", help="ignore eos: every row runs max-new tokens")
+    ap.add_argument("--seed", type=int, default=0, help="prompt sampling")
+    ap.add_argument("--repeats", type=int, default=1, help="timed calls per prompt and engine; the best counts")
+    ap.add_argument("--no-split", dest="split", action="store_false",
+                    help="skip the prefill / decode split (extra max-new=1 runs of every engine)")
+    ap.add_argument("--out", default="bench/results/peer.json")
+    args = ap.parse_args(argv)
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    if load_before[0] > 0.5 * (os.cpu_count() or 1):
+        print(f"WARNING: load average {load_before[0]:.1f} on {os.cpu_count()} cores: other processes compete for the CPU, "
+              "timings (torch's OpenMP threads especially) will be noisy")
+    transformers.logging.set_verbosity_error()
+    tmp = None
+    target_dir = args.target
+    if Path(args.target).exists() and Path(args.drafter).exists():
+        target = eagle_jax.load_target(target_dir, dtype="float32")
+        drafter = eagle_jax.load_drafter(args.drafter, target, dtype="float32")
+        tokenizer = load_tokenizer(target_dir, target.config.vocab_size)
+        source = {"target": target_dir, "drafter": args.drafter, "random": False}
+        is_random = False
+    else:
+        print(RANDOM_WARNING.format(missing=", ".join(p for p in (args.target, args.drafter) if not Path(p).exists())))
+        tmp = tempfile.TemporaryDirectory()
+        target_dir = tmp.name
+        rand, _ = random_pair()
+        eagle_jax.save_target(rand, target_dir, dtype="float32")
+        if (FALLBACK_TOKENIZER / "tokenizer.json").exists():
+            for f in FALLBACK_TOKENIZER.iterdir():
+                shutil.copy(f, Path(target_dir) / f.name)
+        target = eagle_jax.load_target(target_dir, dtype="float32")  # through the real import path
+        drafter = random_drafter(target, eagle31=True)
+        tokenizer = load_tokenizer(target_dir, target.config.vocab_size)
+        source = {"target": "random 12x384 (saved as HF, float32)", "drafter": "random (acceptance meaningless)", "random": True}
+        is_random = True
+
+    eos = stop_ids(tokenizer, not args.no_eos)
+    prompts = fit_prompts(heldout_code_prompts(tokenizer, args.n_prompts, seed=args.seed, vocab_size=target.config.vocab_size),
+                          args.max_new, target.config.max_position_embeddings)
+    ids = [p["ids"] for p in prompts]
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    gc = hf.generation_config
+    gc.eos_token_id = list(eos) or None
+    gc.pad_token_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else (eos[0] if eos else 0))
+    gc.do_sample, gc.temperature, gc.top_k, gc.top_p = False, None, None, None
+    with torch.inference_mode():  # warm-up
+        x = torch.tensor([ids[0]], dtype=torch.long)
+        hf.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=4)
+    hf_tokens, hf_s = hf_generate(hf, ids, args.max_new, args.repeats)
+    hf_n = sum(len(t) for t in hf_tokens)
+    hf_prefill = hf_generate(hf, ids, 1, args.repeats + 1)[1] if args.split else None
+    results = {"models": source, "settings": {k: v for k, v in vars(args).items() if k != "out"}, "eos_ids": list(eos),
+               "torch_threads": torch.get_num_threads(), "prompts": [p["name"] for p in prompts],
+               "prompt_tokens": [len(i) for i in ids], "runs": []}
+    results["runs"].append({"engine": "transformers", "spec": None, "tokens": hf_n, "seconds": hf_s, "tokens_per_s": hf_n / hf_s,
+                            **split(hf_prefill, hf_s, hf_n, len(ids))})
+    rows = [[f"transformers {transformers.__version__} (torch {torch.__version__})", "none", f"{hf_n / hf_s:.1f}", "1.00x", "-", "-", "-", "-",
+             *split_cells(results["runs"][-1])]]
+
+    specs = [None] + [SpecConfig(num_speculative_tokens=k) for k in args.ks] + [parse_tree(t) for t in args.trees]
+    plain_tokens = plain_tps = None
+    for spec in specs:
+        toks, secs, compile_s, accepted, program_s = jax_generate(target, None if spec is None else drafter, ids, spec, args.max_new, eos, args.repeats)
+        n = sum(len(t) for t in toks)
+        tps = n / secs
+        prefill = jax_generate(target, None if spec is None else drafter, ids, spec, 1, eos, args.repeats + 1)[1] if args.split else None
+        agree = agreement(toks, hf_tokens)
+        run = {"engine": "eagle_jax", "spec": spec_name(spec), "tokens": n, "seconds": secs, "tokens_per_s": tps,
+               "speedup_vs_hf": tps / (hf_n / hf_s), "compile_s": compile_s,
+               "program_seconds": program_s, "host_overhead_s": secs - program_s, **split(prefill, secs, n, len(ids)), "agreement_with_hf": agree}
+        if spec is None:
+            plain_tokens, plain_tps = toks, tps
+            al = "-"
+        else:
+            st = acceptance_stats(accepted, spec.max_emitted - 1)
+            run.update(acceptance_length=st["al_pooled"], position_acceptance=st["position_acceptance"],
+                       speedup_vs_plain=tps / plain_tps, same_as_plain=agreement(toks, plain_tokens))
+            al = f"{st['al_pooled']:.2f}"
+        results["runs"].append(run)
+        rows.append(["eagle_jax" + ("" if spec is None else f" + {drafter_label(drafter)}"), spec_name(spec),
+                     f"{tps:.1f}", f"{run['speedup_vs_hf']:.2f}x", "1.00x" if spec is None else f"{run['speedup_vs_plain']:.2f}x", al,
+                     f"{agree['exact_rows']}/{agree['rows']}", f"{agree['prefix_fraction']:.3f}", *split_cells(run)])
+        print(f"  eagle_jax {spec_name(spec)}: {tps:.1f} tok/s", flush=True)
+    print()
+    if is_random:
+        print("(random models: acceptance meaningless)")
+    print(f"batch 1, {len(ids)} prompts, up to {args.max_new} new tokens, float32 on CPU, torch threads {torch.get_num_threads()}")
+    print_table(["engine", "speculation", "tok/s", "vs HF", "vs plain", "AL", "rows = HF", "HF prefix agreement", "prefill ms", "decode tok/s"], rows)
+    results["load_average_before_after"] = [load_before, os.getloadavg()]
+    results["cpu_count"] = os.cpu_count()
+    write_json(args.out, results)
+    if tmp is not None:
+        tmp.cleanup()
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -29,18 +29,21 @@ from eagle_jax.generate import bucket
 from bench.common import load_pair_or_random, print_table, write_json
 
 
-def _timed(fn, *args, repeats: int = 3) -> float:
-    """Best wall time of ``fn(*args)`` after one warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _timed_interleaved(calls: dict, repeats: int = 9) -> dict:
+    """Median wall time of each ``fn(*args)``, the calls interleaved so drifts of the machine's speed hit
+    all of them alike (one warm-up call each compiles)."""
+    for fn, args in calls.values():
         jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
+    times: dict = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, (fn, args) in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, rounds: int = 16) -> dict:
+def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, rounds: int = 48) -> dict:
     """Seconds per drafter step, per verification and per whole round, each inside a jitted loop."""
     plan = Plan(batch, bucket(prompt_len), rounds * spec.max_emitted + 8, spec, SamplingParams(), ())
     t_graph, t_state = nnx.split(target)
@@ -59,17 +62,22 @@ def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, 
     def loop(ts, ds, st):
         return run_rounds(nnx.merge(t_graph, ts), nnx.merge(d_graph, ds), plan, st, jnp.int32(rounds)).rounds
 
+    # A chain step drafts 1 token per row; a tree expansion runs top_k frontier nodes at once.
+    nodes = 1 if spec.method == "chain" else spec.tree_top_k
+
     @jax.jit
     def draft_steps(ds, st):
         drf = nnx.merge(d_graph, ds)
 
         def body(i, carry):
             feat, tok, cache = carry
-            pos = (st.length + i)[:, None]
-            normed, f, cache = drf.layer(feat[:, None], tok[:, None], pos, causal_cache_mask(pos, plan.cache_len, None), cache, st.length + i)
-            return f[:, 0], jnp.argmax(drf.lm_head(normed[:, 0]), -1).astype(jnp.int32), cache
+            pos = jnp.broadcast_to((st.length + i)[:, None], (batch, nodes))
+            normed, f, cache = drf.layer(feat, tok, pos, causal_cache_mask(pos, plan.cache_len, None), cache, st.length + i)
+            _, ids = jax.lax.top_k(drf.lm_head(normed), nodes)
+            return f, drf.draft_to_target(ids[..., 0]), cache
 
-        return jax.lax.fori_loop(0, rounds, body, (st.d_feat, st.pending, st.d_cache))[1]
+        init = (jnp.broadcast_to(st.d_feat[:, None], (batch, nodes, st.d_feat.shape[-1])), jnp.broadcast_to(st.pending[:, None], (batch, nodes)), st.d_cache)
+        return jax.lax.fori_loop(0, rounds, body, init)[1]
 
     width = spec.verify_width
 
@@ -82,13 +90,13 @@ def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, 
             pos = st.length[:, None] + jnp.arange(width)[None, :]
             block = jnp.broadcast_to(tok[:, None], (batch, width))
             h, _, cache = tgt.forward(block, pos, causal_cache_mask(pos, plan.cache_len, None), cache, st.length)
-            return jnp.argmax(tgt.logits(h[:, -1]), -1).astype(jnp.int32), cache
+            # Verification needs the target's prediction at every verified position.
+            return jnp.argmax(tgt.logits(h), -1).astype(jnp.int32)[:, -1], cache
 
         return jax.lax.fori_loop(0, rounds, body, (st.pending, st.t_cache))[0]
 
-    t_round = _timed(loop, t_state, d_state, st) / rounds
-    t_draft = _timed(draft_steps, d_state, st) / rounds
-    t_verify = _timed(verifies, t_state, st) / rounds
+    t = _timed_interleaved({"round": (loop, (t_state, d_state, st)), "draft": (draft_steps, (d_state, st)), "verify": (verifies, (t_state, st))})
+    t_round, t_draft, t_verify = t["round"] / rounds, t["draft"] / rounds, t["verify"] / rounds
     # A chain round runs K drafter forwards (K-1 single steps + the extend block); a tree round
     # runs depth-1 expansions of top_k nodes plus the extend block.
     steps = spec.num_speculative_tokens if spec.method == "chain" else spec.tree_depth
@@ -107,6 +115,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--prompts", help="JSONL with 'prompt' fields (text, needs a tokenizer) for real acceptance")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--split-only", action="store_true", help="only the round time split")
     ap.add_argument("--out", default="bench/results/speed.json")
     args = ap.parse_args(argv)
 
@@ -116,7 +125,7 @@ def main(argv=None) -> dict:
         k, d, n = (int(x) for x in t.split(","))
         specs.append(SpecConfig(method="tree", tree_top_k=k, tree_depth=d, tree_total_tokens=n))
     rows, results = [], {"models": source, "runs": [], "round_split": []}
-    for b in args.batch:
+    for b in [] if args.split_only else args.batch:
         batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
         kw = dict(max_new_tokens=args.max_new, temperature=args.temperature)
         first = eagle_jax.generate(target, None, batch_prompts, **kw)
@@ -133,7 +142,8 @@ def main(argv=None) -> dict:
                 {"batch": b, "spec": name, "acceptance_length": r.acceptance_length, "position_acceptance": r.position_acceptance,
                  "tokens_per_s": r.tokens_per_s, "speedup": speedup, "compile_s": first.compile_s}
             )
-    print_table(["batch", "speculation", "AL", "tok/s", "speedup", "compile s"], rows)
+    if rows:
+        print_table(["batch", "speculation", "AL", "tok/s", "speedup", "compile s"], rows)
     split_rows = []
     for spec in specs:
         s = round_split(target, drafter, spec, 1, args.prompt_len)

@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
         first = eagle_jax.generate(target, None, batch_prompts, **kw)
         base = eagle_jax.generate(target, None, batch_prompts, **kw)
         rows.append([b, "none", "-", f"{base.tokens_per_s:.1f}", "1.00x", f"{first.compile_s:.1f}"])
-        results["runs"].append({"batch": b, "spec": None, "tokens_per_s": base.tokens_per_s, "speedup": 1.0})
+        results["runs"].append({"batch": b, "spec": None, "tokens_per_s": base.tokens_per_s, "speedup": 1.0, "compile_s": first.compile_s})
         for spec in specs:
             first = eagle_jax.generate(target, drafter, batch_prompts, spec=spec, **kw)
             r = eagle_jax.generate(target, drafter, batch_prompts, spec=spec, **kw)

@@ -1,6 +1,7 @@
 """Pretrain the bundled tiny code target on the standard library's Python source.
 
     python -m train.pretrain_target --out runs/target --export assets/target [--steps N] [--seq-len T]
+        [--long-steps N --long-seq-len 2048]
 
 Builds the corpus manifest and tokenizer first if missing (``python -m train.build_data``), resumes
 from ``<out>/ckpt`` if present, and at the end exports an HF directory (config.json,
@@ -59,6 +60,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-len", type=int, default=PretrainConfig.seq_len)
     ap.add_argument("--lr", type=float, default=PretrainConfig.lr)
     ap.add_argument("--save-every", type=int, default=PretrainConfig.save_every)
+    ap.add_argument("--long-steps", type=int, default=0, help="train the last N steps on --long-seq-len windows")
+    ap.add_argument("--long-seq-len", type=int, default=2048)
     args = ap.parse_args(argv)
     if not DATA.exists() or not (TOKENIZER / "tokenizer.json").exists():
         from train.build_data import main as build_data
@@ -72,7 +75,8 @@ def main(argv=None) -> None:
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     config = target_config(len(tok), tok.bos_token_id, tok.eos_token_id)
-    cfg = PretrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, save_every=args.save_every)
+    cfg = PretrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, save_every=args.save_every,
+                         long_steps=args.long_steps, long_seq_len=args.long_seq_len)
     target = pretrain(config, stream, heldout, cfg, out)
     from eagle_jax.checkpoint.hf_target import save_target
 

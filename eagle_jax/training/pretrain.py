@@ -37,6 +37,16 @@ class PretrainConfig:
     clip: float = 1.0
     seed: int = 0
     save_every: int = 200
+    # The last ``long_steps`` steps train on windows of ``long_seq_len`` (same tokens per step, smaller
+    # batch): cheap on CPU, where attention cost grows with T, yet the model learns the full context.
+    long_steps: int = 0
+    long_seq_len: int = 0
+
+    def shape_at(self, step: int) -> tuple[int, int]:
+        """(batch, seq_len) of the step with 0-based index ``step``."""
+        if self.long_steps and step >= self.steps - self.long_steps:
+            return max(1, self.batch * self.seq_len // self.long_seq_len), self.long_seq_len
+        return self.batch, self.seq_len
 
 
 def lm_loss(target: Target, tokens: jax.Array) -> jax.Array:
@@ -64,11 +74,14 @@ def pretrain(
     out_dir: str | Path,
     on_save: Callable[[Path], None] | None = None,
 ) -> Target:
-    """Trains from scratch or resumes from ``out_dir/ckpt`` (params + optimiser state + step + RNG).
+    """Trains from scratch or resumes from ``out_dir/ckpt`` (params, optimiser state, step; the data order is a function of the step).
 
     Every ``save_every`` steps: an HF checkpoint of the params (bf16 for the final export is the
     caller's choice) plus the optimiser state, written atomically, and a JSONL log line.
     """
+    if cfg.long_steps and (not 0 < cfg.long_steps <= cfg.steps or cfg.long_seq_len > config.max_position_embeddings):
+        raise ValueError(f"long phase ({cfg.long_steps} steps at {cfg.long_seq_len} tokens) must fit in {cfg.steps} "
+                         f"steps and max_position_embeddings {config.max_position_embeddings}")
     out_dir = Path(out_dir)
     ckpt = out_dir / "ckpt"
     log = out_dir / "pretrain_log.jsonl"
@@ -79,13 +92,12 @@ def pretrain(
         graph, params = nnx.split(target, nnx.Param)
         meta = json.loads((ckpt / "train_state.json").read_text())
         step = meta["step"]
-        rng = np.random.default_rng([cfg.seed, step])
         opt_state = _load_opt_state(ckpt / "opt_state.npz", opt.init(params))
         print(f"resumed at step {step}")
     else:
         target = Target(config, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
         graph, params = nnx.split(target, nnx.Param)
-        step, rng, opt_state = 0, np.random.default_rng([cfg.seed, 0]), opt.init(params)
+        step, opt_state = 0, opt.init(params)
 
     @jax.jit
     def train_step(params, opt_state, tokens):
@@ -94,7 +106,7 @@ def pretrain(
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     @jax.jit
     def eval_loss(params, tokens):
@@ -102,21 +114,28 @@ def pretrain(
 
     eval_rng = np.random.default_rng(12345)
     eval_batch = jnp.asarray(sample_windows(heldout, 8, cfg.seq_len, eval_rng))
+    if cfg.long_steps:
+        eval_long = jnp.asarray(sample_windows(heldout, 2, cfg.long_seq_len, eval_rng))
     t0, tokens_done = time.perf_counter(), 0
     while step < cfg.steps:
-        batch = jnp.asarray(sample_windows(stream, cfg.batch, cfg.seq_len, rng))
+        b, t = cfg.shape_at(step)
+        # Windows drawn from a generator keyed by the step: a resumed run sees the same data.
+        batch = jnp.asarray(sample_windows(stream, b, t, np.random.default_rng([cfg.seed, step])))
         params, opt_state, loss, gnorm = train_step(params, opt_state, batch)
         step += 1
-        tokens_done += cfg.batch * cfg.seq_len
+        tokens_done += b * t
         if step % 20 == 0 or step == cfg.steps:
             rate = tokens_done / (time.perf_counter() - t0)
             print(f"step {step}/{cfg.steps} loss {float(loss):.3f} gnorm {float(gnorm):.2f} {rate:.0f} tok/s", flush=True)
         if step % cfg.save_every == 0 or step == cfg.steps:
             ev = float(eval_loss(params, eval_batch))
+            record = {"step": step, "seq_len": t, "loss": float(loss), "heldout_loss": ev, "heldout_ppl": math.exp(ev)}
+            if cfg.long_steps and step > cfg.steps - cfg.long_steps:
+                record[f"heldout_loss_{cfg.long_seq_len}"] = float(eval_loss(params, eval_long))
             target = nnx.merge(graph, params)
             _save(target, opt_state, step, ckpt)
             with open(log, "a") as f:
-                f.write(json.dumps({"step": step, "loss": float(loss), "heldout_loss": ev, "heldout_ppl": math.exp(ev)}) + "\n")
+                f.write(json.dumps(record) + "\n")
             print(f"step {step}: heldout loss {ev:.3f} (ppl {math.exp(ev):.1f}); saved", flush=True)
             if on_save:
                 on_save(ckpt)

@@ -1,0 +1,74 @@
+"""End to end on the bundled trained pair (assets/): the checkpoints load through the public API, greedy
+speculation reproduces the target's own greedy output token for token, and the trained drafters reach
+the acceptance length measured for them (BENCHMARKS.md) on a fixed held-out sample.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import eagle_jax
+from eagle_jax.config import SpecConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = ROOT / "assets/target"
+DRAFTERS = {"eagle3": ROOT / "assets/drafter-eagle3", "eagle3.1": ROOT / "assets/drafter-eagle3.1"}
+MANIFEST = ROOT / "assets/data/manifest.json"
+
+# Floors sit below the measured held-out AL (BENCHMARKS.md, chain K=5, greedy, this sample) by a margin
+# for CPU/BLAS numeric differences; the issue's floor is 2.5.
+AL_FLOOR = {"eagle3": 2.5, "eagle3.1": 2.5}
+N_PROMPTS, MAX_NEW = 6, 64
+
+pytestmark = pytest.mark.skipif(
+    not all((d / "model.safetensors").exists() for d in (TARGET, *DRAFTERS.values())),
+    reason="bundled pair not built (python -m train.pretrain_target && python -m train.bundle)",
+)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from transformers import AutoTokenizer
+
+    from eagle_jax.training.corpus import code_prompts, load_corpus
+
+    target = eagle_jax.load_target(TARGET, dtype="float32")
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    picked = code_prompts(load_corpus(MANIFEST, "heldout"), N_PROMPTS, seed=0, min_chars=200, max_chars=1200)
+    prompts = [tok.encode(p["prompt"], add_special_tokens=False) for p in picked]
+    plain = eagle_jax.generate(target, None, prompts, max_new_tokens=MAX_NEW)
+    return target, prompts, plain
+
+
+def test_target_loads_in_transformers_with_same_logits(pair):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaForCausalLM
+
+    target, prompts, _ = pair
+    hf = LlamaForCausalLM.from_pretrained(TARGET, torch_dtype=torch.float32).eval()
+    ids = np.asarray(prompts[0][:96])[None]
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids)).logits.numpy()
+    ours = np.asarray(target(ids)[0])
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_greedy_speculation_equals_plain_and_meets_al_floor(pair, name):
+    target, prompts, plain = pair
+    drafter = eagle_jax.load_drafter(DRAFTERS[name], target, dtype="float32")
+    assert drafter.config.draft_vocab_size < target.config.vocab_size  # d2t is exercised
+    res = eagle_jax.generate(target, drafter, prompts, spec=SpecConfig(num_speculative_tokens=5), max_new_tokens=MAX_NEW)
+    assert res.tokens == plain.tokens
+    assert res.acceptance_length >= AL_FLOOR[name], f"{name}: AL {res.acceptance_length:.2f} < floor {AL_FLOOR[name]}"
+
+
+def test_tree_greedy_equals_plain(pair):
+    target, prompts, plain = pair
+    drafter = eagle_jax.load_drafter(DRAFTERS["eagle3.1"], target, dtype="float32")
+    res = eagle_jax.generate(target, drafter, prompts[:3], spec=SpecConfig(method="tree"), max_new_tokens=MAX_NEW)
+    assert res.tokens == plain.tokens[:3]
+    assert res.acceptance_length >= AL_FLOOR["eagle3.1"]

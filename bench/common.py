@@ -47,6 +47,8 @@ def load_pair_or_random(target_dir: str | None, drafter_dir: str | None, prompts
     if prompts_file and tokenizer is not None:
         rows = [json.loads(line) for line in Path(prompts_file).read_text().splitlines() if line.strip()]
         prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False)[-prompt_len:] for r in rows]
+    elif tokenizer is not None:  # held-out code, the last prompt_len tokens up to a def/class header
+        prompts = [p["ids"][-prompt_len:] for p in heldout_code_prompts(tokenizer, 16, min_chars=4 * prompt_len)]
     else:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(10, target.config.vocab_size, prompt_len).tolist() for _ in range(16)]

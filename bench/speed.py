@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--trees", nargs="*", default=["8,5,48"], help="top_k,depth,total_tokens")
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--prompt-len", type=int, default=100)
-    ap.add_argument("--prompts", help="JSONL with 'prompt' fields (text, needs a tokenizer) for real acceptance")
+    ap.add_argument("--prompts", help="JSONL with 'prompt' fields (default: held-out code prompts with the bundled pair)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--split-only", action="store_true", help="only the round time split")
     ap.add_argument("--out", default="bench/results/speed.json")

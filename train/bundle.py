@@ -1,6 +1,6 @@
 """Build the bundled drafters for the bundled target (after ``python -m train.pretrain_target``).
 
-    python -m train.bundle [--target assets/target] [--prompts 1200] [--steps 400]
+    python -m train.bundle [--target assets/target] [--prompts 640] [--steps 240]
 
 Stages, each skipped when its output exists (rerun the command to resume after a cut-off):
 1. completion prompts from the corpus's TRAIN split (``code_prompts``), and the target's own greedy
@@ -33,7 +33,7 @@ def regenerate(target_dir: Path, n_prompts: int, max_new: int, batch: int) -> Pa
     """The target's greedy continuations of train-split code prompts, resumable by record count."""
     out = WORK / "regen.jsonl"
     tok = AutoTokenizer.from_pretrained(target_dir)
-    prompts = [p["prompt"] for p in code_prompts(load_corpus(MANIFEST, "train"), n_prompts, seed=1, min_chars=200, max_chars=1200)]
+    prompts = [p["prompt"] for p in code_prompts(load_corpus(MANIFEST, "train"), n_prompts, seed=1, min_chars=200, max_chars=800)]
     done = sum(1 for _ in open(out)) if out.exists() else 0
     if done >= len(prompts):
         return out
@@ -71,7 +71,7 @@ def train_drafter(name: str, flags: dict, target_dir: Path, data: Path, vmap: Pa
         f"run_dir={WORK / name}", f"target.path={target_dir}", f"data.path={data}", "data.max_length=1024",
         "data.batching=bucket", f"drafter.draft_vocab_size={DRAFT_VOCAB}", f"drafter.vocab_map={vmap}",
         f"drafter.fc_norm={str(flags['fc_norm']).lower()}", f"drafter.norm_output={str(flags['norm_output']).lower()}",
-        f"train.steps={steps}", "train.batch_size=8", "train.lr=2e-3", "train.warmup_ratio=0.05", "train.min_lr_ratio=0.05",
+        f"train.steps={steps}", "train.batch_size=4", "train.lr=2e-3", "train.warmup_ratio=0.05", "train.min_lr_ratio=0.05",
         "train.ttt_length=6", f"export.dir={export}", "export.dtype=bfloat16", "checkpoint.every=50", "checkpoint.keep=2",
         "log.every=10",
     ]
@@ -82,10 +82,10 @@ def train_drafter(name: str, flags: dict, target_dir: Path, data: Path, vmap: Pa
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="assets/target")
-    ap.add_argument("--prompts", type=int, default=1200)
-    ap.add_argument("--max-new", type=int, default=192)
+    ap.add_argument("--prompts", type=int, default=640)
+    ap.add_argument("--max-new", type=int, default=160)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--only", choices=["eagle3", "eagle3.1"], help="train one drafter (run the two in parallel)")
     args = ap.parse_args(argv)
     target_dir = Path(args.target)

@@ -20,8 +20,17 @@ from eagle_jax.config import SpecConfig
 
 BUNDLED_TARGET = Path("assets/target")
 BUNDLED_DRAFTER = Path("assets/drafter-eagle3.1")
-DEFAULT_PROMPT = '''def fibonacci(n):
-    """Return the n-th Fibonacci number."""
+DEFAULT_PROMPT = '''import re
+
+
+class Tokenizer:
+    """Split a string into tokens."""
+
+    def __init__(self, text):
+        self.text = text
+        self.pos = 0
+
+    def next(self):
 '''
 
 

@@ -18,9 +18,9 @@ TARGET = ROOT / "assets/target"
 DRAFTERS = {"eagle3": ROOT / "assets/drafter-eagle3", "eagle3.1": ROOT / "assets/drafter-eagle3.1"}
 MANIFEST = ROOT / "assets/data/manifest.json"
 
-# Floors sit below the measured held-out AL (BENCHMARKS.md, chain K=5, greedy, this sample) by a margin
-# for CPU/BLAS numeric differences; the floor is 2.5.
-AL_FLOOR = {"eagle3": 2.5, "eagle3.1": 2.5}
+# Measured on this sample (chain K=5, greedy): EAGLE-3 3.71, EAGLE-3.1 4.55 (tree 8/5/48: 4.35, 4.73).
+# The floors leave ~0.5 for float differences between CPUs flipping a near-tie; never below 2.5.
+AL_FLOOR = {"eagle3": 3.2, "eagle3.1": 4.0}
 N_PROMPTS, MAX_NEW = 6, 64
 
 pytestmark = pytest.mark.skipif(
@@ -66,9 +66,17 @@ def test_greedy_speculation_equals_plain_and_meets_al_floor(pair, name):
     assert res.acceptance_length >= AL_FLOOR[name], f"{name}: AL {res.acceptance_length:.2f} < floor {AL_FLOOR[name]}"
 
 
-def test_tree_greedy_equals_plain(pair):
+def test_tree_greedy_equals_plain_and_a_one_wide_tree_is_the_chain(pair):
     target, prompts, plain = pair
     drafter = eagle_jax.load_drafter(DRAFTERS["eagle3.1"], target, dtype="float32")
-    res = eagle_jax.generate(target, drafter, prompts[:3], spec=SpecConfig(method="tree"), max_new_tokens=MAX_NEW)
-    assert res.tokens == plain.tokens[:3]
-    assert res.acceptance_length >= AL_FLOOR["eagle3.1"]
+    rows = prompts[:3]
+    tree = eagle_jax.generate(target, drafter, rows, spec=SpecConfig(method="tree"), max_new_tokens=MAX_NEW)
+    assert tree.tokens == plain.tokens[:3]
+    assert tree.acceptance_length >= AL_FLOOR["eagle3.1"]
+    # A tree with one child per node and depth K drafts exactly the chain's K tokens: with a trained
+    # drafter (not only a hand-built one) it must accept the same number in every round.
+    spec_of = {"chain": SpecConfig(num_speculative_tokens=4),
+               "tree": SpecConfig(method="tree", tree_top_k=1, tree_depth=4, tree_total_tokens=5)}
+    runs = {n: eagle_jax.generate(target, drafter, rows, spec=s, max_new_tokens=MAX_NEW) for n, s in spec_of.items()}
+    assert runs["tree"].accepted == runs["chain"].accepted
+    assert runs["tree"].tokens == plain.tokens[:3]

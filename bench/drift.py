@@ -38,6 +38,7 @@ from bench.common import (
     fmt_al,
     heldout_code_prompts,
     load_models,
+    mean_ci95,
     print_table,
     pyplot,
     run_batched,
@@ -191,6 +192,8 @@ def main(argv=None) -> dict:
             ctx_rows.append([dname, L, st["prompts"], fmt_al(st), f"{st['al_pooled']:.2f}", " ".join(f"{p:.2f}" for p in st["position_acceptance"])])
             print(f"  context {L} | {dname}: AL {fmt_al(st)}", flush=True)
 
+    diff_rows = paired_differences(results, contexts)
+
     ood_rows = []
     if args.ood_tokens:
         prefix = license_prefix(tokenizer, args.ood_tokens, vocab, args.seed)
@@ -214,6 +217,10 @@ def main(argv=None) -> dict:
         print("(random models: acceptance meaningless)")
     print(f"AL vs context length (greedy, chain K={args.k}, {args.max_new} new tokens)")
     print_table(["drafter", "context", "prompts", "AL (95% CI)", "AL pooled", f"pos acceptance 1..{args.k}"], ctx_rows)
+    if diff_rows:
+        print()
+        print("Paired difference per context (same prompts): AL(second drafter) - AL(first), 95% t-interval")
+        print_table(["drafters", "context", "prompts", "mean diff (95% CI)", "prompts where second > / = / < first"], diff_rows)
     if ood_rows:
         print()
         print(f"Out-of-distribution prefix: {results['ood_prefix_tokens']} tokens of licence text as # comments")
@@ -223,6 +230,25 @@ def main(argv=None) -> dict:
     plot_context(results, plot_dir / "drift_context.png", args.k)
     plot_position(results, plot_dir / "drift_position.png", args.k)
     return results
+
+
+def paired_differences(results: dict, contexts: list[int]) -> list[list]:
+    """With two drafters: per context, the per-prompt AL difference (second - first) on the same prompts,
+    its mean and 95% t-interval (paired, so prompt difficulty cancels), stored under results["paired"]."""
+    names = list(dict.fromkeys(r["drafter"] for r in results["context"]))
+    if len(names) != 2:
+        return []
+    rows, results["paired"] = [], []
+    for L in contexts:
+        a, b = (next(r for r in results["context"] if r["drafter"] == n and r["context"] == L)["per_prompt_al"] for n in names)
+        d = [y - x for x, y in zip(a, b) if x is not None and y is not None]
+        mean, half = mean_ci95(d)
+        wins = (sum(v > 0 for v in d), sum(v == 0 for v in d), sum(v < 0 for v in d))
+        results["paired"].append({"first": names[0], "second": names[1], "context": L, "diff_mean": mean, "diff_ci95": half,
+                                  "second_better_equal_worse": wins})
+        rows.append([f"{names[1]} - {names[0]}", L, len(d), f"{mean:+.2f}" + ("" if np.isnan(half) else f" ± {half:.2f}"),
+                     " / ".join(map(str, wins))])
+    return rows
 
 
 def plot_context(results: dict, path: Path, k: int) -> None:

@@ -23,8 +23,8 @@ from flax import nnx
 
 import eagle_jax
 from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
-from eagle_jax.decoding.engine import Plan, causal_cache_mask, prefill, run_rounds
-from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.decoding.engine import Plan, causal_cache_mask, run_rounds, start
+from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.generate import bucket
 from bench.common import load_pair_or_random, print_table, write_json
 
@@ -45,18 +45,20 @@ def _timed_interleaved(calls: dict, repeats: int = 9) -> dict:
 
 def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, rounds: int = 48) -> dict:
     """Seconds per drafter step, per verification and per whole round, each inside a jitted loop."""
-    plan = Plan(batch, bucket(prompt_len), rounds * spec.max_emitted + 8, spec, SamplingParams(), ())
+    plen = bucket(prompt_len)
+    plan = Plan.one_shot(batch, plen, rounds * spec.max_emitted + 8, spec, True, ())
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter)
     rng = np.random.default_rng(0)
-    prompt = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, plan.prompt_len)), jnp.int32)
+    prompt = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, plen)), jnp.int32)
     lens = jnp.full((batch,), prompt_len, jnp.int32)
 
     @jax.jit
-    def start(ts, ds):
-        return prefill(nnx.merge(t_graph, ts), nnx.merge(d_graph, ds), plan, prompt, lens, jax.random.key(0))
+    def begin(ts, ds):
+        return start(nnx.merge(t_graph, ts), nnx.merge(d_graph, ds), plan, prompt, lens, RowSampling.fill(SamplingParams(), batch),
+                     jax.random.key(0), plan.max_rounds)
 
-    st = start(t_state, d_state)
+    st = begin(t_state, d_state)
 
     @jax.jit
     def loop(ts, ds, st):

@@ -12,8 +12,8 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig
-from eagle_jax.decoding.engine import Plan, prefill, run_rounds
-from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.decoding.engine import Plan, run_rounds, start
+from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 
@@ -128,27 +128,28 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
             raise ConfigError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {target.config.vocab_size})")
         ids.append(p)
     spec_cfg = None if drafter is None else SpecConfig.parse(spec)
-    plan = Plan(
+    sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
+    plan = Plan.one_shot(
         batch=len(ids),
         prompt_len=bucket(max(len(p) for p in ids)),
         max_new=int(max_new_tokens),
         spec=spec_cfg,
-        sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
+        greedy=sampling.greedy,
         eos_ids=_eos_ids(eos_token_id, tokenizer),
         mesh=mesh,
     )
     longest = max(len(p) for p in ids)
     limit = target.config.max_position_embeddings
-    if longest + plan.max_new > limit:
+    if longest + max_new_tokens > limit:
         raise ConfigError(
-            f"prompt of {longest} tokens + max_new_tokens={plan.max_new} exceeds the target's "
+            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the target's "
             f"max_position_embeddings={limit}"
         )
-    prompt = np.zeros((plan.batch, plan.prompt_len), np.int32)
+    prompt = np.zeros((plan.batch, bucket(longest)), np.int32)
     for i, p in enumerate(ids):
         prompt[i, : len(p)] = p
     lens = np.array([len(p) for p in ids], np.int32)
-    return plan, jnp.asarray(prompt), jnp.asarray(lens)
+    return plan, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch)
 
 
 def _split(module):
@@ -193,7 +194,7 @@ def generate(
     keeps the target's distribution (temperature / top_k / top_p). Prompts are padded to length buckets
     so new lengths reuse compiled programs. ``mesh``: run tensor-parallel over the mesh's ``model`` axis.
     """
-    plan, prompt, lens = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh)
+    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
     if mesh is not None:
@@ -204,13 +205,13 @@ def generate(
         t_state = shard_tree(t_state, mesh)
         d_state = None if d_state is None else shard_tree(d_state, mesh)
 
-    def program(t_state, d_state, prompt, lens, key):
+    def program(t_state, d_state, prompt, lens, rs, key):
         tgt = nnx.merge(t_graph, t_state)
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
-        st = prefill(tgt, drf, plan, prompt, lens, key)
+        st = start(tgt, drf, plan, prompt, lens, rs, key, plan.max_rounds)
         return run_rounds(tgt, drf, plan, st, jnp.int32(plan.max_rounds))
 
-    args = (t_state, d_state, prompt, lens, jax.random.key(seed))
+    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed))
     compiled, compile_s = _PROGRAMS.get("generate", t_graph, d_graph, plan, args, program)
     t0 = time.perf_counter()
     state = compiled(*args)
@@ -237,20 +238,20 @@ def generate_stream(
     """The same loop run in chunks of ``rounds_per_chunk`` rounds; yields each row's new tokens per chunk."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
-    plan, prompt, lens = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer)
+    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
 
-    def start(t_state, d_state, prompt, lens, key):
+    def begin(t_state, d_state, prompt, lens, rs, key):
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
-        return prefill(nnx.merge(t_graph, t_state), drf, plan, prompt, lens, key)
+        return start(nnx.merge(t_graph, t_state), drf, plan, prompt, lens, rs, key, plan.max_rounds)
 
     def chunk(t_state, d_state, st, limit):
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
         return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit)
 
-    args = (t_state, d_state, prompt, lens, jax.random.key(seed))
-    start_c, _ = _PROGRAMS.get("stream_start", t_graph, d_graph, plan, args, start)
+    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed))
+    start_c, _ = _PROGRAMS.get("stream_start", t_graph, d_graph, plan, args, begin)
     st = start_c(*args)
     chunk_args = (t_state, d_state, st, jnp.int32(0))
     chunk_c, _ = _PROGRAMS.get("stream_chunk", t_graph, d_graph, plan, chunk_args, chunk)

@@ -19,7 +19,7 @@ from flax import nnx
 
 import eagle_jax
 from eagle_jax import ConfigError, Drafter, SpecConfig
-from eagle_jax.decoding.engine import one_round, prefill
+from eagle_jax.decoding.engine import one_round, start
 from eagle_jax.generate import _prepare
 
 from engine_models import drafter_config, markov_drafter, markov_target, random_pair, target_config
@@ -255,10 +255,10 @@ def _check_invariant(recompute, prompts, st, atol=2e-5):
 def test_caches_equal_recompute_after_each_round(markov, recompute, spec, temperature):
     """prefill + 4 rounds by hand (jitted over nnx.split states); the invariant holds after each."""
     target, drafter = markov[0], markov[1]
-    plan, prompt, lens = _prepare(target, drafter, PROMPTS, MAX_NEW, temperature, 0, 1.0, spec, None, None)
+    plan, prompt, lens, rs = _prepare(target, drafter, PROMPTS, MAX_NEW, temperature, 0, 1.0, spec, None, None)
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(drafter)
-    pre = jax.jit(lambda ts, ds, prompt, lens, key: prefill(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, prompt, lens, key))
+    pre = jax.jit(lambda ts, ds, prompt, lens, key: start(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, prompt, lens, rs, key, MAX_NEW))
     step = jax.jit(lambda ts, ds, st: one_round(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, st))
     st = pre(ts, ds, prompt, lens, jax.random.key(7))
     _check_invariant(recompute, PROMPTS, st)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle_jax.config import SpecConfig
-from eagle_jax.decoding.sampling import SamplingParams, accept_chain, draft_probs, sample, target_probs
+from eagle_jax.decoding.sampling import RowSampling, accept_chain, draft_probs, sample, split_rows, target_probs
 from eagle_jax.decoding.state import LoopState, emit
 from eagle_jax.decoding.tree import TreeShape, accept as accept_tree, grow, verify_mask
 from eagle_jax.modeling.drafter import Drafter
@@ -24,17 +24,39 @@ from eagle_jax.modeling.target import KVCache, Target, window_mask
 Array = jax.Array
 
 
+def scratch_slots(spec: SpecConfig | None) -> int:
+    """Cache slots a round writes past a row's committed length."""
+    if spec is None:
+        return 1
+    scratch = max(spec.verify_width, spec.max_emitted)
+    if spec.method == "tree":
+        scratch = max(scratch, (spec.tree_depth - 1) * spec.tree_top_k)
+    return scratch
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Static shape of one compiled program."""
+    """Static shape of one compiled program.
+
+    ``spec`` None with a drafter: rounds verify no drafts (one target token each) but still feed the
+    drafter, so a later program with drafts can take over the same state (the serving engine switches
+    speculation depth with the number of active slots).
+    """
 
     batch: int
-    prompt_len: int  # bucketed (padded) prompt length
-    max_new: int
-    spec: SpecConfig | None  # None: plain decoding
-    sampling: SamplingParams
+    cache_len: int  # allocated cache slots per row
+    max_rounds: int  # rounds one run of the program may take
+    spec: SpecConfig | None
+    greedy: bool  # every row greedy: the program has no sampling code at all
     eos_ids: tuple[int, ...]
+    span: int | None = None  # leading cache slots the rounds read and write (None: all of them)
     mesh: Any = None  # tensor parallel: caches are laid out by the sharding rules
+
+    @classmethod
+    def one_shot(cls, batch: int, prompt_len: int, max_new: int, spec: SpecConfig | None, greedy: bool,
+                 eos_ids: tuple[int, ...], mesh: Any = None) -> "Plan":
+        """The plan of ``generate``: prompts padded to ``prompt_len``, ``max_new`` tokens per row."""
+        return cls(batch, prompt_len + max_new + scratch_slots(spec) + 1, max_new, spec, greedy, eos_ids, None, mesh)
 
     @property
     def width(self) -> int:
@@ -42,16 +64,8 @@ class Plan:
         return 1 if self.spec is None else self.spec.max_emitted
 
     @property
-    def cache_len(self) -> int:
-        """Slots per row: prompt + generated + the scratch a round writes past the committed length."""
-        scratch = 1 if self.spec is None else max(self.spec.verify_width, self.spec.max_emitted)
-        if self.spec is not None and self.spec.method == "tree":
-            scratch = max(scratch, (self.spec.tree_depth - 1) * self.spec.tree_top_k)
-        return self.prompt_len + self.max_new + scratch + 1
-
-    @property
-    def max_rounds(self) -> int:
-        return self.max_new
+    def attend_len(self) -> int:
+        return self.cache_len if self.span is None else self.span
 
 
 def causal_cache_mask(q_pos: Array, cache_len: int, window: int | None) -> Array:
@@ -60,11 +74,11 @@ def causal_cache_mask(q_pos: Array, cache_len: int, window: int | None) -> Array
     return window_mask(q_pos, slots, window)
 
 
-def _pick(logits: Array, sp: SamplingParams, key: Array) -> Array:
-    """The target's next token from logits [B, V]: argmax, or a sample from p."""
-    if sp.greedy:
+def pick(logits: Array, plan: Plan, rs: RowSampling, keys: Array | None) -> Array:
+    """The target's next token from logits [B, V]: argmax, or a sample from each row's p."""
+    if plan.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return sample(key, target_probs(logits, sp))
+    return sample(keys, target_probs(logits, rs))
 
 
 def _placed(plan: Plan, cache):
@@ -81,8 +95,21 @@ def _placed(plan: Plan, cache):
     return jax.tree.map(place, cache)
 
 
-def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, key: Array) -> LoopState:
-    """Runs the padded prompts through the target (capturing aux states) and the drafter."""
+@jax.tree_util.register_dataclass
+@dataclass
+class Prefilled:
+    """What a prompt leaves behind: caches holding it, the first token and the drafter's next outputs."""
+
+    t_cache: KVCache
+    d_cache: tuple[Array, Array] | None
+    first: Array  # [B]
+    d_logits: Array | None
+    d_feat: Array | None
+
+
+def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, keys: Array) -> Prefilled:
+    """Runs the padded prompts [B, P] through the target (capturing aux states) and the drafter, into
+    fresh caches of ``plan.cache_len`` slots; picks each row's first token with its key."""
     b, p = prompt.shape
     s = plan.cache_len
     window = target.config.sliding_window
@@ -92,67 +119,77 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     block_mask = window_mask(positions, positions, window)
     hidden, aux, t_cache = target.forward(prompt, positions, block_mask, _placed(plan, target.init_cache(b, s)), zero)
     last = lens - 1
-    key, k_first = jax.random.split(key)
-    first = _pick(target.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), plan.sampling, k_first)
-    d_cache = d_logits = d_feat = None
-    if drafter is not None:
-        # Pair (feature of position t, token t+1): the prompt shifted left, the first generated token last.
-        nxt = jnp.concatenate([prompt[:, 1:], zero[:, None]], axis=1)
-        nxt = jnp.where(jnp.arange(p)[None, :] == last[:, None], first[:, None], nxt)
-        normed, feat, d_cache = drafter.layer(
-            drafter.fuse(aux.astype(drafter.dtype)), nxt, positions, window_mask(positions, positions, None), _placed(plan, drafter.init_cache(b, s)), zero
-        )
-        normed_last = jnp.take_along_axis(normed, last[:, None, None], axis=1)[:, 0]
-        d_logits = drafter.lm_head(normed_last)
-        d_feat = jnp.take_along_axis(feat, last[:, None, None], axis=1)[:, 0]
-    w = plan.width
+    first = pick(target.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), plan, rs, keys)
+    if drafter is None:
+        return Prefilled(t_cache, None, first, None, None)
+    # Pair (feature of position t, token t+1): the prompt shifted left, the first generated token last.
+    nxt = jnp.concatenate([prompt[:, 1:], zero[:, None]], axis=1)
+    nxt = jnp.where(jnp.arange(p)[None, :] == last[:, None], first[:, None], nxt)
+    normed, feat, d_cache = drafter.layer(
+        drafter.fuse(aux.astype(drafter.dtype)), nxt, positions, window_mask(positions, positions, None), _placed(plan, drafter.init_cache(b, s)), zero
+    )
+    normed_last = jnp.take_along_axis(normed, last[:, None, None], axis=1)[:, 0]
+    d_feat = jnp.take_along_axis(feat, last[:, None, None], axis=1)[:, 0]
+    return Prefilled(t_cache, d_cache, first, drafter.lm_head(normed_last), d_feat)
+
+
+def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array, max_new: int) -> LoopState:
+    """Prefill, then the loop state of ``generate``: the first token emitted, ``max_new`` tokens per row."""
+    b = prompt.shape[0]
+    keys = jax.random.split(key, b)  # one stream per row: a row's draws do not depend on the others
+    sub = split_rows(keys, 2)
+    pre = prefill(target, drafter, plan, prompt, lens, rs, sub[:, 1])
+    zero = jnp.zeros((b,), jnp.int32)
     state = LoopState(
-        t_cache=t_cache,
-        d_cache=d_cache,
+        t_cache=pre.t_cache,
+        d_cache=pre.d_cache,
         length=lens.astype(jnp.int32),
-        pending=first,
-        d_logits=d_logits,
-        d_feat=d_feat,
-        out=jnp.zeros((b, plan.max_new + w), jnp.int32),
+        pending=pre.first,
+        d_logits=pre.d_logits,
+        d_feat=pre.d_feat,
+        out=jnp.zeros((b, max_new + plan.width), jnp.int32),
         n_out=zero,
+        limit=jnp.full((b,), max_new, jnp.int32),
         done=jnp.zeros((b,), bool),
         accepted=jnp.full((b, plan.max_rounds), -1, jnp.int32),
         rounds=jnp.int32(0),
-        key=key,
+        sampling=rs,
+        key=sub[:, 0],
     )
-    out, n_out, done = emit(state, first[:, None], jnp.ones((b,), jnp.int32), plan.eos_ids, plan.max_new)
-    state.out, state.n_out, state.done = out, n_out, done
+    state.out, state.n_out, state.done = emit(state, pre.first[:, None], jnp.ones((b,), jnp.int32), plan.eos_ids)
     return state
 
 
-def _draft_chain(drafter: Drafter, plan: Plan, st: LoopState, key: Array):
+def _draft_chain(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int):
     """K drafts: the carried drafter output gives the first, K-1 single steps on the drafter's own features.
 
-    Returns (draft target ids [B,K], draft ids [B,K], q [B,K,Vd] or None, drafter cache).
+    Returns (draft target ids [B,K], draft ids [B,K], q [B,K,Vd] or None when greedy, drafter cache).
     """
-    k = plan.spec.num_speculative_tokens
-    sp = plan.sampling
-    s = plan.cache_len
+    b = st.length.shape[0]
     logits, feat, cache = st.d_logits, st.d_feat, st.d_cache
     ids, qs = [], []
-    keys = jax.random.split(key, k)
+    sub = None if plan.greedy else split_rows(keys, max(k, 1))
     for i in range(k):
-        if sp.greedy:
+        if plan.greedy:
             d = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # argmax in the draft vocabulary
         else:
-            q = draft_probs(logits, sp)
-            d = sample(keys[i], q)
+            q = draft_probs(logits, st.sampling)
+            d = sample(sub[:, i], q)
             qs.append(q)
         ids.append(d)
         if i == k - 1:
             break
         pos = (st.length + i)[:, None]
         normed, feat3, cache = drafter.layer(
-            feat[:, None], drafter.draft_to_target(d)[:, None], pos, causal_cache_mask(pos, s, None), cache, st.length + i
+            feat[:, None], drafter.draft_to_target(d)[:, None], pos, causal_cache_mask(pos, plan.attend_len, None), cache, st.length + i
         )
         logits, feat = drafter.lm_head(normed[:, 0]), feat3[:, 0]
-    draft_ids = jnp.stack(ids, axis=1)
-    return drafter.draft_to_target(draft_ids), draft_ids, (jnp.stack(qs, axis=1) if qs else None), cache
+    draft_ids = jnp.stack(ids, axis=1) if ids else jnp.zeros((b, 0), jnp.int32)
+    if plan.greedy:
+        q = None
+    else:
+        q = jnp.stack(qs, axis=1) if qs else jnp.zeros((b, 0, st.d_logits.shape[-1]), jnp.float32)
+    return drafter.draft_to_target(draft_ids), draft_ids, q, cache
 
 
 def _extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array, n: Array, length: Array, cache):
@@ -163,40 +200,43 @@ def _extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array
     b, w = next_tokens.shape
     pos = length[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
     normed, feat, cache = drafter.layer(
-        drafter.fuse(aux.astype(drafter.dtype)), next_tokens, pos, causal_cache_mask(pos, plan.cache_len, None), cache, length
+        drafter.fuse(aux.astype(drafter.dtype)), next_tokens, pos, causal_cache_mask(pos, plan.attend_len, None), cache, length
     )
     normed_n = jnp.take_along_axis(normed, n[:, None, None], axis=1)[:, 0]
     return drafter.lm_head(normed_n), jnp.take_along_axis(feat, n[:, None, None], axis=1)[:, 0], cache
 
 
-def _round_plain(target: Target, plan: Plan, st: LoopState, key: Array):
+def _round_plain(target: Target, plan: Plan, st: LoopState, keys: Array | None):
     pos = st.length[:, None]
     hidden, _, t_cache = target.forward(
-        st.pending[:, None], pos, causal_cache_mask(pos, plan.cache_len, target.config.sliding_window), st.t_cache, st.length
+        st.pending[:, None], pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
     )
-    nxt = _pick(target.logits(hidden[:, 0]), plan.sampling, key)
+    nxt = pick(target.logits(hidden[:, 0]), plan, st.sampling, keys)
     zero = jnp.zeros_like(st.length)
     return t_cache, None, zero, nxt[:, None], None, None
 
 
-def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key: Array):
-    k = plan.spec.num_speculative_tokens
-    k_draft, k_acc = jax.random.split(key)
-    drafts, draft_ids, q, d_cache = _draft_chain(drafter, plan, st, k_draft)
+def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int):
+    """K drafts verified in one target forward of K+1 positions; K = 0 runs one target step and keeps the
+    drafter's cache and outputs current."""
+    b = st.length.shape[0]
+    sub = None if plan.greedy else split_rows(keys, 2)
+    drafts, draft_ids, q, d_cache = _draft_chain(drafter, plan, st, None if sub is None else sub[:, 0], k)
     block = jnp.concatenate([st.pending[:, None], drafts], axis=1)
     pos = st.length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     hidden, aux, t_cache = target.forward(
-        block, pos, causal_cache_mask(pos, plan.cache_len, target.config.sliding_window), st.t_cache, st.length
+        block, pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
     )
     logits = target.logits(hidden)
-    if plan.sampling.greedy:
+    if plan.greedy:
         pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         n = jnp.sum(jnp.cumprod(drafts == pred[:, :k], axis=1), axis=1).astype(jnp.int32)
         bonus = jnp.take_along_axis(pred, n[:, None], axis=1)[:, 0]
     else:
         t2d_index = drafter.draft_to_target(jnp.arange(drafter.config.draft_vocab_size))
-        n, bonus = accept_chain(k_acc, target_probs(logits, plan.sampling), q, drafts, draft_ids, t2d_index)
-    emitted = jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], bonus[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1))
+        n, bonus = accept_chain(sub[:, 1], target_probs(logits, st.sampling), q, drafts, draft_ids, t2d_index)
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], bonus[:, None], padded)
     d_logits, d_feat, d_cache = _extend_drafter(drafter, plan, aux, emitted, n, st.length, d_cache)
     return t_cache, d_cache, n, emitted, d_logits, d_feat
 
@@ -212,17 +252,18 @@ def _gather_path(cache: KVCache, path: Array, length: Array) -> KVCache:
     return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v))
 
 
-def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key: Array):
+def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None):
     sp_ = plan.spec
+    span = plan.attend_len
     shape = TreeShape(sp_.tree_top_k, sp_.tree_depth, sp_.tree_total_tokens)
-    tree, d_cache = grow(drafter, shape, st.d_logits, st.d_feat, st.d_cache, st.length)
+    tree, d_cache = grow(drafter, shape, st.d_logits, st.d_feat, st.d_cache, st.length, span)
     tree.tokens = tree.tokens.at[:, 0].set(st.pending)
     pos = st.length[:, None] + tree.depth
-    mask = verify_mask(tree, st.length, plan.cache_len)
+    mask = verify_mask(tree, st.length, span)
     if target.config.sliding_window is not None:
-        mask &= causal_cache_mask(pos, plan.cache_len, target.config.sliding_window) | (jnp.arange(plan.cache_len) >= st.length[:, None])[:, None, :]
+        mask &= causal_cache_mask(pos, span, target.config.sliding_window) | (jnp.arange(span) >= st.length[:, None])[:, None, :]
     hidden, aux, t_cache = target.forward(tree.tokens, pos, mask, st.t_cache, st.length)
-    path, n, bonus = accept_tree(key, tree, target.logits(hidden), plan.sampling, shape)
+    path, n, bonus = accept_tree(keys, tree, target.logits(hidden), None if plan.greedy else st.sampling, shape)
     t_cache = _gather_path(t_cache, path, st.length)
     path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)
     w = shape.depth + 1
@@ -234,16 +275,22 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
 
 def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState) -> LoopState:
     """draft -> verify -> accept -> cache update for every row; finished rows keep their state."""
-    key, k_round = jax.random.split(st.key)
-    if plan.spec is None:
+    if plan.greedy:
+        key, k_round = st.key, None
+    else:
+        sub = split_rows(st.key, 2)
+        key, k_round = sub[:, 0], sub[:, 1]
+    if drafter is None:
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_plain(target, plan, st, k_round)
+    elif plan.spec is None:
+        t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round, 0)
     elif plan.spec.method == "chain":
-        t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round)
+        t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round, plan.spec.num_speculative_tokens)
     else:
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_tree(target, drafter, plan, st, k_round)
     active = ~st.done
     bonus = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
-    out, n_out, done = emit(st, emitted, n + 1, plan.eos_ids, plan.max_new)
+    out, n_out, done = emit(st, emitted, n + 1, plan.eos_ids)
 
     def keep(new, old):
         if new is None:
@@ -259,16 +306,18 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         d_feat=keep(d_feat, st.d_feat),
         out=out,
         n_out=n_out,
+        limit=st.limit,
         done=done,
-        # Drafts that became output: a round cut short by EOS or max_new counts what it emitted.
+        # Drafts that became output: a round cut short by EOS or the limit counts what it emitted.
         accepted=st.accepted.at[:, st.rounds].set(jnp.where(active, n_out - st.n_out - 1, -1)),
         rounds=st.rounds + 1,
+        sampling=st.sampling,
         key=key,
     )
 
 
 def run_rounds(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, limit: Array) -> LoopState:
-    """Rounds until every row is done or ``limit`` rounds have run in total."""
+    """Rounds until every row is done or ``limit`` rounds have run in total (at most ``plan.max_rounds``)."""
 
     def cond(s: LoopState):
         return jnp.any(~s.done) & (s.rounds < jnp.minimum(limit, plan.max_rounds))

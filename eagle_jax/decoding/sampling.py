@@ -1,7 +1,9 @@
 """Token selection and the lossless acceptance rules of speculative sampling (SPEC 6).
 
-All functions are batched over leading axes and traceable under jit. ``temperature == 0`` is greedy and
-is resolved statically (Python float), so greedy programs contain no sampling code at all.
+All functions are batched over a leading row axis and traceable under jit; sampling parameters and
+random keys are per row (``RowSampling``, key arrays [B]), so requests with different settings share
+one program and a row's draws do not depend on the other rows. A program whose rows are all greedy is
+built without any of this code (``Plan.greedy``).
 """
 
 from __future__ import annotations
@@ -38,48 +40,100 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def target_probs(logits: Array, sp: SamplingParams) -> Array:
-    """p over the vocabulary after temperature, top-k and top-p (fp32). logits: [..., V]."""
-    x = logits.astype(jnp.float32) / sp.temperature
-    if sp.top_k > 0 and sp.top_k < x.shape[-1]:
-        kth = jax.lax.top_k(x, sp.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, NEG_INF, x)
-    if sp.top_p < 1.0:
-        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-        sorted_p = jax.nn.softmax(sorted_x, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold included).
-        mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-        cutoff = jnp.min(jnp.where(mass_before < sp.top_p, sorted_x, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x < cutoff, NEG_INF, x)
-    return jax.nn.softmax(x, axis=-1)
+@jax.tree_util.register_dataclass
+@dataclass
+class RowSampling:
+    """Per-row sampling parameters as arrays [B], so rows with different requests share one program.
+
+    A row with ``temperature == 0`` is greedy: its p and q are one-hot at the argmax, under which the
+    lossless rules below reduce exactly to greedy verification (accept iff the draft is the argmax).
+    """
+
+    temperature: Array  # [B] float32; 0 = greedy
+    top_k: Array  # [B] int32; 0 = off
+    top_p: Array  # [B] float32 in (0, 1]
+
+    @classmethod
+    def fill(cls, sp: SamplingParams, batch: int) -> "RowSampling":
+        return cls(
+            jnp.full((batch,), sp.temperature, jnp.float32),
+            jnp.full((batch,), sp.top_k, jnp.int32),
+            jnp.full((batch,), sp.top_p, jnp.float32),
+        )
 
 
-def draft_probs(draft_logits: Array, sp: SamplingParams) -> Array:
-    """q over the draft vocabulary: the drafter's logits at the request temperature (fp32)."""
-    return jax.nn.softmax(draft_logits.astype(jnp.float32) / sp.temperature, axis=-1)
+def _per_row(value: Array, like: Array) -> Array:
+    """[B] -> [B, 1, ..., 1] broadcastable against ``like`` [B, ..., V]."""
+    return value.reshape(value.shape + (1,) * (like.ndim - 1))
 
 
-def sample(key: Array, probs: Array) -> Array:
-    """One categorical sample per row of probs [..., V] (zero-probability entries never drawn)."""
-    return jax.random.categorical(key, jnp.log(jnp.maximum(probs, 0.0)), axis=-1).astype(jnp.int32)
+def _truncate(x: Array, top_k: Array, top_p: Array) -> Array:
+    """Top-k then top-p on scaled logits x [B, ..., V] with per-row k / p, from one descending sort."""
+    v = x.shape[-1]
+    sorted_x = -jnp.sort(-x, axis=-1)
+    k = _per_row(top_k, x)
+    kth = jnp.take_along_axis(sorted_x, jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1), x.shape[:-1] + (1,)), axis=-1)
+    use_k = k > 0
+    x = jnp.where(use_k & (x < kth), NEG_INF, x)
+    sorted_x = jnp.where(use_k & (sorted_x < kth), NEG_INF, sorted_x)
+    # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold included).
+    sorted_p = jax.nn.softmax(sorted_x, axis=-1)
+    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    cutoff = jnp.min(jnp.where(mass_before < _per_row(top_p, x), sorted_x, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x < cutoff, NEG_INF, x)
+
+
+def target_probs(logits: Array, rs: RowSampling) -> Array:
+    """p over the vocabulary after temperature, top-k and top-p (fp32), per row. logits: [B, ..., V]."""
+    t = _per_row(rs.temperature, logits)
+    greedy = t == 0
+    x = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, t)
+    # The sort only runs when some row truncates (a runtime branch, not a recompile).
+    x = jax.lax.cond(jnp.any((rs.top_k > 0) | (rs.top_p < 1.0)), _truncate, lambda x, k, p: x, x, rs.top_k, rs.top_p)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, jax.nn.softmax(x, axis=-1))
+
+
+def draft_probs(draft_logits: Array, rs: RowSampling) -> Array:
+    """q over the draft vocabulary: the drafter's logits at the row's temperature (fp32); one-hot if greedy."""
+    t = _per_row(rs.temperature, draft_logits)
+    greedy = t == 0
+    q = jax.nn.softmax(draft_logits.astype(jnp.float32) / jnp.where(greedy, 1.0, t), axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(draft_logits, axis=-1), draft_logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, q)
+
+
+def split_rows(keys: Array, n: int) -> Array:
+    """Per-row keys [B] -> [B, n] independent subkeys."""
+    return jax.vmap(lambda k: jax.random.split(k, n))(keys)
+
+
+def sample(keys: Array, probs: Array) -> Array:
+    """One categorical sample per row of probs [B, ..., V] with the row's key (zero-probability entries never drawn)."""
+    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(jnp.maximum(p, 0.0)), axis=-1))(keys, probs).astype(jnp.int32)
+
+
+def uniform(keys: Array, shape: tuple[int, ...] = ()) -> Array:
+    """Uniform [0, 1) draws of ``shape`` per row key: [B, *shape]."""
+    return jax.vmap(lambda k: jax.random.uniform(k, shape))(keys)
 
 
 def accept_chain(
-    key: Array, p: Array, q: Array, draft_tokens: Array, draft_ids: Array, t2d_index: Array
+    keys: Array, p: Array, q: Array, draft_tokens: Array, draft_ids: Array, t2d_index: Array
 ) -> tuple[Array, Array]:
     """Chain speculative sampling with draft distributions q (min(1, p/q) + residual, SPEC 6).
 
     p: [B, K+1, V] target probs at the K+1 verified positions; q: [B, K, Vd] the drafter's distributions
     the drafts were sampled from; draft_tokens: [B, K] target ids; draft_ids: [B, K] draft-vocab ids;
-    t2d_index: [Vd] target id of each draft id. Returns (n accepted [B], next token [B]): the residual
+    t2d_index: [Vd] target id of each draft id; keys: [B] one key per row. Returns (n accepted [B], next token [B]): the residual
     sample at the first rejection, or the bonus sample from p[K] when all K are accepted.
     """
     b, k1, v = p.shape
     k = k1 - 1
-    k_acc, k_res = jax.random.split(key)
+    sub = split_rows(keys, 2)
     px = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
     qx = jnp.take_along_axis(q, draft_ids[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(k_acc, (b, k))
+    u = uniform(sub[:, 0], (k,))
     ok = u * qx < px  # u < p/q without dividing by a possibly tiny q
     n = jnp.argmin(jnp.concatenate([ok, jnp.zeros((b, 1), bool)], axis=1), axis=1).astype(jnp.int32)
     # Residual at the first rejected position n (or p itself at n == K: the bonus token).
@@ -90,10 +144,10 @@ def accept_chain(
     total = jnp.sum(resid, axis=-1, keepdims=True)
     # p == q exactly leaves no residual mass; any token from p is then correct.
     resid = jnp.where(total > 0, resid / jnp.maximum(total, 1e-30), p_n)
-    return n, sample(k_res, resid)
+    return n, sample(sub[:, 1], resid)
 
 
-def accept_siblings(key: Array, p: Array, candidates: Array, valid: Array) -> tuple[Array, Array]:
+def accept_siblings(keys: Array, p: Array, candidates: Array, valid: Array) -> tuple[Array, Array]:
     """Multi-draft rule for one tree node with deterministic (one-hot) drafts (SPEC 6).
 
     p: [B, V] target probs at the node; candidates: [B, C] child tokens in order; valid: [B, C].
@@ -102,14 +156,14 @@ def accept_siblings(key: Array, p: Array, candidates: Array, valid: Array) -> tu
     child's token, or a sample from what is left of p when every child was rejected).
     """
     b, c = candidates.shape
-    keys = jax.random.split(key, c + 1)
+    sub = split_rows(keys, c + 1)
     chosen = jnp.full((b,), -1, jnp.int32)
     residual = p
     for i in range(c):
         x = candidates[:, i]
         mass = jnp.sum(residual, axis=-1)
         px = jnp.take_along_axis(residual, x[:, None], axis=-1)[:, 0]
-        u = jax.random.uniform(keys[i], (b,))
+        u = uniform(sub[:, i])
         take = valid[:, i] & (chosen < 0) & (u * mass < px)
         chosen = jnp.where(take, i, chosen)
         reject = valid[:, i] & (chosen < 0)
@@ -117,6 +171,6 @@ def accept_siblings(key: Array, p: Array, candidates: Array, valid: Array) -> tu
     token = jnp.where(
         chosen >= 0,
         jnp.take_along_axis(candidates, jnp.maximum(chosen, 0)[:, None], axis=1)[:, 0],
-        sample(keys[c], residual),
+        sample(sub[:, c], residual),
     )
     return chosen, token

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from eagle_jax.decoding.sampling import RowSampling
 from eagle_jax.modeling.target import KVCache
 
 Array = jax.Array
@@ -15,7 +16,7 @@ Array = jax.Array
 @jax.tree_util.register_dataclass
 @dataclass
 class LoopState:
-    """Per-row decoding state; every array has the batch on axis 0 except ``rounds`` and ``key``.
+    """Per-row decoding state; every array has the batch (or slot) on axis 0 except ``rounds``.
 
     Invariant at the start of a round: the target cache holds positions 0..length-1; ``pending`` is the
     last emitted token (position ``length``), not yet run by the target; the drafter cache holds the
@@ -29,18 +30,20 @@ class LoopState:
     pending: Array  # [B] int32
     d_logits: Array | None  # [B, Vd]
     d_feat: Array | None  # [B, H]
-    out: Array  # [B, out_len] emitted tokens
-    n_out: Array  # [B] int32
+    out: Array  # [B, W] emitted tokens
+    n_out: Array  # [B] int32 tokens in ``out``
+    limit: Array  # [B] int32: the row is done once n_out reaches it (max_new_tokens)
     done: Array  # [B] bool
     accepted: Array  # [B, max_rounds] drafts accepted per round; -1 where the row did not run
     rounds: Array  # [] int32
-    key: Array
+    sampling: RowSampling  # per-row temperature / top_k / top_p (unused by greedy programs)
+    key: Array  # [B] one PRNG key per row
 
 
-def emit(state: LoopState, tokens: Array, count: Array, eos_ids: tuple[int, ...], max_new: int) -> tuple[Array, Array, Array]:
-    """Appends tokens[:, :count] to each active row's output; stops rows at EOS or ``max_new`` tokens.
+def emit(state: LoopState, tokens: Array, count: Array, eos_ids: tuple[int, ...]) -> tuple[Array, Array, Array]:
+    """Appends tokens[:, :count] to each active row's output; stops rows at EOS or at their ``limit``.
 
-    Returns (out, n_out, done). Tokens after an EOS or past ``max_new`` are not emitted (n_out - the old
+    Returns (out, n_out, done). Tokens after an EOS or past the limit are not emitted (n_out - the old
     n_out is what a row really produced this round).
     """
     b, w = tokens.shape
@@ -63,5 +66,5 @@ def emit(state: LoopState, tokens: Array, count: Array, eos_ids: tuple[int, ...]
     # overwritten by the next emission or cut off by n_out at the end.
     out = jnp.where(state.done[:, None], state.out, out)
     n_out = state.n_out + count
-    done = state.done | (hit_eos & ~state.done) | (n_out >= max_new)
-    return out, jnp.minimum(n_out, max_new), done
+    done = state.done | (hit_eos & ~state.done) | (n_out >= state.limit)
+    return out, jnp.minimum(n_out, state.limit), done

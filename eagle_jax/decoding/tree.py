@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from eagle_jax.decoding.sampling import SamplingParams, accept_siblings, sample, target_probs
+from eagle_jax.decoding.sampling import RowSampling, accept_siblings, sample, split_rows, target_probs
 
 Array = jax.Array
 
@@ -41,15 +41,16 @@ class Tree:
     ancestors: Array  # [B, N, N] node i sees node j (ancestor or itself)
 
 
-def grow(drafter, shape: TreeShape, d_logits: Array, d_feat: Array, d_cache, length: Array):
+def grow(drafter, shape: TreeShape, d_logits: Array, d_feat: Array, d_cache, length: Array, span: int):
     """Drafts a tree from the root's drafter outputs (EAGLE-2): frontier expansion by cumulative log-prob.
 
     Returns (Tree, drafter cache). Expansion e runs the k frontier nodes at position length + e; they are
-    written to drafter slots length + e*k + j and see the prefix plus their own ancestors.
+    written to drafter slots length + e*k + j and see the prefix plus their own ancestors, all within the
+    first ``span`` cache slots.
     """
     k, depth, n_nodes = shape.top_k, shape.depth, shape.total_tokens
     b = d_logits.shape[0]
-    s = d_cache[0].shape[1]
+    s = span
     e_slots = shape.expanded_slots
     to_target = drafter.draft_to_target
 
@@ -123,8 +124,11 @@ def _children(tree: Tree, node: Array, k: int) -> tuple[Array, Array]:
     return idx, val > 0
 
 
-def accept(key: Array, tree: Tree, logits: Array, sp: SamplingParams, shape: TreeShape) -> tuple[Array, Array, Array]:
-    """Walks the tree from the root: greedy (match the target argmax) or the lossless sibling rule.
+def accept(
+    keys: Array | None, tree: Tree, logits: Array, rs: RowSampling | None, shape: TreeShape
+) -> tuple[Array, Array, Array]:
+    """Walks the tree from the root: greedy (``rs`` None: match the target argmax) or the lossless
+    sibling rule with per-row sampling parameters and keys [B].
 
     Returns (path [B, depth+1] node indices, root first; n accepted drafts [B]; next token [B]).
     """
@@ -133,14 +137,15 @@ def accept(key: Array, tree: Tree, logits: Array, sp: SamplingParams, shape: Tre
     alive = jnp.ones((b,), bool)
     n = jnp.zeros((b,), jnp.int32)
     path = [node]
-    probs = None if sp.greedy else target_probs(logits, sp)
-    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32) if sp.greedy else None
+    greedy = rs is None
+    probs = None if greedy else target_probs(logits, rs)
+    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else None
     bonus = jnp.zeros((b,), jnp.int32)
-    keys = jax.random.split(key, shape.depth + 1)
+    sub = None if greedy else split_rows(keys, shape.depth + 1)
     for d in range(shape.depth):
         kids, valid = _children(tree, node, shape.top_k)
         kid_tok = jnp.take_along_axis(tree.tokens, kids, axis=1)
-        if sp.greedy:
+        if greedy:
             want = jnp.take_along_axis(pred, node[:, None], axis=1)[:, 0]
             hit = valid & (kid_tok == want[:, None])
             found = jnp.any(hit, axis=1)
@@ -148,7 +153,7 @@ def accept(key: Array, tree: Tree, logits: Array, sp: SamplingParams, shape: Tre
             token = want
         else:
             p = jnp.take_along_axis(probs, node[:, None, None], axis=1)[:, 0]
-            choice, token = accept_siblings(keys[d], p, kid_tok, valid)
+            choice, token = accept_siblings(sub[:, d], p, kid_tok, valid)
             found = choice >= 0
             choice = jnp.maximum(choice, 0)
         stop = alive & ~found
@@ -159,9 +164,9 @@ def accept(key: Array, tree: Tree, logits: Array, sp: SamplingParams, shape: Tre
         alive = move
         path.append(node)
     # Rows that accepted a full-depth path take their bonus from the last node's distribution.
-    if sp.greedy:
+    if greedy:
         last = jnp.take_along_axis(pred, node[:, None], axis=1)[:, 0]
     else:
-        last = sample(keys[-1], jnp.take_along_axis(probs, node[:, None, None], axis=1)[:, 0])
+        last = sample(sub[:, -1], jnp.take_along_axis(probs, node[:, None, None], axis=1)[:, 0])
     bonus = jnp.where(alive, last, bonus)
     return jnp.stack(path, axis=1), n, bonus

@@ -223,7 +223,7 @@ class Attention(nnx.Module):
     ) -> tuple[Array, tuple[Array, Array] | None]:
         """x: [B, T, d_in]. Without a cache, attends over the block itself; with ``kv`` = (k, v) caches
         [B, S, Hkv, D], writes this block's keys/values at slots ``write_index`` [B] first, then attends over
-        the whole cache under ``mask`` [B, T, S] — or, when ``mask`` is [B, T, T] with T < S (a prefill from
+        the first S' cache slots under ``mask`` [B, T, S'] (S' <= S) — or, when ``mask`` is [B, T, T] with T < S (a prefill from
         an empty cache), over the block itself, which costs T x T instead of T x S."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
@@ -236,6 +236,9 @@ class Attention(nnx.Module):
             return self.o_proj(attend(q, k, v, mask)), None
         k_cache = write_kv(kv[0], k, write_index)
         v_cache = write_kv(kv[1], v, write_index)
-        if mask.shape[-1] == t and t < k_cache.shape[1]:
+        span = mask.shape[-1]
+        if span == t and t < k_cache.shape[1]:
             return self.o_proj(attend(q, k, v, mask)), (k_cache, v_cache)
-        return self.o_proj(attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)), (k_cache, v_cache)
+        # Only the leading ``span`` slots are read: a program sized for short rows skips the unused tail.
+        k_read, v_read = k_cache[:, :span].astype(q.dtype), v_cache[:, :span].astype(q.dtype)
+        return self.o_proj(attend(q, k_read, v_read, mask)), (k_cache, v_cache)

@@ -1,0 +1,300 @@
+"""The host loop of continuous batching: admit waiting requests into free slots, step, stream, free.
+
+One thread owns the ``SlotEngine``; callers ``submit`` requests from any thread and get a ``Handle``
+that collects tokens as they come (and calls an optional listener from the engine thread). Between two
+steps the loop frees finished and cancelled slots, prefills waiting requests into free slots in arrival
+order, and picks the speculation config for the number of occupied slots (``SpecSchedule``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from eagle_jax.config import ConfigError, SpecConfig
+from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.serving.slots import SlotEngine, StepOutput
+
+log = logging.getLogger("eagle_jax.serving")
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the scheduler's bound allows."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SpecSchedule:
+    """Speculation config by number of occupied slots: ``rules`` = ((min_active, spec or None), ...).
+
+    The rule with the largest ``min_active`` <= the occupancy applies. Verification of K drafts costs
+    K+1 target positions per row, which is nearly free while a step is bound by reading weights (few
+    rows) and a real cost once it is bound by compute (many rows): deeper drafts pay at low occupancy,
+    shallower ones or none at high occupancy (measured per pair by ``bench.serve``).
+    """
+
+    rules: tuple[tuple[int, SpecConfig | None], ...]
+
+    def __post_init__(self) -> None:
+        if not self.rules or min(m for m, _ in self.rules) != 1:
+            raise ConfigError(f"a speculation schedule needs a rule for 1 active slot, got {self.describe()}")
+
+    @classmethod
+    def fixed(cls, spec: SpecConfig | None) -> "SpecSchedule":
+        return cls(((1, spec),))
+
+    @classmethod
+    def parse(cls, text: str) -> "SpecSchedule":
+        """``"1:5,4:3,9:0"``: chain K=5 from 1 active slot, K=3 from 4, no drafts from 9."""
+        rules = []
+        for part in text.split(","):
+            try:
+                lo, k = (int(x) for x in part.split(":"))
+            except ValueError:
+                raise ConfigError(f"speculation schedule {text!r}: each rule is MIN_ACTIVE:K, got {part!r}") from None
+            if lo < 1 or k < 0:
+                raise ConfigError(f"speculation schedule {text!r}: MIN_ACTIVE must be >= 1 and K >= 0 in {part!r}")
+            rules.append((lo, SpecConfig(num_speculative_tokens=k) if k else None))
+        return cls(tuple(sorted(rules, key=lambda r: r[0])))
+
+    @property
+    def specs(self) -> tuple[SpecConfig | None, ...]:
+        return tuple(dict.fromkeys(s for _, s in self.rules))
+
+    def choose(self, active: int) -> SpecConfig | None:
+        spec = self.rules[0][1]
+        for lo, s in self.rules:
+            if active >= lo:
+                spec = s
+        return spec
+
+    def describe(self) -> str:
+        def name(s):
+            return "none" if s is None else (f"K={s.num_speculative_tokens}" if s.method == "chain" else f"tree {s.tree_top_k}/{s.tree_depth}/{s.tree_total_tokens}")
+
+        return ", ".join(f">={lo}: {name(s)}" for lo, s in self.rules)
+
+
+@dataclass
+class Handle:
+    """A submitted request: its tokens so far, and once finished why (``stop`` = EOS, ``length``,
+    ``cancelled``, ``error``), with the acceptance statistics and timings of its rounds."""
+
+    request: Request
+    listener: Callable[["Handle", list[int], bool], None] | None = None
+    tokens: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per round
+    finish_reason: str | None = None
+    error: str | None = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_done: float | None = None
+    chunk_times: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per delivery
+    _finished: threading.Event = field(default_factory=threading.Event)
+    _cancel: bool = False
+
+    def cancel(self) -> None:
+        """Stops the request at the next step boundary; its slot is freed then."""
+        self._cancel = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> "Handle":
+        if not self._finished.wait(timeout):
+            raise TimeoutError("request did not finish in time")
+        return self
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per target forward over this request's rounds (0 if it ran none)."""
+        return float(np.mean(self.accepted) + 1) if self.accepted else 0.0
+
+    def position_acceptance(self, k: int) -> list[float]:
+        return [float(np.mean([a > i for a in self.accepted])) if self.accepted else 0.0 for i in range(k)]
+
+    def _deliver(self, tokens: list[int], now: float) -> None:
+        if tokens:
+            if self.t_first is None:
+                self.t_first = now
+            self.tokens.extend(tokens)
+            self.chunk_times.append((now, len(tokens)))
+        if self.listener is not None and tokens:
+            self.listener(self, tokens, False)
+
+    def _finish(self, reason: str, now: float, error: str | None = None) -> None:
+        self.finish_reason, self.error, self.t_done = reason, error, now
+        self._finished.set()
+        if self.listener is not None:
+            self.listener(self, [], True)
+
+
+class Scheduler:
+    """Runs a ``SlotEngine`` in a background thread over a bounded FIFO of requests."""
+
+    def __init__(self, engine: SlotEngine, schedule: SpecSchedule, *, max_queue: int = 256,
+                 on_step: Callable[[int, SpecConfig | None, StepOutput], None] | None = None):
+        missing = [s for s in schedule.specs if s not in engine.specs]
+        if missing:
+            raise ConfigError(f"the schedule uses specs {missing} that the engine was not built with ({engine.specs})")
+        self.engine, self.schedule, self.max_queue, self.on_step = engine, schedule, max_queue, on_step
+        self._waiting: collections.deque[Handle] = collections.deque()
+        self._slots: list[Handle | None] = [None] * engine.slots
+        self._lengths = np.zeros((engine.slots,), np.int64)
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ client side
+
+    def submit(self, request: Request, listener: Callable[[Handle, list[int], bool], None] | None = None) -> Handle:
+        """Queues a request (raises ConfigError if it can never run here, QueueFull past the bound)."""
+        self.engine.check_prompt(request.prompt, request.max_tokens)
+        handle = Handle(request, listener)
+        with self._cv:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (the bound is {self.max_queue})")
+            self._waiting.append(handle)
+            self._cv.notify()
+        return handle
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return sum(h is not None for h in self._slots)
+
+    def start(self) -> "Scheduler":
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="eagle_jax-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._waiting and not any(self._slots):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+            try:
+                self._iterate()
+            except Exception as exc:  # noqa: BLE001 - an engine failure must not hang the clients
+                log.exception("engine step failed")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+        self._fail_all("the server is shutting down", reason="cancelled")
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        now = time.perf_counter()
+        for slot, h in enumerate(self._slots):
+            if h is not None:
+                h._finish(reason, now, message)
+                self._slots[slot] = None
+        self.engine.state = self.engine._empty_state()
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for h in waiting:
+            h._finish(reason, now, message)
+
+    def _free(self, slot: int, reason: str) -> None:
+        handle = self._slots[slot]
+        self._slots[slot] = None
+        handle._finish(reason, time.perf_counter())
+
+    def _iterate(self) -> None:
+        cancel = np.zeros((self.engine.slots,), bool)
+        for slot, h in enumerate(self._slots):
+            if h is not None and h.cancelled:
+                self._free(slot, "cancelled")
+                cancel[slot] = True
+        self._admit(cancel)
+        active = [slot for slot, h in enumerate(self._slots) if h is not None]
+        if not active:
+            return
+        spec = self.schedule.choose(len(active))
+        greedy = all(self._slots[s].request.sampling.greedy for s in active)
+        span = self.engine.span_for([int(self._lengths[s]) for s in active], spec)
+        out = self.engine.step(spec, greedy, span, cancel)
+        now = time.perf_counter()
+        for slot in active:
+            h = self._slots[slot]
+            h.accepted.extend(out.accepted[slot])
+            h._deliver(out.tokens[slot], now)
+            self._lengths[slot] = out.lengths[slot]
+            if out.done[slot]:
+                self._free(slot, self._reason(h))
+        if self.on_step is not None:
+            self.on_step(len(active), spec, out)
+
+    def _reason(self, h: Handle) -> str:
+        return "stop" if h.tokens and h.tokens[-1] in self.engine.eos_ids else "length"
+
+    def _admit(self, cancel: np.ndarray) -> None:
+        for slot in range(self.engine.slots):
+            if self._slots[slot] is not None:
+                continue
+            with self._cv:
+                if not self._waiting:
+                    return
+                h = self._waiting.popleft()
+            if h.cancelled:  # gone before it started
+                h._finish("cancelled", time.perf_counter())
+                continue
+            r = h.request
+            try:
+                first, done = self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed)
+            except ConfigError as exc:
+                h._finish("error", time.perf_counter(), str(exc))
+                continue
+            except Exception as exc:
+                h._finish("error", time.perf_counter(), f"{type(exc).__name__}: {exc}")
+                raise
+            cancel[slot] = False  # the slot holds the new request now
+            self._slots[slot] = h
+            self._lengths[slot] = len(r.prompt)
+            h._deliver([first], time.perf_counter())
+            if done:
+                self._free(slot, self._reason(h))
+
+
+def schedule_for(drafter_present: bool, spec: SpecConfig | dict | str | None) -> SpecSchedule:
+    """A schedule from the user's words: a SpecConfig / vLLM-style dict (fixed), a rule string, or None."""
+    if not drafter_present:
+        return SpecSchedule.fixed(None)
+    if isinstance(spec, str):
+        return SpecSchedule.parse(spec)
+    return SpecSchedule.fixed(SpecConfig.parse(spec))
+
+
+__all__: Sequence[str] = ["Handle", "QueueFull", "Request", "Scheduler", "SpecSchedule", "schedule_for"]

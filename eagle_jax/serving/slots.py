@@ -1,0 +1,247 @@
+"""The slot engine: a fixed number of batch rows ("slots") whose caches are allocated once.
+
+A request is prefilled into a free slot by a jitted ``insert`` (target prefill with aux capture and
+drafter prefill, prompt padded to a length bucket), then advanced with every other occupied slot by a
+jitted ``step``: up to ``rounds_per_step`` speculative rounds of the same ``one_round`` that ``generate``
+runs, with per-slot sampling parameters, keys and token limits as arrays and free slots masked. The
+host (``scheduler.Scheduler``) admits, streams and frees between steps.
+
+Programs are compiled per (prompt bucket) for ``insert`` and per (speculation config, greedy or not,
+attention span) for ``step``; the span is the number of leading cache slots the rounds read, bucketed
+over the longest occupied slot, so short requests do not pay for the full context.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.config import ConfigError, SpecConfig
+from eagle_jax.decoding.engine import Plan, prefill, run_rounds, scratch_slots
+from eagle_jax.decoding.sampling import RowSampling, SamplingParams, split_rows
+from eagle_jax.decoding.state import LoopState
+from eagle_jax.generate import PROMPT_BUCKETS, bucket, check_pair
+from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.target import KVCache, Target
+
+Array = jax.Array
+
+
+@dataclass
+class StepOutput:
+    """Host copies of what one step produced, per slot."""
+
+    tokens: list[list[int]]  # new tokens of each slot (empty for free slots)
+    done: np.ndarray  # [slots] bool: the slot stopped (EOS or its token limit) during or before the step
+    accepted: list[list[int]]  # per slot, drafts accepted in each round it ran
+    lengths: np.ndarray  # [slots] committed cache length after the step
+    seconds: float  # wall time of the step (dispatch to results on the host)
+
+
+class SlotEngine:
+    """Device state and compiled programs for ``slots`` concurrent requests of at most ``max_len`` tokens.
+
+    ``specs``: every speculation config the host may pick per step (None = no drafts); they share one
+    state, so switching between them costs nothing but their first compilation.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None,
+        *,
+        slots: int = 16,
+        max_len: int | None = None,
+        specs: Sequence[SpecConfig | None] = (None,),
+        rounds_per_step: int = 4,
+        eos_ids: Sequence[int] = (),
+        on_compile: Callable[[str, float], None] | None = None,
+    ):
+        if slots < 1:
+            raise ConfigError(f"slots must be >= 1, got {slots}")
+        if rounds_per_step < 1:
+            raise ConfigError(f"rounds_per_step must be >= 1, got {rounds_per_step}")
+        check_pair(target, drafter)
+        if drafter is None and any(s is not None for s in specs):
+            raise ConfigError("speculation configs were given but there is no drafter")
+        limit = target.config.max_position_embeddings
+        max_len = min(limit, 4096) if max_len is None else int(max_len)
+        if not 2 <= max_len <= limit:
+            raise ConfigError(f"max_len must be in 2..{limit} (the target's max_position_embeddings), got {max_len}")
+        self.target, self.drafter = target, drafter
+        self.slots, self.max_len, self.rounds_per_step = slots, max_len, rounds_per_step
+        self.specs = tuple(specs)
+        self.eos_ids = tuple(int(e) for e in eos_ids)
+        self.on_compile = on_compile
+        self.max_width = max(1 if s is None else s.max_emitted for s in self.specs)
+        self.scratch = max(scratch_slots(s) for s in self.specs)
+        self.cache_len = max_len + self.scratch + 1
+        self._t_graph, self._t_state = nnx.split(target)
+        self._d_graph, self._d_state = (None, None) if drafter is None else nnx.split(drafter)
+        self._programs: dict[Any, Any] = {}
+        self.compile_events: list[tuple[str, float]] = []
+        self.state = self._empty_state()
+
+    # ------------------------------------------------------------------ state
+
+    def _empty_state(self) -> LoopState:
+        b, s = self.slots, self.cache_len
+        d = self.drafter
+
+        def zero():  # distinct buffers: the state is donated to every program
+            return jnp.zeros((b,), jnp.int32)
+
+        return LoopState(
+            t_cache=self.target.init_cache(b, s),
+            d_cache=None if d is None else d.init_cache(b, s),
+            length=zero(),
+            pending=zero(),
+            d_logits=None if d is None else jnp.zeros((b, d.config.draft_vocab_size), d.dtype),
+            d_feat=None if d is None else jnp.zeros((b, d.config.hidden_size), d.dtype),
+            out=jnp.zeros((b, (self.rounds_per_step + 1) * self.max_width), jnp.int32),
+            n_out=zero(),
+            limit=zero(),
+            done=jnp.ones((b,), bool),
+            accepted=jnp.full((b, self.rounds_per_step), -1, jnp.int32),
+            rounds=jnp.int32(0),
+            sampling=RowSampling.fill(SamplingParams(), b),
+            key=jax.random.split(jax.random.key(0), b),
+        )
+
+    def _program(self, key: tuple, build, args: tuple, donate: tuple[int, ...]):
+        if key not in self._programs:
+            t0 = time.perf_counter()
+            self._programs[key] = jax.jit(build, donate_argnums=donate).lower(*args).compile()
+            seconds = time.perf_counter() - t0
+            self.compile_events.append((key[0], seconds))
+            if self.on_compile is not None:
+                self.on_compile(key[0], seconds)
+        return self._programs[key]
+
+    def _merge(self, t_state, d_state):
+        drf = None if self._d_graph is None else nnx.merge(self._d_graph, d_state)
+        return nnx.merge(self._t_graph, t_state), drf
+
+    # ------------------------------------------------------------------ insert
+
+    def check_prompt(self, prompt: Sequence[int], max_tokens: int) -> None:
+        """Raises ConfigError naming what makes this request impossible in this engine."""
+        if not prompt:
+            raise ConfigError("the prompt is empty")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+        if len(prompt) + max_tokens > self.max_len:
+            raise ConfigError(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: {len(prompt) + max_tokens} "
+                f"exceeds the context limit of {self.max_len} tokens"
+            )
+
+    def insert(self, slot: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int) -> tuple[int, bool]:
+        """Prefills ``prompt`` into ``slot`` (free); returns (first token, done already)."""
+        self.check_prompt(prompt, max_tokens)
+        p = bucket(len(prompt))
+        ids = np.zeros((1, p), np.int32)
+        ids[0, : len(prompt)] = prompt
+        row = RowSampling.fill(sampling, 1)
+        args = (
+            self._t_state, self._d_state, self.state, jnp.int32(slot), jnp.asarray(ids), jnp.asarray([len(prompt)], jnp.int32),
+            row, jax.random.key(seed), jnp.int32(max_tokens),
+        )
+        program = self._program(("insert", p), self._insert_fn(p), args, donate=(2,))
+        self.state, first, done = program(*args)
+        first, done = jax.device_get((first, done))
+        return int(first), bool(done)
+
+    def _insert_fn(self, p: int):
+        eos = self.eos_ids
+        plan = Plan(batch=1, cache_len=p, max_rounds=0, spec=None, greedy=False, eos_ids=eos)
+
+        def insert(t_state, d_state, st: LoopState, slot, prompt, plen, rs, key, max_tokens):
+            tgt, drf = self._merge(t_state, d_state)
+            keys = split_rows(key[None], 2)
+            pre = prefill(tgt, drf, plan, prompt, plen, rs, keys[:, 1])
+            first = pre.first[0]
+            done = (max_tokens <= 1) | jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32))
+
+            def put(big, small):  # small [1, ...] into row ``slot`` of big [slots, ...]
+                start = (slot,) + (0,) * (big.ndim - 1)
+                return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), start)
+
+            def set_row(arr, value):
+                return arr.at[slot].set(value)
+
+            new = LoopState(
+                t_cache=KVCache(tuple(map(put, st.t_cache.k, pre.t_cache.k)), tuple(map(put, st.t_cache.v, pre.t_cache.v))),
+                d_cache=None if drf is None else tuple(map(put, st.d_cache, pre.d_cache)),
+                length=set_row(st.length, plen[0]),
+                pending=set_row(st.pending, first),
+                d_logits=None if drf is None else put(st.d_logits, pre.d_logits),
+                d_feat=None if drf is None else put(st.d_feat, pre.d_feat),
+                out=st.out,
+                n_out=set_row(st.n_out, 0),
+                limit=set_row(st.limit, max_tokens - 1),  # the first token is already out
+                done=set_row(st.done, done),
+                accepted=st.accepted,
+                rounds=st.rounds,
+                sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), st.sampling, rs),
+                key=st.key.at[slot].set(keys[0, 0]),
+            )
+            return new, first, done
+
+        return insert
+
+    # ------------------------------------------------------------------ step
+
+    def span_for(self, lengths: Sequence[int], spec: SpecConfig | None) -> int:
+        """Leading cache slots a step must cover for rows of these committed lengths."""
+        width = 1 if spec is None else spec.max_emitted
+        need = max(lengths, default=1) + self.rounds_per_step * width + scratch_slots(spec) + 1
+        for b in PROMPT_BUCKETS:
+            if need <= b:
+                return min(b, self.cache_len)
+        return self.cache_len
+
+    def step(self, spec: SpecConfig | None, greedy: bool, span: int, cancel: np.ndarray | None = None) -> StepOutput:
+        """Up to ``rounds_per_step`` rounds over all slots; slots in ``cancel`` are stopped first."""
+        if spec not in self.specs:
+            raise ConfigError(f"spec {spec} is not one of this engine's configured specs {self.specs}")
+        cancel = np.zeros((self.slots,), bool) if cancel is None else np.asarray(cancel, bool)
+        args = (self._t_state, self._d_state, self.state, jnp.asarray(cancel))
+        program = self._program(("step", spec, greedy, span), self._step_fn(spec, greedy, span), args, donate=(2,))
+        t0 = time.perf_counter()
+        self.state = program(*args)
+        out, n_out, done, accepted, length = jax.device_get(
+            (self.state.out, self.state.n_out, self.state.done, self.state.accepted, self.state.length)
+        )
+        seconds = time.perf_counter() - t0
+        tokens = [out[b, : n_out[b]].tolist() for b in range(self.slots)]
+        acc = [[int(a) for a in row if a >= 0] for row in accepted]
+        return StepOutput(tokens, done, acc, length, seconds)
+
+    def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int):
+        plan = Plan(
+            batch=self.slots, cache_len=self.cache_len, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy,
+            eos_ids=self.eos_ids, span=span,
+        )
+
+        def step(t_state, d_state, st: LoopState, cancel):
+            tgt, drf = self._merge(t_state, d_state)
+            # A step's outputs start empty; what the last step emitted comes off each row's budget.
+            st.limit = st.limit - st.n_out
+            st.n_out = jnp.zeros_like(st.n_out)
+            st.done = st.done | cancel
+            st.rounds = jnp.int32(0)
+            st.accepted = jnp.full_like(st.accepted, -1)
+            return run_rounds(tgt, drf, plan, st, jnp.int32(plan.max_rounds))
+
+        return step

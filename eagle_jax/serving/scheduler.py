@@ -104,15 +104,16 @@ class Handle:
     t_done: float | None = None
     chunk_times: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per delivery
     _finished: threading.Event = field(default_factory=threading.Event)
-    _cancel: bool = False
+    _cancel: str | None = None
 
-    def cancel(self) -> None:
-        """Stops the request at the next step boundary; its slot is freed then."""
-        self._cancel = True
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stops the request at the next step boundary; its slot is freed then and ``reason`` becomes its
+        finish reason (a stop string found by the caller is ``stop``)."""
+        self._cancel = reason
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel
+        return self._cancel is not None
 
     @property
     def finished(self) -> bool:
@@ -236,7 +237,7 @@ class Scheduler:
         cancel = np.zeros((self.engine.slots,), bool)
         for slot, h in enumerate(self._slots):
             if h is not None and h.cancelled:
-                self._free(slot, "cancelled")
+                self._free(slot, h._cancel)
                 cancel[slot] = True
         self._admit(cancel)
         active = [slot for slot, h in enumerate(self._slots) if h is not None]
@@ -269,7 +270,7 @@ class Scheduler:
                     return
                 h = self._waiting.popleft()
             if h.cancelled:  # gone before it started
-                h._finish("cancelled", time.perf_counter())
+                h._finish(h._cancel, time.perf_counter())
                 continue
             r = h.request
             try:

@@ -1,0 +1,132 @@
+"""Building the served model (target, drafter, tokenizer, engine, scheduler) and running uvicorn."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from eagle_jax.config import ConfigError, SpecConfig
+from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule, schedule_for
+from serve.app import Service, create_app
+from serve.metrics import Metrics
+
+log = logging.getLogger("serve")
+
+
+def model_eos_ids(target, target_dir: Path, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the model's config.json, generation_config.json and tokenizer, together."""
+    ids: set[int] = set()
+
+    def add(v):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+
+    add(target.config.eos_token_id)
+    gen = target_dir / "generation_config.json"
+    if gen.exists():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule:
+    """``--spec``: a JSON object (vLLM's speculative config, fixed depth) or a MIN_ACTIVE:K schedule."""
+    if not drafter_present:
+        if text not in (None, "", "none"):
+            raise ConfigError("--spec was given but no drafter is served (--drafter none)")
+        return SpecSchedule.fixed(None)
+    if text is None or text.strip() == "":
+        return schedule_for(True, None)
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--spec is not valid JSON: {exc}") from None
+        spec.pop("model", None)  # vLLM names the drafter here; ours comes from --drafter
+        return schedule_for(True, SpecConfig.parse(spec))
+    if text == "none":
+        return SpecSchedule.fixed(None)
+    return schedule_for(True, text)
+
+
+def build_service(
+    target_dir: str | Path,
+    drafter_dir: str | Path | None,
+    *,
+    spec: str | None = None,
+    slots: int = 16,
+    max_len: int | None = None,
+    rounds_per_step: int = 4,
+    dtype: str | None = "float32",
+    max_queue: int = 256,
+    model_name: str | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> Service:
+    import eagle_jax
+    from transformers import AutoTokenizer
+
+    target_dir = Path(target_dir)
+    target = eagle_jax.load_target(target_dir, dtype=dtype)
+    drafter = None if drafter_dir is None else eagle_jax.load_drafter(drafter_dir, target, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or target_dir))
+    schedule = parse_spec(spec, drafter is not None)
+    service: dict[str, Any] = {}
+
+    def on_compile(kind: str, seconds: float) -> None:
+        log.info("compiled %s in %.1f s", kind, seconds)
+        if "metrics" in service:
+            service["metrics"].on_compile(kind, seconds)
+
+    engine = SlotEngine(target, drafter, slots=slots, max_len=max_len, specs=schedule.specs, rounds_per_step=rounds_per_step,
+                        eos_ids=model_eos_ids(target, target_dir, tokenizer), on_compile=on_compile)
+    scheduler = Scheduler(engine, schedule, max_queue=max_queue)
+    metrics = service["metrics"] = Metrics(scheduler)
+    scheduler.on_step = metrics.on_step
+    log.info("serving %s with %s; %d slots of %d tokens; speculation %s", target_dir, drafter_dir or "no drafter",
+             slots, engine.max_len, schedule.describe())
+    return Service(scheduler, tokenizer, model_name or target_dir.name, metrics)
+
+
+class Server:
+    """uvicorn in a background thread (tests, benchmarks); ``python -m serve`` runs it in the foreground."""
+
+    def __init__(self, service: Service, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.service = service
+        config = uvicorn.Config(create_app(service), host=host, port=port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Server":
+        import time
+
+        self.service.scheduler.start()
+        self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the HTTP server failed to start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+        self.service.scheduler.stop()

@@ -1,0 +1,287 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on a loopback port, the official
+``openai`` client, the served model loaded from checkpoint directories (serving_models.py).
+
+Greedy responses are compared with ``eagle_jax.generate`` of the same prompt alone (fp32: token for
+token). The server runs 4 slots and a schedule that changes the speculation depth with occupancy
+(K=3 alone, K=1 from 3 busy slots, none with 4), so concurrent requests cross every program kind.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import eagle_jax
+from eagle_jax import SpecConfig
+from serve.server import Server, build_service
+from serving_models import save_pair
+
+MODEL = "target"
+SCHEDULE = "1:3,3:1,4:0"
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    return save_pair(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def server(pair_dirs):
+    t_dir, d_dir = pair_dirs
+    service = build_service(t_dir, d_dir, spec=SCHEDULE, slots=4, max_len=MAX_LEN, rounds_per_step=2, max_queue=64)
+    srv = Server(service).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def solo(server):
+    """Greedy output of ``eagle_jax.generate`` for one prompt alone, memoised: (token ids, text)."""
+    svc = server.service
+    engine = svc.scheduler.engine
+    memo = {}
+
+    def get(ids: list[int], max_tokens: int):
+        key = (tuple(ids), max_tokens)
+        if key not in memo:
+            res = eagle_jax.generate(engine.target, engine.drafter, [ids], max_new_tokens=max_tokens,
+                                     spec=SpecConfig(num_speculative_tokens=3), eos_token_id=list(engine.eos_ids))
+            memo[key] = (res.tokens[0], svc.tokenizer.decode(res.tokens[0], skip_special_tokens=True))
+        return memo[key]
+
+    return get
+
+
+def _ids(server, text: str) -> list[int]:
+    return server.service.tokenizer(text)["input_ids"]
+
+
+# ------------------------------------------------------------------------------ completions and chat
+
+
+def test_completion_greedy_equals_generate(server, client, solo):
+    prompt = "the quick brown fox jumps over"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    tokens, text = solo(_ids(server, prompt), 40)
+    assert r.choices[0].text == text and text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(prompt), 40, len(prompt) + 40)
+    spec = r.model_extra["speculation"]
+    # Drafts were accepted (the Markov pair agrees often): fewer rounds than tokens.
+    assert spec["rounds"] == len(spec["accepted_per_round"]) and spec["acceptance_length"] > 1.5
+    assert sum(a + 1 for a in spec["accepted_per_round"]) == 40 - 1  # the first token comes from the prefill
+
+
+def test_completion_token_prompt_and_stream(server, client, solo):
+    ids = _ids(server, "a stream of tokens")
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == solo(ids, 30)[1]
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30 and chunks[-1].usage.prompt_tokens == len(ids)
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # really streamed, not one blob
+
+
+def test_chat_stream_and_nonstream(server, client, solo):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say something"}]
+    ids = server.service.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    expected = solo(ids, 25)[1]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=25, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == expected
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 25
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=25, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    assert stream[-1].usage.total_tokens == len(ids) + 25
+
+
+def test_stop_strings(server, client, solo):
+    prompt = "stop strings cut the text"
+    tokens, text = solo(_ids(server, prompt), 60)
+    stop = text[20:23]
+    cut = text.find(stop)
+    assert cut >= 0 and len(text) > cut + 3
+    decode = server.service.tokenizer.decode
+    needed = next(n for n in range(1, len(tokens) + 1) if stop in decode(tokens[:n], skip_special_tokens=True))
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0, stop=[stop, "@@"], stream=stream)
+        if stream:
+            r = list(r)
+            got = "".join(c.choices[0].text for c in r)
+            reason = r[-1].choices[0].finish_reason
+        else:
+            got, reason = r.choices[0].text, r.choices[0].finish_reason
+            # Tokens up to the one that completed the stop string.
+            assert r.usage.completion_tokens == needed
+        assert (got, reason) == (text[:cut], "stop")
+
+
+def test_sampled_request_is_reproducible_by_seed(client):
+    kw = dict(model=MODEL, prompt="seeded sampling", max_tokens=20, temperature=1.0, top_p=0.9, extra_body={"top_k": 8})
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    others = {client.completions.create(seed=s, **kw).choices[0].text for s in range(4)}
+    assert a == b
+    assert len(others | {a}) > 1
+
+
+def test_32_concurrent_clients(server, client, solo):
+    """Mixed prompt lengths and max_tokens, greedy and sampled together, over 4 slots: every greedy
+    response equals its solo output; none fails."""
+    rng = np.random.default_rng(7)
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    jobs = []
+    for i in range(32):
+        n = int(rng.choice([3, 9, 20, 40]))
+        prompt = "".join(rng.choice(list(letters), size=n))
+        jobs.append((prompt, int(rng.choice([5, 17, 48])), i % 4 == 3))
+    results: list = [None] * len(jobs)
+
+    def run(i):
+        prompt, max_tokens, sampled = jobs[i]
+        try:
+            kw = dict(temperature=0.8, seed=i) if sampled else dict(temperature=0)
+            results[i] = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, **kw)
+        except Exception as exc:  # noqa: BLE001 - counted below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    for (prompt, max_tokens, sampled), r in zip(jobs, results):
+        assert r.usage.completion_tokens == max_tokens and r.choices[0].finish_reason == "length"
+        if not sampled:
+            assert r.choices[0].text == solo(_ids(server, prompt), max_tokens)[1], prompt
+    assert server.service.scheduler.active == 0 and server.service.scheduler.queue_depth == 0
+
+
+# ------------------------------------------------------------------------------------- bad requests
+
+GOOD = {"model": MODEL, "prompt": "abc", "max_tokens": 4}
+BAD_REQUESTS = {
+    "malformed-json": ("/v1/completions", b'{"model": "target", "prompt": ', 400, None),
+    "not-an-object": ("/v1/completions", b"[1, 2]", 400, None),
+    "missing-model": ("/v1/completions", {"prompt": "abc"}, 400, "model"),
+    "missing-prompt": ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    "unknown-model": ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
+    "wrong-type": ("/v1/completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
+    "temperature-range": ("/v1/completions", {**GOOD, "temperature": -0.5}, 400, "temperature"),
+    "top-p-range": ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p"),
+    "max-tokens-zero": ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    "n-2": ("/v1/completions", {**GOOD, "n": 2}, 400, None),
+    "token-out-of-vocab": ("/v1/completions", {**GOOD, "prompt": [1, 2, 99]}, 400, "prompt"),
+    "prompt-over-context": ("/v1/completions", {**GOOD, "prompt": "a" * MAX_LEN}, 400, "prompt"),
+    "max-tokens-over-context": ("/v1/completions", {**GOOD, "max_tokens": MAX_LEN}, 400, "max_tokens"),
+    "too-many-stops": ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    "chat-bad-role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    "chat-no-messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    "chat-unknown-model": ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_bad_requests(server, name):
+    path, body, status, param = BAD_REQUESTS[name]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param and param.split(".")[0] in err["message"]
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_openai_client_sees_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=10 * MAX_LEN)
+
+
+def test_queue_bound_answers_429(pair_dirs):
+    """With the scheduler not running, requests wait; past the bound they are refused, not dropped."""
+    t_dir, d_dir = pair_dirs
+    service = build_service(t_dir, d_dir, spec=SCHEDULE, slots=1, max_len=MAX_LEN, max_queue=2)
+    srv = Server(service)
+    srv.service.scheduler.start = lambda: srv.service.scheduler  # keep the engine idle: nothing leaves the queue
+    srv.start()
+    try:
+        from eagle_jax.serving import Request
+
+        waiting = [service.scheduler.submit(Request((1, 2, 3), 4)) for _ in range(2)]
+        r = httpx.post(srv.url + "/v1/completions", json=GOOD, timeout=30)
+        assert r.status_code == 429 and "waiting" in r.json()["error"]["message"]
+        assert all(not h.finished for h in waiting) and service.scheduler.queue_depth == 2
+    finally:
+        srv.stop()
+
+
+# ---------------------------------------------------------------------- disconnects, metrics, health
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client, solo):
+    before = _metric(server, 'eagle_requests_total{outcome="cancelled"}')
+    body = {"model": MODEL, "prompt": "a long one", "max_tokens": MAX_LEN - 20, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk received: hang up
+    deadline = time.time() + 60
+    while time.time() < deadline and (server.service.scheduler.active or _metric(server, 'eagle_requests_total{outcome="cancelled"}') == before):
+        time.sleep(0.05)
+    assert server.service.scheduler.active == 0
+    assert _metric(server, 'eagle_requests_total{outcome="cancelled"}') == before + 1
+    # and the server still answers, correctly
+    r = client.completions.create(model=MODEL, prompt="after the hang up", max_tokens=12, temperature=0)
+    assert r.choices[0].text == solo(_ids(server, "after the hang up"), 12)[1]
+
+
+def test_models_health_metrics(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["slots"] == 4
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=8, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("eagle_requests_total", "eagle_prompt_tokens_total", "eagle_generation_tokens_total",
+                 "eagle_time_to_first_token_seconds_bucket", "eagle_inter_token_latency_seconds_bucket", "eagle_queue_depth",
+                 "eagle_slots_occupied", "eagle_acceptance_length", 'eagle_spec_accepted_position_total{position="0"}',
+                 'eagle_compile_events_total{program="step"}'):
+        assert name in text, name
+    assert _metric(server, "eagle_acceptance_length") > 1.0
+    assert _metric(server, 'eagle_compile_events_total{program="insert"}') >= 1

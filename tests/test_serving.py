@@ -1,0 +1,141 @@
+"""The slot engine and scheduler without HTTP: greedy equality with ``generate`` under continuous
+batching (EOS and token limits, depth switching), seeds independent of the other slots, cancellation,
+schedules, and the stop-string text stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import eagle_jax
+from eagle_jax import ConfigError, SpecConfig
+from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
+from engine_models import markov_drafter, markov_target
+from serve.text import TextStream
+from serving_models import build_tokenizer
+
+SCHEDULE = SpecSchedule.parse("1:3,2:2,3:0")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1)
+    drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.25)
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def eos(pair):
+    """An EOS id that some greedy continuations reach within 30 tokens and others do not."""
+    target, drafter = pair
+    plain = eagle_jax.generate(target, None, [[1, 2, 3], [9, 8], [20, 21, 22, 23]], max_new_tokens=30)
+    return plain.tokens[0][12]
+
+
+def _scheduler(pair, eos_id, slots=3, rounds=3, schedule=SCHEDULE):
+    target, drafter = pair
+    engine = SlotEngine(target, drafter, slots=slots, max_len=96, specs=schedule.specs, rounds_per_step=rounds, eos_ids=(eos_id,))
+    return Scheduler(engine, schedule).start()
+
+
+def test_continuous_batching_equals_generate(pair, eos):
+    """8 requests through 3 slots (admitted as others finish; depth 3/2/none by occupancy)."""
+    target, drafter = pair
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 32, size=int(n)).tolist() for n in rng.integers(2, 40, size=8)]
+    limits = [int(m) for m in rng.integers(1, 30, size=8)]
+    sched = _scheduler(pair, eos)
+    try:
+        handles = [sched.submit(Request(tuple(p), m)) for p, m in zip(prompts, limits)]
+        for h in handles:
+            h.wait(300)
+    finally:
+        sched.stop()
+    reasons = set()
+    for p, m, h in zip(prompts, limits, handles):
+        ref = eagle_jax.generate(target, drafter, [p], max_new_tokens=m, spec=SpecConfig(num_speculative_tokens=3), eos_token_id=eos)
+        assert h.tokens == ref.tokens[0]
+        assert h.finish_reason == ("stop" if ref.tokens[0][-1] == eos else "length")
+        reasons.add(h.finish_reason)
+    assert reasons == {"stop", "length"}
+    assert sum(h.accepted.count(2) + h.accepted.count(3) for h in handles) > 0  # multi-token rounds happened
+    assert sched.engine.compile_events  # and were compiled once per program, counted
+
+
+def test_seeded_sampling_does_not_depend_on_other_slots(pair):
+    """Each slot draws from its own key stream: at a fixed depth a seeded request samples the same tokens
+    alone or among others (a depth change consumes randomness differently: same law, other draws)."""
+    sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    req = Request((4, 5, 6, 7), 25, sp, seed=99)
+    fixed = SpecSchedule.parse("1:3")
+    alone = _scheduler(pair, eos_id=-1, schedule=fixed)
+    try:
+        a = alone.submit(req).wait(300).tokens
+    finally:
+        alone.stop()
+    crowd = _scheduler(pair, eos_id=-1, schedule=fixed)
+    try:
+        others = [crowd.submit(Request((1, 2), 30, sp, seed=s)) for s in range(2)]
+        b = crowd.submit(req).wait(300).tokens
+        for h in others:
+            h.wait(300)
+    finally:
+        crowd.stop()
+    assert a == b and len(a) == 25
+
+
+def test_cancel_frees_slot(pair):
+    sched = _scheduler(pair, eos_id=-1, slots=1, rounds=1)
+    try:
+        long = sched.submit(Request((1, 2, 3), 90))
+        queued = sched.submit(Request((5, 6), 4))
+        while len(long.tokens) < 2:
+            long._finished.wait(0.01)
+        long.cancel()
+        assert queued.wait(300).finish_reason == "length" and len(queued.tokens) == 4
+        assert long.finish_reason == "cancelled" and len(long.tokens) < 90
+    finally:
+        sched.stop()
+
+
+def test_engine_rejects_impossible_requests(pair):
+    target, drafter = pair
+    engine = SlotEngine(target, drafter, slots=2, max_len=64, specs=(None,))
+    with pytest.raises(ConfigError, match="context limit of 64"):
+        engine.check_prompt(list(range(30)), 40)
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        engine.check_prompt([1, 99], 4)
+    with pytest.raises(ConfigError, match="not one of this engine's configured specs"):
+        engine.step(SpecConfig(num_speculative_tokens=2), True, 64)
+    with pytest.raises(ConfigError, match="max_len must be in"):
+        SlotEngine(target, drafter, max_len=10_000)
+    with pytest.raises(ConfigError, match="no drafter"):
+        SlotEngine(target, None, specs=(SpecConfig(),))
+
+
+def test_spec_schedule():
+    s = SpecSchedule.parse("1:5,4:3,9:0")
+    assert [s.choose(n) for n in (1, 3, 4, 8, 9, 16)] == [SpecConfig(num_speculative_tokens=5)] * 2 + [SpecConfig(num_speculative_tokens=3)] * 2 + [None] * 2
+    assert s.specs == (SpecConfig(num_speculative_tokens=5), SpecConfig(num_speculative_tokens=3), None)
+    for bad in ("2:3", "1:x", "0:3", "1:-1"):
+        with pytest.raises(ConfigError):
+            SpecSchedule.parse(bad)
+
+
+def test_text_stream_stop_strings():
+    tok = build_tokenizer()
+    ids = tok("hello world, good day")["input_ids"]
+    # Released text never runs into a stop string, even one split across deliveries.
+    ts = TextStream(tok, ["ld, g", "zz"])
+    out = "".join(ts.push([t]) for t in ids[:12])
+    assert out == "hello wor"  # "ld," could still become the stop string: held back
+    out += ts.push(ids[12:15])
+    assert ts.stopped and out == "hello wor" and ts.tokens_at_stop == 14
+    assert ts.push(ids[15:]) == "" and ts.finish() == ""
+    # A held-back prefix is released when the stream ends without the stop string.
+    ts = TextStream(tok, ["day!"])
+    out = ts.push(ids)
+    assert out == "hello world, good " and ts.finish() == "day" and not ts.stopped
+    ts = TextStream(tok)
+    assert ts.push(ids[:5]) == "hello" and ts.finish() == ""

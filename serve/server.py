@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from pathlib import Path
-from typing import Any
 
 from eagle_jax.config import ConfigError, SpecConfig
 from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule, schedule_for
@@ -68,7 +68,9 @@ def build_service(
     max_queue: int = 256,
     model_name: str | None = None,
     tokenizer_dir: str | Path | None = None,
+    warmup: bool = True,
 ) -> Service:
+    """Loads the checkpoints and tokenizer and wires them into a ``Service``."""
     import eagle_jax
     from transformers import AutoTokenizer
 
@@ -76,22 +78,34 @@ def build_service(
     target = eagle_jax.load_target(target_dir, dtype=dtype)
     drafter = None if drafter_dir is None else eagle_jax.load_drafter(drafter_dir, target, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or target_dir))
-    schedule = parse_spec(spec, drafter is not None)
-    service: dict[str, Any] = {}
+    log.info("loaded %s with %s", target_dir, drafter_dir or "no drafter")
+    return make_service(target, drafter, tokenizer, parse_spec(spec, drafter is not None), model_eos_ids(target, target_dir, tokenizer),
+                        slots=slots, max_len=max_len, rounds_per_step=rounds_per_step, max_queue=max_queue,
+                        model_name=model_name or target_dir.name, warmup=warmup)
+
+
+def make_service(target, drafter, tokenizer, schedule: SpecSchedule, eos_ids: tuple[int, ...], *, slots: int = 16,
+                 max_len: int | None = None, rounds_per_step: int = 4, max_queue: int = 256, model_name: str = "model",
+                 warmup: bool = True) -> Service:
+    """A ``Service`` over models already loaded (benchmarks build several over one pair)."""
+    holder: dict[str, Metrics] = {}
 
     def on_compile(kind: str, seconds: float) -> None:
         log.info("compiled %s in %.1f s", kind, seconds)
-        if "metrics" in service:
-            service["metrics"].on_compile(kind, seconds)
+        if "metrics" in holder:
+            holder["metrics"].on_compile(kind, seconds)
 
     engine = SlotEngine(target, drafter, slots=slots, max_len=max_len, specs=schedule.specs, rounds_per_step=rounds_per_step,
-                        eos_ids=model_eos_ids(target, target_dir, tokenizer), on_compile=on_compile)
+                        eos_ids=eos_ids, on_compile=on_compile)
     scheduler = Scheduler(engine, schedule, max_queue=max_queue)
-    metrics = service["metrics"] = Metrics(scheduler)
+    metrics = holder["metrics"] = Metrics(scheduler)
     scheduler.on_step = metrics.on_step
-    log.info("serving %s with %s; %d slots of %d tokens; speculation %s", target_dir, drafter_dir or "no drafter",
-             slots, engine.max_len, schedule.describe())
-    return Service(scheduler, tokenizer, model_name or target_dir.name, metrics)
+    log.info("%d slots of %d tokens; speculation %s", slots, engine.max_len, schedule.describe())
+    if warmup:
+        t0 = time.perf_counter()
+        engine.warmup()
+        log.info("compiled the programs that cover every request in %.1f s", time.perf_counter() - t0)
+    return Service(scheduler, tokenizer, model_name, metrics)
 
 
 class Server:
@@ -114,8 +128,6 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Server":
-        import time
-
         self.service.scheduler.start()
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self._thread.start()

@@ -227,7 +227,7 @@ def test_openai_client_sees_errors(client):
 def test_queue_bound_answers_429(pair_dirs):
     """With the scheduler not running, requests wait; past the bound they are refused, not dropped."""
     t_dir, d_dir = pair_dirs
-    service = build_service(t_dir, d_dir, spec=SCHEDULE, slots=1, max_len=MAX_LEN, max_queue=2)
+    service = build_service(t_dir, d_dir, spec=SCHEDULE, slots=1, max_len=MAX_LEN, max_queue=2, warmup=False)
     srv = Server(service)
     srv.service.scheduler.start = lambda: srv.service.scheduler  # keep the engine idle: nothing leaves the queue
     srv.start()

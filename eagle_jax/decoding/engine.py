@@ -19,6 +19,7 @@ from eagle_jax.decoding.sampling import RowSampling, accept_chain, draft_probs, 
 from eagle_jax.decoding.state import LoopState, emit
 from eagle_jax.decoding.tree import TreeShape, accept as accept_tree, grow, verify_mask
 from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.layers import write_kv
 from eagle_jax.modeling.target import KVCache, Target, window_mask
 
 Array = jax.Array
@@ -242,12 +243,13 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
 
 
 def _gather_path(cache: KVCache, path: Array, length: Array) -> KVCache:
-    """Moves the accepted tree path's KV (slots length + path[j]) to contiguous slots length + j."""
+    """Moves the accepted tree path's KV (slots length + path[j]) to contiguous slots length + j, in the
+    leading ``len(length)`` rows of the cache."""
     src = length[:, None] + path  # path[j] >= j: a source is never overwritten before it is read
+    rows = jnp.arange(length.shape[0])[:, None]
 
     def move(c):
-        rows = jnp.take_along_axis(c, src[:, :, None, None], axis=1)
-        return jax.vmap(lambda ci, r, s0: jax.lax.dynamic_update_slice(ci, r, (s0, 0, 0)))(c, rows, length)
+        return write_kv(c, c[rows, src], length)
 
     return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v))
 

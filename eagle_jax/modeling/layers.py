@@ -174,7 +174,16 @@ def causal_mask(batch: int, length: int) -> Array:
 
 
 def write_kv(cache: Array, new: Array, start: Array) -> Array:
-    """Writes new [B, T, Hkv, D] into cache [B, S, Hkv, D] at per-row slot ``start`` [B]."""
+    """Writes new [b, T, Hkv, D] into the first b rows of cache [B, S, Hkv, D] at per-row slot ``start`` [b].
+
+    b < B: a program over the leading rows of a larger cache (the serving engine's occupied slots),
+    updated in place without copying the other rows.
+    """
+    b, t = new.shape[:2]
+    if b < cache.shape[0]:
+        rows = jnp.arange(b)[:, None]
+        cols = start[:, None] + jnp.arange(t)[None, :]
+        return cache.at[rows, cols].set(new.astype(cache.dtype))
 
     def one(c, n, s):
         return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
@@ -223,7 +232,8 @@ class Attention(nnx.Module):
     ) -> tuple[Array, tuple[Array, Array] | None]:
         """x: [B, T, d_in]. Without a cache, attends over the block itself; with ``kv`` = (k, v) caches
         [B, S, Hkv, D], writes this block's keys/values at slots ``write_index`` [B] first, then attends over
-        the first S' cache slots under ``mask`` [B, T, S'] (S' <= S) — or, when ``mask`` is [B, T, T] with T < S (a prefill from
+        the first S' cache slots under ``mask`` [B, T, S'] (S' <= S; the cache may have more rows than x,
+        whose leading rows are then used) — or, when ``mask`` is [B, T, T] with T < S (a prefill from
         an empty cache), over the block itself, which costs T x T instead of T x S."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
@@ -240,5 +250,5 @@ class Attention(nnx.Module):
         if span == t and t < k_cache.shape[1]:
             return self.o_proj(attend(q, k, v, mask)), (k_cache, v_cache)
         # Only the leading ``span`` slots are read: a program sized for short rows skips the unused tail.
-        k_read, v_read = k_cache[:, :span].astype(q.dtype), v_cache[:, :span].astype(q.dtype)
+        k_read, v_read = k_cache[:b, :span].astype(q.dtype), v_cache[:b, :span].astype(q.dtype)
         return self.o_proj(attend(q, k_read, v_read, mask)), (k_cache, v_cache)

@@ -246,7 +246,7 @@ class Scheduler:
         spec = self.schedule.choose(len(active))
         greedy = all(self._slots[s].request.sampling.greedy for s in active)
         span = self.engine.span_for([int(self._lengths[s]) for s in active], spec)
-        out = self.engine.step(spec, greedy, span, cancel)
+        out = self.engine.step(spec, greedy, span, self.engine.rows_for(active), cancel)
         now = time.perf_counter()
         for slot in active:
             h = self._slots[slot]

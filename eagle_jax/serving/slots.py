@@ -13,7 +13,9 @@ over the longest occupied slot, so short requests do not pay for the full contex
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -85,6 +87,9 @@ class SlotEngine:
         self._t_graph, self._t_state = nnx.split(target)
         self._d_graph, self._d_state = (None, None) if drafter is None else nnx.split(drafter)
         self._programs: dict[Any, Any] = {}
+        self._pending: set[tuple] = set()
+        self._lock = threading.Lock()
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="eagle_jax-compile")
         self.compile_events: list[tuple[str, float]] = []
         self.state = self._empty_state()
 
@@ -114,15 +119,48 @@ class SlotEngine:
             key=jax.random.split(jax.random.key(0), b),
         )
 
-    def _program(self, key: tuple, build, args: tuple, donate: tuple[int, ...]):
-        if key not in self._programs:
-            t0 = time.perf_counter()
-            self._programs[key] = jax.jit(build, donate_argnums=donate).lower(*args).compile()
-            seconds = time.perf_counter() - t0
+    def _program(self, key: tuple, build, args: tuple, covers: Sequence[tuple] = ()):
+        """The compiled program for ``key``. If it is not compiled yet but a program in ``covers`` is (a
+        larger one that computes the same thing), that one runs now and ``key`` is compiled in the
+        background; with none, ``key`` is compiled here.
+        Returns (the key of the program that runs, the program).
+        """
+        with self._lock:
+            if key in self._programs:
+                return key, self._programs[key]
+            used = next((c for c in covers if c in self._programs), None)
+            background = used is not None and key not in self._pending
+            if background:
+                self._pending.add(key)
+        # Shapes only: the arrays themselves may be donated to a running step meanwhile.
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), args)
+        if background:
+            self._compiler.submit(self._compile, key, build, abstract)
+        if used is not None:
+            return used, self._programs[used]
+        return key, self._compile(key, build, abstract)
+
+    def _compile(self, key: tuple, build, abstract: tuple):
+        t0 = time.perf_counter()
+        compiled = jax.jit(build, donate_argnums=(2,)).lower(*abstract).compile()
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self._programs[key] = compiled
+            self._pending.discard(key)
             self.compile_events.append((key[0], seconds))
-            if self.on_compile is not None:
-                self.on_compile(key[0], seconds)
-        return self._programs[key]
+        if self.on_compile is not None:
+            self.on_compile(key[0], seconds)
+        return compiled
+
+    def warmup(self) -> None:
+        """Compiles the programs that cover every request (longest prompt bucket; all slots over the
+        whole context, sampling, per speculation config), so no request waits for a compilation;
+        smaller, faster programs are then compiled in the background as they are first needed."""
+        p = self._insert_bucket(self.max_len - 1)
+        self._program(("insert", p), self._insert_fn(p), self._insert_args(p, [0], 1, SamplingParams(), 0, 0))
+        for spec in self.specs:
+            args = (self._t_state, self._d_state, self.state, np.zeros((self.slots,), bool))
+            self._program(("step", spec, False, self.cache_len, self.slots), self._step_fn(spec, False, self.cache_len, self.slots), args)
 
     def _merge(self, t_state, d_state):
         drf = None if self._d_graph is None else nnx.merge(self._d_graph, d_state)
@@ -149,18 +187,25 @@ class SlotEngine:
     def insert(self, slot: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int) -> tuple[int, bool]:
         """Prefills ``prompt`` into ``slot`` (free); returns (first token, done already)."""
         self.check_prompt(prompt, max_tokens)
-        p = bucket(len(prompt))
-        ids = np.zeros((1, p), np.int32)
-        ids[0, : len(prompt)] = prompt
-        row = RowSampling.fill(sampling, 1)
-        args = (
-            self._t_state, self._d_state, self.state, jnp.int32(slot), jnp.asarray(ids), jnp.asarray([len(prompt)], jnp.int32),
-            row, jax.random.key(seed), jnp.int32(max_tokens),
-        )
-        program = self._program(("insert", p), self._insert_fn(p), args, donate=(2,))
+        p = self._insert_bucket(len(prompt))
+        largest = self._insert_bucket(self.max_len - 1)
+        larger = [("insert", b) for b in sorted({self._insert_bucket(b) for b in PROMPT_BUCKETS}) if p < b <= largest]
+        args = self._insert_args(p, prompt, max_tokens, sampling, seed, slot)
+        key, program = self._program(("insert", p), self._insert_fn(p), args, covers=larger)
+        if key[1] != p:  # a larger bucket's program: pad further
+            args = self._insert_args(key[1], prompt, max_tokens, sampling, seed, slot)
         self.state, first, done = program(*args)
         first, done = jax.device_get((first, done))
         return int(first), bool(done)
+
+    def _insert_bucket(self, n: int) -> int:
+        return min(bucket(n), self.cache_len)
+
+    def _insert_args(self, p: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int, slot: int) -> tuple:
+        ids = np.zeros((1, p), np.int32)
+        ids[0, : len(prompt)] = prompt
+        return (self._t_state, self._d_state, self.state, jnp.int32(slot), jnp.asarray(ids), jnp.asarray([len(prompt)], jnp.int32),
+                RowSampling.fill(sampling, 1), jax.random.key(seed), jnp.int32(max_tokens))
 
     def _insert_fn(self, p: int):
         eos = self.eos_ids
@@ -211,13 +256,26 @@ class SlotEngine:
                 return min(b, self.cache_len)
         return self.cache_len
 
-    def step(self, spec: SpecConfig | None, greedy: bool, span: int, cancel: np.ndarray | None = None) -> StepOutput:
-        """Up to ``rounds_per_step`` rounds over all slots; slots in ``cancel`` are stopped first."""
+    def rows_for(self, occupied: Sequence[int]) -> int:
+        """Leading slots a step runs: a power of two covering the highest occupied slot (free slots
+        above it cost nothing; the scheduler fills the lowest free slot first)."""
+        need = max(occupied, default=0) + 1
+        rows = 1
+        while rows < need:
+            rows *= 2
+        return min(rows, self.slots)
+
+    def step(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int | None = None,
+             cancel: np.ndarray | None = None) -> StepOutput:
+        """Up to ``rounds_per_step`` rounds over the first ``rows`` slots (default all); slots in
+        ``cancel`` are stopped first."""
         if spec not in self.specs:
             raise ConfigError(f"spec {spec} is not one of this engine's configured specs {self.specs}")
+        rows = self.slots if rows is None else rows
         cancel = np.zeros((self.slots,), bool) if cancel is None else np.asarray(cancel, bool)
         args = (self._t_state, self._d_state, self.state, jnp.asarray(cancel))
-        program = self._program(("step", spec, greedy, span), self._step_fn(spec, greedy, span), args, donate=(2,))
+        _, program = self._program(("step", spec, greedy, span, rows), self._step_fn(spec, greedy, span, rows), args,
+                                   covers=self._covering(spec, greedy, span, rows))
         t0 = time.perf_counter()
         self.state = program(*args)
         out, n_out, done, accepted, length = jax.device_get(
@@ -228,11 +286,20 @@ class SlotEngine:
         acc = [[int(a) for a in row if a >= 0] for row in accepted]
         return StepOutput(tokens, done, acc, length, seconds)
 
-    def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int):
+    def _covering(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int) -> list[tuple]:
+        """Compiled step programs that can run this step, cheapest first: any span and row count at
+        least as large, and sampling programs for greedy rows (whose p and q are then one-hot)."""
+        with self._lock:
+            keys = [k for k in self._programs if k[0] == "step" and k[1] == spec and k[3] >= span and k[4] >= rows
+                    and (k[2] == greedy or not k[2])]
+        return sorted(keys, key=lambda k: (k[3] * k[4], k[2] != greedy))
+
+    def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int):
         plan = Plan(
-            batch=self.slots, cache_len=self.cache_len, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy,
+            batch=rows, cache_len=self.cache_len, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy,
             eos_ids=self.eos_ids, span=span,
         )
+        caches = ("t_cache", "d_cache")
 
         def step(t_state, d_state, st: LoopState, cancel):
             tgt, drf = self._merge(t_state, d_state)
@@ -242,6 +309,16 @@ class SlotEngine:
             st.done = st.done | cancel
             st.rounds = jnp.int32(0)
             st.accepted = jnp.full_like(st.accepted, -1)
-            return run_rounds(tgt, drf, plan, st, jnp.int32(plan.max_rounds))
+            # The rounds see the leading ``rows`` rows of every per-row array and the whole caches, which
+            # they update in place (rows beyond are free slots: neither read nor written).
+            sub = LoopState(**{
+                f: getattr(st, f) if f in caches or f == "rounds" else jax.tree.map(lambda a: a[:rows], getattr(st, f))
+                for f in LoopState.__dataclass_fields__
+            })
+            sub = run_rounds(tgt, drf, plan, sub, jnp.int32(plan.max_rounds))
+            return LoopState(**{
+                f: getattr(sub, f) if f in caches or f == "rounds" else jax.tree.map(lambda a, b: a.at[:rows].set(b), getattr(st, f), getattr(sub, f))
+                for f in LoopState.__dataclass_fields__
+            })
 
         return step

@@ -1,0 +1,229 @@
+"""Per-user output throughput against concurrency through the OpenAI-compatible server (the EAGLE 3.1
+release's serving measurement), speculative vs no speculation, on the bundled pair.
+
+    python -m bench.serve [--concurrency 1 4 16] [--ks 1 3 5] [--requests 8] [--max-new 96]
+
+For each served system (the target alone; EAGLE-3.1 at each fixed chain depth K; EAGLE-3.1 and EAGLE-3
+with the depth schedule of ``configs/serve/bundled.yaml``) a server is started on a loopback port and C
+users run a closed loop (each sends its next request when the last returns, streaming) over held-out
+code prompts. Per-user tokens/s = a user's generated tokens / its own wall time, mean over users;
+total = all tokens / the run's wall time; TTFT and inter-token latency percentiles from the stream.
+A warm-up pass at each concurrency compiles the programs first (compile time is reported apart).
+
+The same request sequence is then run through ``eagle_jax.generate`` in batches of C (no server, one
+program per batch) for the fixed-depth systems: the server's per-user tokens/s over generate's is what
+serving costs. Greedy, so every system returns the same tokens (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import heldout_code_prompts, print_table, pyplot, spec_name, write_json
+from eagle_jax.config import SpecConfig
+from eagle_jax.serving import SpecSchedule
+
+PROFILE = Path("configs/serve/bundled.yaml")
+
+
+async def _user(client, url: str, model: str, prompts: list[list[int]], max_new: int, log: list) -> dict:
+    t_user = time.perf_counter()
+    tokens = 0
+    for ids in prompts:
+        body = {"model": model, "prompt": ids, "max_tokens": max_new, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        first, last, text, usage, spec = None, None, [], None, {}
+        gaps = []
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage, spec = chunk["usage"], chunk.get("speculation", {})
+                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last = now
+                    text.append(chunk["choices"][0]["text"])
+        n = usage["completion_tokens"]
+        tokens += n
+        log.append({"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": n, "text": "".join(text),
+                    "seconds": time.perf_counter() - t0, "al": spec.get("acceptance_length")})
+    return {"tokens": tokens, "seconds": time.perf_counter() - t_user}
+
+
+async def closed_loop(url: str, model: str, per_user: list[list[list[int]]], max_new: int) -> dict:
+    import httpx
+
+    log: list = []
+    limits = httpx.Limits(max_connections=len(per_user) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        users = await asyncio.gather(*[_user(client, url, model, p, max_new, log) for p in per_user])
+        wall = time.perf_counter() - t0
+    gaps = [g for r in log for g in r["gaps"]]
+    ttft = [r["ttft"] for r in log]
+    return {
+        "per_user_tok_s": float(np.mean([u["tokens"] / u["seconds"] for u in users])),
+        "per_user_tok_s_min": float(np.min([u["tokens"] / u["seconds"] for u in users])),
+        "total_tok_s": sum(u["tokens"] for u in users) / wall,
+        "tokens": sum(u["tokens"] for u in users), "wall_s": wall,
+        "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p90": float(np.percentile(ttft, 90)),
+        "itl_p50": float(np.percentile(gaps, 50)) if gaps else None, "itl_p90": float(np.percentile(gaps, 90)) if gaps else None,
+        "itl_p99": float(np.percentile(gaps, 99)) if gaps else None,
+        "texts": [r["text"] for r in log],
+    }
+
+
+def assign(prompts: list[list[int]], users: int, requests: int) -> list[list[list[int]]]:
+    """User u's requests: prompts u, u + C, u + 2C, ... (``requests`` in all, spread over the users)."""
+    per = max(1, requests // users)
+    return [[prompts[(u + i * users) % len(prompts)] for i in range(per)] for u in range(users)]
+
+
+def generate_per_user(target, drafter, spec, per_user, max_new: int, eos) -> float:
+    """The same requests through ``eagle_jax.generate``: request i of every user in one batch of C."""
+    import eagle_jax
+
+    users = len(per_user)
+    tokens = np.zeros(users)
+    seconds = 0.0
+    for i in range(len(per_user[0])):
+        batch = [per_user[u][i] for u in range(users)]
+        kw = dict(max_new_tokens=max_new, eos_token_id=list(eos), spec=spec)
+        eagle_jax.generate(target, drafter, batch, **kw)  # compile (and warm) outside the timing
+        r = eagle_jax.generate(target, drafter, batch, **kw)
+        tokens += [len(t) for t in r.tokens]
+        seconds += r.run_s
+    return float(np.mean(tokens / seconds))
+
+
+def main(argv=None) -> None:
+    import yaml
+
+    import eagle_jax
+    from serve.server import Server, make_service, model_eos_ids
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
+    ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least one per user)")
+    ap.add_argument("--n-prompts", type=int, default=32)
+    ap.add_argument("--max-chars", type=int, default=1200)
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--rounds-per-step", type=int, default=None)
+    ap.add_argument("--schedule", default=None, help="depth schedule of the schedule rows (default: the bundled profile's)")
+    ap.add_argument("--no-generate", action="store_true", help="skip the generate-at-batch-C comparison")
+    ap.add_argument("--out", default="bench/results/serve.json")
+    args = ap.parse_args(argv)
+
+    profile = yaml.safe_load(PROFILE.read_text())
+    schedule_text = args.schedule or profile["spec"]
+    rounds = args.rounds_per_step or profile["rounds_per_step"]
+    target = eagle_jax.load_target(profile["target"], dtype="float32")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(profile["target"])
+    eos = model_eos_ids(target, Path(profile["target"]), tokenizer)
+    d31 = eagle_jax.load_drafter("assets/drafter-eagle3.1", target, dtype="float32")
+    d3 = eagle_jax.load_drafter("assets/drafter-eagle3", target, dtype="float32")
+    prompts = [p["ids"] for p in heldout_code_prompts(tokenizer, args.n_prompts, max_chars=args.max_chars)]
+    print(f"{len(prompts)} held-out prompts, {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "
+          f"{args.max_new} new tokens; {args.slots} slots; {rounds} rounds per step; EOS {eos}")
+
+    systems = [("none", None, SpecSchedule.fixed(None))]
+    systems += [(f"EAGLE-3.1 K={k}", d31, SpecSchedule.fixed(SpecConfig(num_speculative_tokens=k))) for k in args.ks]
+    systems += [("EAGLE-3.1 schedule", d31, SpecSchedule.parse(schedule_text)), ("EAGLE-3 schedule", d3, SpecSchedule.parse(schedule_text))]
+
+    results = {"config": vars(args) | {"schedule": schedule_text, "rounds_per_step": rounds, "eos": list(eos)}, "systems": {}}
+    baseline_texts = {}
+    for name, drafter, schedule in systems:
+        svc = make_service(target, drafter, tokenizer, schedule, eos, slots=args.slots, max_len=profile["max_len"],
+                           rounds_per_step=rounds, model_name="target")
+        srv = Server(svc).start()
+        rows = {}
+        try:
+            for c in args.concurrency:
+                per_user = assign(prompts, c, max(args.requests, c))
+                t0 = time.perf_counter()
+                asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new))  # warm-up: compiles
+                warm_s = time.perf_counter() - t0
+                r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new))
+                r["warmup_s"] = warm_s
+                texts = r.pop("texts")
+                if name == "none":
+                    baseline_texts[c] = texts
+                r["same_text_as_none"] = texts == baseline_texts.get(c)
+                if not args.no_generate and len(schedule.rules) == 1:
+                    r["generate_per_user_tok_s"] = generate_per_user(target, drafter, schedule.rules[0][1], per_user, args.max_new, eos)
+                    r["server_vs_generate"] = r["per_user_tok_s"] / r["generate_per_user_tok_s"]
+                rows[c] = r
+                print(f"{name:20s} C={c:2d}: per-user {r['per_user_tok_s']:7.1f} tok/s, total {r['total_tok_s']:7.1f}, "
+                      f"TTFT p50 {r['ttft_p50'] * 1e3:6.0f} ms, ITL p50 {(r['itl_p50'] or 0) * 1e3:5.1f} ms"
+                      + (f", vs generate {r['server_vs_generate']:.2f}" if "server_vs_generate" in r else ""), flush=True)
+        finally:
+            srv.stop()
+        results["systems"][name] = {"schedule": schedule.describe(), "by_concurrency": rows,
+                                    "compile_s": sum(s for _, s in svc.scheduler.engine.compile_events)}
+        write_json(args.out, results)
+
+    report(results, args.concurrency)
+    write_json(args.out, results)
+
+
+def report(results: dict, levels: list[int]) -> None:
+    systems = results["systems"]
+    base = systems["none"]["by_concurrency"]
+    header = ["system"] + [f"C={c} per-user tok/s (x none)" for c in levels] + [f"C={c} total tok/s" for c in levels]
+    rows = []
+    for name, s in systems.items():
+        by = s["by_concurrency"]
+        rows.append([name] + [f"{by[c]['per_user_tok_s']:.1f} ({by[c]['per_user_tok_s'] / base[c]['per_user_tok_s']:.2f}x)" for c in levels]
+                    + [f"{by[c]['total_tok_s']:.0f}" for c in levels])
+    fixed = {n: s for n, s in systems.items() if n.startswith("EAGLE-3.1 K=")}
+    if fixed:
+        best = ["best fixed K"]
+        for c in levels:
+            n, s = max(fixed.items(), key=lambda kv: kv[1]["by_concurrency"][c]["per_user_tok_s"])
+            best.append(f"{n.split()[-1]}: {s['by_concurrency'][c]['per_user_tok_s'] / base[c]['per_user_tok_s']:.2f}x")
+        rows.append(best + [""] * len(levels))
+    print_table(header, rows)
+    lat = []
+    for name, s in systems.items():
+        for c in levels:
+            r = s["by_concurrency"][c]
+            lat.append([name, c, f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p90'] * 1e3:.0f}", f"{(r['itl_p50'] or 0) * 1e3:.1f}",
+                        f"{(r['itl_p90'] or 0) * 1e3:.1f}", f"{(r['itl_p99'] or 0) * 1e3:.1f}",
+                        f"{r['server_vs_generate']:.2f}" if "server_vs_generate" in r else "-", "yes" if r["same_text_as_none"] else "NO"])
+    print_table(["system", "C", "TTFT p50 ms", "p90", "ITL p50 ms", "p90", "p99", "server / generate per-user", "text = none"], lat)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, s in systems.items():
+        ax.plot(levels, [s["by_concurrency"][c]["per_user_tok_s"] for c in levels], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent users")
+    ax.set_ylabel("per-user output tokens/s")
+    ax.set_title("Bundled pair through the server (2-core CPU)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path("bench/results").mkdir(parents=True, exist_ok=True)
+    fig.savefig("bench/results/serve.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -152,7 +152,7 @@ def main(argv=None) -> None:
     results = {"config": vars(args) | {"schedule": schedule_text, "rounds_per_step": rounds, "eos": list(eos)}, "systems": {}}
     baseline_texts = {}
     for name, drafter, schedule in systems:
-        svc = make_service(target, drafter, tokenizer, schedule, eos, slots=args.slots, max_len=profile["max_len"],
+        svc = make_service(target, drafter, tokenizer, schedule, eos, slots=args.slots, max_len=profile["max_len"], warmup=True,
                            rounds_per_step=rounds, model_name="target")
         srv = Server(svc).start()
         rows = {}
@@ -160,10 +160,18 @@ def main(argv=None) -> None:
             for c in args.concurrency:
                 per_user = assign(prompts, c, max(args.requests, c))
                 t0 = time.perf_counter()
-                asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new))  # warm-up: compiles
+                engine = svc.scheduler.engine
+                for _ in range(3):  # warm-up passes until one compiles nothing new
+                    before = len(engine.compile_events)
+                    asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new))
+                    engine.wait_for_compiles()
+                    if len(engine.compile_events) == before:
+                        break
                 warm_s = time.perf_counter() - t0
+                compiles_before = len(engine.compile_events)
                 r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new))
                 r["warmup_s"] = warm_s
+                r["compiles_while_measured"] = len(engine.compile_events) - compiles_before
                 texts = r.pop("texts")
                 if name == "none":
                     baseline_texts[c] = texts

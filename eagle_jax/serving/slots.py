@@ -33,6 +33,7 @@ from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import KVCache, Target
 
 Array = jax.Array
+SPAN_STEP = 128
 
 
 @dataclass
@@ -139,6 +140,10 @@ class SlotEngine:
         if used is not None:
             return used, self._programs[used]
         return key, self._compile(key, build, abstract)
+
+    def wait_for_compiles(self) -> None:
+        """Blocks until the programs being compiled in the background are ready (benchmarks)."""
+        self._compiler.submit(lambda: None).result()
 
     def _compile(self, key: tuple, build, abstract: tuple):
         t0 = time.perf_counter()
@@ -251,10 +256,8 @@ class SlotEngine:
         """Leading cache slots a step must cover for rows of these committed lengths."""
         width = 1 if spec is None else spec.max_emitted
         need = max(lengths, default=1) + self.rounds_per_step * width + scratch_slots(spec) + 1
-        for b in PROMPT_BUCKETS:
-            if need <= b:
-                return min(b, self.cache_len)
-        return self.cache_len
+        # Multiples of SPAN_STEP: attention reads at most SPAN_STEP - 1 unused slots per row.
+        return min(-(-need // SPAN_STEP) * SPAN_STEP, self.cache_len)
 
     def rows_for(self, occupied: Sequence[int]) -> int:
         """Leading slots a step runs: a power of two covering the highest occupied slot (free slots

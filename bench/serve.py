@@ -32,10 +32,10 @@ from eagle_jax.serving import SpecSchedule
 PROFILE = Path("configs/serve/bundled.yaml")
 
 
-async def _user(client, url: str, model: str, prompts: list[list[int]], max_new: int, log: list) -> dict:
+async def _user(client, url: str, model: str, prompts: list[list[int]], max_new: int, log: list, user: int) -> dict:
     t_user = time.perf_counter()
     tokens = 0
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         body = {"model": model, "prompt": ids, "max_tokens": max_new, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
@@ -60,7 +60,7 @@ async def _user(client, url: str, model: str, prompts: list[list[int]], max_new:
                     text.append(chunk["choices"][0]["text"])
         n = usage["completion_tokens"]
         tokens += n
-        log.append({"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": n, "text": "".join(text),
+        log.append({"request": (user, i), "ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": n, "text": "".join(text),
                     "seconds": time.perf_counter() - t0, "al": spec.get("acceptance_length")})
     return {"tokens": tokens, "seconds": time.perf_counter() - t_user}
 
@@ -72,7 +72,7 @@ async def closed_loop(url: str, model: str, per_user: list[list[list[int]]], max
     limits = httpx.Limits(max_connections=len(per_user) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        users = await asyncio.gather(*[_user(client, url, model, p, max_new, log) for p in per_user])
+        users = await asyncio.gather(*[_user(client, url, model, p, max_new, log, u) for u, p in enumerate(per_user)])
         wall = time.perf_counter() - t0
     gaps = [g for r in log for g in r["gaps"]]
     ttft = [r["ttft"] for r in log]
@@ -84,7 +84,7 @@ async def closed_loop(url: str, model: str, per_user: list[list[list[int]]], max
         "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p90": float(np.percentile(ttft, 90)),
         "itl_p50": float(np.percentile(gaps, 50)) if gaps else None, "itl_p90": float(np.percentile(gaps, 90)) if gaps else None,
         "itl_p99": float(np.percentile(gaps, 99)) if gaps else None,
-        "texts": [r["text"] for r in log],
+        "texts": [r["text"] for r in sorted(log, key=lambda r: r["request"])],
     }
 
 

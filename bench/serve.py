@@ -119,7 +119,7 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
+    ap.add_argument("--ks", type=int, nargs="*", default=[3, 5, 7], help="fixed chain depths to measure (none: only the schedule rows)")
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least one per user)")
     ap.add_argument("--n-prompts", type=int, default=32)
     ap.add_argument("--max-chars", type=int, default=1200)

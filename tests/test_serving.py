@@ -63,6 +63,26 @@ def test_continuous_batching_equals_generate(pair, eos):
     assert sched.engine.compile_events  # and were compiled once per program, counted
 
 
+def test_tree_speculation_in_slots_equals_generate(pair, eos):
+    """EAGLE-2 trees in the slot engine: tree verification and the accepted-path cache moves act on the
+    leading rows of the shared caches (a free slot above them untouched)."""
+    target, drafter = pair
+    tree = SpecConfig(method="tree", tree_top_k=3, tree_depth=3, tree_total_tokens=8)
+    schedule = SpecSchedule.fixed(tree)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(20))]
+    sched = _scheduler(pair, eos, slots=4, rounds=2, schedule=schedule)
+    try:
+        handles = [sched.submit(Request(tuple(p), 20)) for p in prompts]
+        for h in handles:
+            h.wait(300)
+    finally:
+        sched.stop()
+    for p, h in zip(prompts, handles):
+        ref = eagle_jax.generate(target, drafter, [p], max_new_tokens=20, spec=tree, eos_token_id=eos)
+        assert h.tokens == ref.tokens[0]
+    assert max(a for h in handles for a in h.accepted) >= 2
+
+
 def test_seeded_sampling_does_not_depend_on_other_slots(pair):
     """Each slot draws from its own key stream: at a fixed depth a seeded request samples the same tokens
     alone or among others (a depth change consumes randomness differently: same law, other draws)."""

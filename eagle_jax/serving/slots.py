@@ -6,9 +6,13 @@ jitted ``step``: up to ``rounds_per_step`` speculative rounds of the same ``one_
 runs, with per-slot sampling parameters, keys and token limits as arrays and free slots masked. The
 host (``scheduler.Scheduler``) admits, streams and frees between steps.
 
-Programs are compiled per (prompt bucket) for ``insert`` and per (speculation config, greedy or not,
-attention span) for ``step``; the span is the number of leading cache slots the rounds read, bucketed
-over the longest occupied slot, so short requests do not pay for the full context.
+Programs are compiled per prompt bucket for ``insert`` and per (speculation config, greedy or not,
+span, rows) for ``step``: the span is the number of leading cache slots the rounds read (a multiple
+of ``SPAN_STEP`` over the longest occupied slot) and rows the number of leading slots they compute (a
+power of two over the highest occupied slot), so a short request alone costs a short batch-1 forward,
+not the whole allocation. Any program with a larger span and more rows computes the same tokens, so
+a shape seen for the first time runs on the smallest compiled one that covers it while its own is
+compiled in the background.
 """
 
 from __future__ import annotations

@@ -189,11 +189,11 @@ def main(argv=None) -> None:
                                     "compile_s": sum(s for _, s in svc.scheduler.engine.compile_events)}
         write_json(args.out, results)
 
-    report(results, args.concurrency)
+    report(results, args.concurrency, Path(args.out).with_suffix(".png"))
     write_json(args.out, results)
 
 
-def report(results: dict, levels: list[int]) -> None:
+def report(results: dict, levels: list[int], plot: Path) -> None:
     systems = results["systems"]
     base = systems["none"]["by_concurrency"]
     header = ["system"] + [f"C={c} per-user tok/s (x none)" for c in levels] + [f"C={c} total tok/s" for c in levels]
@@ -229,8 +229,8 @@ def report(results: dict, levels: list[int]) -> None:
     ax.set_title("Bundled pair through the server (2-core CPU)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    Path("bench/results").mkdir(parents=True, exist_ok=True)
-    fig.savefig("bench/results/serve.png", dpi=120)
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(plot, dpi=120)
 
 
 if __name__ == "__main__":

@@ -159,3 +159,19 @@ def test_text_stream_stop_strings():
     assert out == "hello world, good " and ts.finish() == "day" and not ts.stopped
     ts = TextStream(tok)
     assert ts.push(ids[:5]) == "hello" and ts.finish() == ""
+
+
+def test_serve_spec_argument():
+    from serve.server import parse_spec
+
+    vllm = parse_spec('{"model": "x", "method": "eagle3", "num_speculative_tokens": 3}', True)
+    assert vllm.rules == ((1, SpecConfig(num_speculative_tokens=3)),)
+    assert parse_spec("1:5,4:0", True).choose(4) is None
+    assert parse_spec(None, True).rules == ((1, SpecConfig()),)
+    assert parse_spec(None, False).rules == ((1, None),)
+    with pytest.raises(ConfigError, match="no drafter"):
+        parse_spec("1:3", False)
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        parse_spec("{method: eagle3}", True)
+    with pytest.raises(ConfigError, match="unknown fields"):
+        parse_spec('{"method": "eagle3", "depth": 3}', True)

@@ -1,7 +1,7 @@
 """Per-user output throughput against concurrency through the OpenAI-compatible server (the EAGLE 3.1
 release's serving measurement), speculative vs no speculation, on the bundled pair.
 
-    python -m bench.serve [--concurrency 1 4 16] [--ks 1 3 5] [--requests 8] [--max-new 96]
+    python -m bench.serve [--concurrency 1 4 16] [--ks 3 5 7] [--requests 8] [--max-new 256]
 
 For each served system (the target alone; EAGLE-3.1 at each fixed chain depth K; EAGLE-3.1 and EAGLE-3
 with the depth schedule of ``configs/serve/bundled.yaml``) a server is started on a loopback port and C
@@ -120,10 +120,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--ks", type=int, nargs="*", default=[3, 5, 7], help="fixed chain depths to measure (none: only the schedule rows)")
-    ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at least one per user)")
+    ap.add_argument("--requests", type=int, default=8, help="requests per concurrency level (at least one per user)")
     ap.add_argument("--n-prompts", type=int, default=32)
     ap.add_argument("--max-chars", type=int, default=1200)
-    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--rounds-per-step", type=int, default=None)
     ap.add_argument("--schedule", default=None, help="depth schedule of the schedule rows (default: the bundled profile's)")

@@ -158,14 +158,21 @@ def _split(module):
     return nnx.split(module)
 
 
+def acceptance_summary(accepted: Sequence[int], k: int) -> tuple[float, list[float]]:
+    """(acceptance length = mean of accepted + 1 over rounds, fraction of rounds accepting draft i for
+    i < k) from drafts accepted per round; (0, zeros) for no rounds."""
+    if not accepted:
+        return 0.0, [0.0] * k
+    acc = np.asarray(accepted)
+    return float(acc.mean() + 1), [float(np.mean(acc > i)) for i in range(k)]
+
+
 def _result(state, plan: Plan, compile_s: float, run_s: float, tokenizer) -> GenerationResult:
     out, n_out, accepted, rounds = jax.device_get((state.out, state.n_out, state.accepted, state.rounds))
     tokens = [out[b, : n_out[b]].tolist() for b in range(plan.batch)]
     acc = [[int(a) for a in row[:rounds] if a >= 0] for row in accepted]
-    flat = [a for row in acc for a in row]
-    al = float(np.mean(flat) + 1) if flat else 0.0
     k = 0 if plan.spec is None else plan.spec.max_emitted - 1
-    pos = [float(np.mean([a > i for a in flat])) if flat else 0.0 for i in range(k)]
+    al, pos = acceptance_summary([a for row in acc for a in row], k)
     text = None
     if tokenizer is not None:
         text = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]

@@ -136,9 +136,9 @@ class _Generation:
     def speculation(self) -> dict[str, Any]:
         """Per-response acceptance statistics (an extra field beside OpenAI's)."""
         h = self.handle
-        k = self.service.scheduler.engine.max_width - 1
-        return {"acceptance_length": round(h.acceptance_length, 4), "rounds": len(h.accepted),
-                "accepted_per_round": list(h.accepted), "position_acceptance": [round(x, 4) for x in h.position_acceptance(k)]}
+        al, pos = h.acceptance(self.service.scheduler.engine.max_width - 1)
+        return {"acceptance_length": round(al, 4), "rounds": len(h.accepted), "accepted_per_round": list(h.accepted),
+                "position_acceptance": [round(x, 4) for x in pos]}
 
 
 def create_app(service: Service) -> FastAPI:

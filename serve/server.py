@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from eagle_jax.config import ConfigError, SpecConfig
-from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule, schedule_for
+from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
 from serve.app import Service, create_app
 from serve.metrics import Metrics
 
@@ -36,24 +36,24 @@ def model_eos_ids(target, target_dir: Path, tokenizer) -> tuple[int, ...]:
 
 
 def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule:
-    """``--spec``: a JSON object (vLLM's speculative config, fixed depth) or a MIN_ACTIVE:K schedule."""
+    """``--spec``: a JSON object (vLLM's speculative config, one depth), a MIN_ACTIVE:K schedule, or
+    ``none``; without it, the default SpecConfig (no drafts when there is no drafter)."""
+    text = (text or "").strip()
     if not drafter_present:
-        if text not in (None, "", "none"):
+        if text not in ("", "none"):
             raise ConfigError("--spec was given but no drafter is served (--drafter none)")
         return SpecSchedule.fixed(None)
-    if text is None or text.strip() == "":
-        return schedule_for(True, None)
-    text = text.strip()
-    if text.startswith("{"):
-        try:
-            spec = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--spec is not valid JSON: {exc}") from None
-        spec.pop("model", None)  # vLLM names the drafter here; ours comes from --drafter
-        return schedule_for(True, SpecConfig.parse(spec))
     if text == "none":
         return SpecSchedule.fixed(None)
-    return schedule_for(True, text)
+    if not text.startswith("{"):
+        return SpecSchedule.parse(text) if text else SpecSchedule.fixed(SpecConfig())
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--spec is not valid JSON: {exc}") from None
+    if isinstance(spec, dict):
+        spec.pop("model", None)  # vLLM names the drafter here; ours comes from --drafter
+    return SpecSchedule.fixed(SpecConfig.parse(spec))
 
 
 def build_service(

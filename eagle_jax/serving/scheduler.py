@@ -19,6 +19,7 @@ import numpy as np
 
 from eagle_jax.config import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.generate import acceptance_summary
 from eagle_jax.serving.slots import SlotEngine, StepOutput
 
 log = logging.getLogger("eagle_jax.serving")
@@ -124,13 +125,9 @@ class Handle:
             raise TimeoutError("request did not finish in time")
         return self
 
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens per target forward over this request's rounds (0 if it ran none)."""
-        return float(np.mean(self.accepted) + 1) if self.accepted else 0.0
-
-    def position_acceptance(self, k: int) -> list[float]:
-        return [float(np.mean([a > i for a in self.accepted])) if self.accepted else 0.0 for i in range(k)]
+    def acceptance(self, k: int) -> tuple[float, list[float]]:
+        """(tokens per target forward, acceptance of draft positions 0..k-1) over this request's rounds."""
+        return acceptance_summary(self.accepted, k)
 
     def _deliver(self, tokens: list[int], now: float) -> None:
         if tokens:
@@ -222,7 +219,7 @@ class Scheduler:
             if h is not None:
                 h._finish(reason, now, message)
                 self._slots[slot] = None
-        self.engine.state = self.engine._empty_state()
+        self.engine.reset()
         with self._cv:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for h in waiting:
@@ -289,13 +286,4 @@ class Scheduler:
                 self._free(slot, self._reason(h))
 
 
-def schedule_for(drafter_present: bool, spec: SpecConfig | dict | str | None) -> SpecSchedule:
-    """A schedule from the user's words: a SpecConfig / vLLM-style dict (fixed), a rule string, or None."""
-    if not drafter_present:
-        return SpecSchedule.fixed(None)
-    if isinstance(spec, str):
-        return SpecSchedule.parse(spec)
-    return SpecSchedule.fixed(SpecConfig.parse(spec))
-
-
-__all__: Sequence[str] = ["Handle", "QueueFull", "Request", "Scheduler", "SpecSchedule", "schedule_for"]
+__all__: Sequence[str] = ["Handle", "QueueFull", "Request", "Scheduler", "SpecSchedule"]

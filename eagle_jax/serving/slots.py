@@ -17,6 +17,7 @@ compiled in the background.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,8 @@ from eagle_jax.modeling.target import KVCache, Target
 
 Array = jax.Array
 SPAN_STEP = 128
+# LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar).
+_PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds"))
 
 
 @dataclass
@@ -96,9 +99,13 @@ class SlotEngine:
         self._lock = threading.Lock()
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="eagle_jax-compile")
         self.compile_events: list[tuple[str, float]] = []
-        self.state = self._empty_state()
+        self.reset()
 
     # ------------------------------------------------------------------ state
+
+    def reset(self) -> None:
+        """Every slot free, caches zeroed (also the way back after a failed program)."""
+        self.state = self._empty_state()
 
     def _empty_state(self) -> LoopState:
         b, s = self.slots, self.cache_len
@@ -137,11 +144,12 @@ class SlotEngine:
             background = used is not None and key not in self._pending
             if background:
                 self._pending.add(key)
+        if used is not None and not background:  # already being compiled
+            return used, self._programs[used]
         # Shapes only: the arrays themselves may be donated to a running step meanwhile.
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), args)
         if background:
             self._compiler.submit(self._compile, key, build, abstract)
-        if used is not None:
             return used, self._programs[used]
         return key, self._compile(key, build, abstract)
 
@@ -306,26 +314,18 @@ class SlotEngine:
             batch=rows, cache_len=self.cache_len, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy,
             eos_ids=self.eos_ids, span=span,
         )
-        caches = ("t_cache", "d_cache")
 
         def step(t_state, d_state, st: LoopState, cancel):
             tgt, drf = self._merge(t_state, d_state)
             # A step's outputs start empty; what the last step emitted comes off each row's budget.
-            st.limit = st.limit - st.n_out
-            st.n_out = jnp.zeros_like(st.n_out)
-            st.done = st.done | cancel
-            st.rounds = jnp.int32(0)
-            st.accepted = jnp.full_like(st.accepted, -1)
+            st = dataclasses.replace(st, limit=st.limit - st.n_out, n_out=jnp.zeros_like(st.n_out), done=st.done | cancel,
+                                     rounds=jnp.int32(0), accepted=jnp.full_like(st.accepted, -1))
             # The rounds see the leading ``rows`` rows of every per-row array and the whole caches, which
             # they update in place (rows beyond are free slots: neither read nor written).
-            sub = LoopState(**{
-                f: getattr(st, f) if f in caches or f == "rounds" else jax.tree.map(lambda a: a[:rows], getattr(st, f))
-                for f in LoopState.__dataclass_fields__
-            })
+            sub = dataclasses.replace(st, **{f: jax.tree.map(lambda a: a[:rows], getattr(st, f)) for f in _PER_ROW})
             sub = run_rounds(tgt, drf, plan, sub, jnp.int32(plan.max_rounds))
-            return LoopState(**{
-                f: getattr(sub, f) if f in caches or f == "rounds" else jax.tree.map(lambda a, b: a.at[:rows].set(b), getattr(st, f), getattr(sub, f))
-                for f in LoopState.__dataclass_fields__
+            return dataclasses.replace(sub, **{
+                f: jax.tree.map(lambda a, b: a.at[:rows].set(b), getattr(st, f), getattr(sub, f)) for f in _PER_ROW
             })
 
         return step

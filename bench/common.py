@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 import eagle_jax
-from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
+from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig, default_aux_layer_ids
 
 BUNDLED_TARGET = Path("assets/target")
 BUNDLED_DRAFTER = Path("assets/drafter-eagle3.1")
@@ -96,7 +96,7 @@ def random_drafter(target, eagle31: bool, seed: int = 1):
     draft_vocab = min(2048, tc.vocab_size)
     dc = DrafterConfig(hidden_size=tc.hidden_size, num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
                        intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size, draft_vocab_size=draft_vocab,
-                       target_hidden_size=tc.hidden_size, num_aux_hidden_states=len(target.aux_layer_ids),
+                       target_hidden_size=tc.hidden_size, num_aux_hidden_states=len(default_aux_layer_ids(tc.num_layers)),
                        fc_norm=eagle31, norm_output=eagle31)
     drafter = eagle_jax.Drafter(dc, target.embed_tokens[...], rngs=nnx.Rngs(seed))
     step = tc.vocab_size // draft_vocab
@@ -252,7 +252,7 @@ def run_batched(target, drafter, prompts: list[list[int]], *, spec, max_new: int
     tokens, accepted, compile_s, run_s = [], [], 0.0, 0.0
     for i in range(0, len(prompts), bs):
         r = eagle_jax.generate(target, drafter, prompts[i : i + bs], max_new_tokens=max_new, temperature=temperature,
-                               spec=spec, eos_token_id=list(eos) or None, seed=seed + i)
+                               spec=spec, eos_token_id=list(eos), seed=seed + i)
         tokens += r.tokens
         accepted += r.accepted
         compile_s += r.compile_s

@@ -100,7 +100,7 @@ def jax_generate(target, drafter, prompts: list[list[int]], spec, max_new: int, 
     Returns (tokens per prompt, wall seconds of the calls, compile seconds, accepted per round, the
     calls' own ``run_s`` summed: the compiled program alone, without host-side preparation); per
     prompt the best of ``repeats`` calls."""
-    kw = dict(max_new_tokens=max_new, spec=spec, eos_token_id=list(eos) or None)
+    kw = dict(max_new_tokens=max_new, spec=spec, eos_token_id=list(eos))
     compile_s = 0.0
     seen = set()
     for ids in prompts:

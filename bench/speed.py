@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
     rows, results = [], {"models": source, "runs": [], "round_split": []}
     for b in [] if args.split_only else args.batch:
         batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
-        kw = dict(max_new_tokens=args.max_new, temperature=args.temperature)
+        kw = dict(max_new_tokens=args.max_new, temperature=args.temperature, eos_token_id=[])
         first = eagle_jax.generate(target, None, batch_prompts, **kw)
         base = eagle_jax.generate(target, None, batch_prompts, **kw)
         rows.append([b, "none", "-", f"{base.tokens_per_s:.1f}", "1.00x", f"{first.compile_s:.1f}"])

@@ -140,7 +140,7 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     if len(set(ids)) < 3 or min(ids) < 0:
         # (2, L//2, L-3) collides for shallow (test-sized) models: spread distinct ids over the depth.
         ids = tuple(sorted({min(1, num_layers - 1), num_layers // 2, num_layers - 1}))
-    return ids
+    return tuple(sorted(ids))
 
 
 def validate_aux_layer_ids(ids: tuple[int, ...], num_layers: int, source: str) -> tuple[int, ...]:
@@ -178,20 +178,19 @@ class TargetConfig:
     attention_bias: bool = False  # Qwen2: q/k/v bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None  # Mistral
-    aux_layer_ids: tuple[int, ...] = ()  # reference convention; () = default_aux_layer_ids
     dtype: str | None = None
     bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # generation_config.json's when it names them
 
     def __post_init__(self) -> None:
         source = f"{self.architecture} target config"
+        if isinstance(self.eos_token_id, (list, tuple)):  # hashable: the config is part of compiled programs
+            object.__setattr__(self, "eos_token_id", tuple(int(e) for e in self.eos_token_id))
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"{source}: num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
-        ids = self.aux_layer_ids or default_aux_layer_ids(self.num_layers)
-        object.__setattr__(self, "aux_layer_ids", validate_aux_layer_ids(ids, self.num_layers, source))
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> "TargetConfig":
@@ -262,7 +261,7 @@ class TargetConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
         }
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
@@ -302,8 +301,8 @@ class DrafterConfig:
     fc_norm: bool = False  # 3.1: one RMSNorm per aux chunk before fc
     norm_output: bool = False  # 3.1: feed RMSNorm_final(h2) to the next step
     norm_before_fc: bool = False  # one RMSNorm over the whole concatenation (not 3.1)
-    # Aux ids as written in the checkpoint, converted to the reference ('input') convention; None when
-    # the checkpoint does not name them (the target's own default ids are then used).
+    # The target layers this drafter reads, in the reference ('input') convention: the residual stream
+    # entering layer i. None: EAGLE's default for the target's depth (``aux_layer_ids_for``).
     aux_layer_ids: tuple[int, ...] | None = None
     architectures: tuple[str, ...] = ("LlamaForCausalLMEagle3",)
     dtype: str | None = None
@@ -419,6 +418,63 @@ class DrafterConfig:
 
     def replace(self, **kw: Any) -> "DrafterConfig":
         return dataclasses.replace(self, **kw)
+
+
+def aux_layer_ids_for(drafter: DrafterConfig, target: TargetConfig, where: str = "drafter config") -> tuple[int, ...]:
+    """The target layers a drafter reads (ascending, 'input' convention): its own ids, else EAGLE's
+    default for the target's depth; validated against that depth."""
+    ids = drafter.aux_layer_ids or default_aux_layer_ids(target.num_layers)
+    return validate_aux_layer_ids(ids, target.num_layers, f"{where}: eagle_aux_hidden_state_layer_ids")
+
+
+def check_pair(target: TargetConfig, drafter: DrafterConfig, where: str = "drafter config") -> tuple[int, ...]:
+    """A drafter must read the target it was trained for: vocabulary, width, aux count and ids agree.
+
+    Returns the aux layer ids the target computes for this drafter; raises ConfigError naming every
+    mismatch."""
+    problems = []
+    if drafter.vocab_size != target.vocab_size:
+        problems.append(f"drafter vocab_size={drafter.vocab_size} but the target's is {target.vocab_size}")
+    if drafter.target_hidden_size != target.hidden_size:
+        problems.append(
+            f"drafter target_hidden_size={drafter.target_hidden_size} but the target's hidden_size is {target.hidden_size}"
+        )
+    ids = aux_layer_ids_for(drafter, target, where)
+    if drafter.num_aux_hidden_states != len(ids):
+        problems.append(
+            f"drafter num_aux_hidden_states={drafter.num_aux_hidden_states} but it reads {len(ids)} target layers "
+            f"({list(ids)}{'' if drafter.aux_layer_ids else ': EAGLE default for the target depth'})"
+        )
+    if problems:
+        raise ConfigError(f"{where}: mismatched target/drafter pair: " + "; ".join(problems))
+    return ids
+
+
+# Fields of DrafterConfig a user may override at load time (a trainer wrote them with another meaning,
+# or the checkpoint omits them).
+DRAFTER_OVERRIDES = ("fc_norm", "norm_output", "norm_before_fc", "aux_layer_ids", "rope", "rms_norm_eps")
+
+
+def override_drafter_config(config: DrafterConfig, overrides: dict[str, Any] | None, where: str) -> DrafterConfig:
+    """``config`` with ``overrides`` (DrafterConfig field names) applied and validated."""
+    if not overrides:
+        return config
+    unknown = sorted(set(overrides) - set(DRAFTER_OVERRIDES))
+    if unknown:
+        raise ConfigError(f"{where}: overrides {unknown} are not overridable; allowed: {list(DRAFTER_OVERRIDES)}")
+    kw = dict(overrides)
+    if kw.get("aux_layer_ids") is not None:
+        kw["aux_layer_ids"] = tuple(int(i) for i in kw["aux_layer_ids"])
+        kw["num_aux_hidden_states"] = len(kw["aux_layer_ids"])
+        if kw["num_aux_hidden_states"] != config.num_aux_hidden_states:
+            raise ConfigError(
+                f"{where}: override aux_layer_ids={list(kw['aux_layer_ids'])} has {kw['num_aux_hidden_states']} "
+                f"ids but the checkpoint's fc reads {config.num_aux_hidden_states} aux states"
+            )
+    try:
+        return config.replace(**kw)
+    except ConfigError as e:
+        raise ConfigError(f"{where} (with overrides {overrides}): {e}") from None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle_jax.config import ConfigError, SpecConfig
+from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding.engine import Plan, run_rounds, start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.modeling.drafter import Drafter
@@ -78,38 +78,30 @@ class _Programs:
 _PROGRAMS = _Programs()
 
 
-def _eos_ids(eos_token_id, tokenizer) -> tuple[int, ...]:
-    if eos_token_id is None and tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos_token_id = tokenizer.eos_token_id
-    if eos_token_id is None:
-        return ()
-    if isinstance(eos_token_id, int):
-        return (eos_token_id,)
-    return tuple(int(e) for e in eos_token_id)
+def _ids(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, (int, np.integer)):
+        return {int(value)}
+    return {int(v) for v in value}
 
 
-def check_pair(target: Target, drafter: Drafter | None) -> None:
-    if drafter is None:
-        return
-    tc, dc = target.config, drafter.config
-    problems = []
-    if dc.vocab_size != tc.vocab_size:
-        problems.append(f"drafter vocab_size {dc.vocab_size} != target vocab_size {tc.vocab_size}")
-    if dc.target_hidden_size != tc.hidden_size:
-        problems.append(f"drafter target_hidden_size {dc.target_hidden_size} != target hidden_size {tc.hidden_size}")
-    if dc.num_aux_hidden_states != len(target.aux_layer_ids):
-        problems.append(
-            f"drafter reads {dc.num_aux_hidden_states} aux states, the target captures {len(target.aux_layer_ids)} "
-            f"(layers {list(target.aux_layer_ids)})"
-        )
-    if problems:
-        raise ConfigError("mismatched target/drafter pair: " + "; ".join(problems))
+def eos_ids(target: Target, tokenizer=None, eos_token_id: int | Sequence[int] | None = None) -> tuple[int, ...]:
+    """The ids that end a row: ``eos_token_id`` when given (``[]``: never stop early), else the model's
+    own (generation_config.json, else config.json) together with the tokenizer's EOS."""
+    if eos_token_id is not None:
+        return tuple(sorted(_ids(eos_token_id)))
+    ids = _ids(target.config.eos_token_id)
+    if tokenizer is not None:
+        ids |= _ids(getattr(tokenizer, "eos_token_id", None))
+    return tuple(sorted(ids))
 
 
 def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh=None):
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    check_pair(target, drafter)
+    if drafter is not None:
+        check_pair(target.config, drafter.config)
     if isinstance(prompts, (str, np.ndarray)) or (prompts and isinstance(prompts[0], int)):
         raise ConfigError("prompts must be a list of prompts (token-id lists or strings), not a single prompt")
     if len(prompts) == 0:
@@ -135,7 +127,7 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
         max_new=int(max_new_tokens),
         spec=spec_cfg,
         greedy=sampling.greedy,
-        eos_ids=_eos_ids(eos_token_id, tokenizer),
+        eos_ids=eos_ids(target, tokenizer, eos_token_id),
         mesh=mesh,
     )
     longest = max(len(p) for p in ids)

@@ -84,8 +84,7 @@ class Case:
     alt_keys: bool = False  # `model.` prefix, `layers.0.*`, `draft_id_to_target_id`, no t2d
     keep_identity_map: bool = False  # write d2t/t2d even when Vd == V
     aux_convention: str = "input"
-    target_aux: tuple[int, ...] | None = None  # aux ids the target is loaded with (None: default)
-    expect_aux: tuple[int, ...] = DEFAULT_TARGET_AUX  # aux ids the target must capture after loading
+    expect_aux: tuple[int, ...] = DEFAULT_TARGET_AUX  # target layers the loaded drafter reads
     expect_theta: float = 10000.0
 
     def config_json(self) -> dict:
@@ -111,7 +110,6 @@ CASES = {
     "aux_output_convention": Case(
         config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
         aux_convention="output",
-        target_aux=(0, 1, 2),
         expect_aux=(1, 2, 3),
     ),
     "rope_theta_absent": Case(drop=("rope_theta",), expect_theta=10000.0),
@@ -201,7 +199,7 @@ def test_drafter_parity(case_name, dtype, device, hf_target, tmp_path, record_er
         errors[what] = record_error(what, rel_err(np32(jax_value), np32(ref_value)))
 
     # ---- target + checkpoint through the real import path
-    target = eagle_jax.load_target(hf_dir, dtype="float32", aux_layer_ids=case.target_aux)
+    target = eagle_jax.load_target(hf_dir, dtype="float32")
     cfg = case.config_json()
     ref_cfg = RefDrafterConfig.from_dict(cfg)
     ref = RefDrafter(ref_cfg).random_init_(seed=sum(map(ord, case_name)))
@@ -228,7 +226,7 @@ def test_drafter_parity(case_name, dtype, device, hf_target, tmp_path, record_er
         assert (dc.rope.type, dc.rope.factor) == (ref_cfg.rope_scaling["type"], ref_cfg.rope_scaling["factor"])
     else:
         assert dc.rope.type == "default"
-    assert target.aux_layer_ids == case.expect_aux, "the target was not switched to the drafter's aux layers"
+    assert dc.aux_layer_ids == case.expect_aux, "the drafter does not read the layers its checkpoint names"
     np.testing.assert_array_equal(host(drafter.d2t[...]), ref.d2t.cpu().numpy())
     np.testing.assert_array_equal(host(drafter.t2d[...]), ref.t2d.cpu().numpy())
     assert int(host(drafter.t2d[...]).sum()) == dc.draft_vocab_size
@@ -243,7 +241,7 @@ def test_drafter_parity(case_name, dtype, device, hf_target, tmp_path, record_er
     # with feature t is x_{t+1}
     n = T + STEPS
     prompt = torch.randint(0, V, (B, n + 1), generator=torch.Generator().manual_seed(1))
-    _, aux = target(dev(prompt[:, :n].numpy(), np.int32))
+    _, aux = target(dev(prompt[:, :n].numpy(), np.int32), dc.aux_layer_ids)
     aux32 = np32(aux)
     _, hs = hf_forward(hf_model, prompt[:, :n].numpy())
     check("target_aux_vs_hf_hidden_states", aux32, torch.cat([hs[i] for i in case.expect_aux], dim=-1))
@@ -337,7 +335,7 @@ def test_drafter_parity(case_name, dtype, device, hf_target, tmp_path, record_er
     check("roundtrip_next_feature", jax_next, rt_next)
     # ... and the JAX loader reads its own output back identically (aux ids now in the 'input' convention)
     again = eagle_jax.load_drafter(out, target, dtype=dtype)
-    assert target.aux_layer_ids == case.expect_aux
+    assert again.config.aux_layer_ids == case.expect_aux
     a_l, a_n = again(dev(aux_n[:, :T]), dev(ids_n[:, :T]))
     np.testing.assert_array_equal(np32(a_l), np32(jax_logits))
     np.testing.assert_array_equal(np32(a_n), np32(jax_next))

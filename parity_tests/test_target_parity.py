@@ -94,7 +94,7 @@ def check_per_layer(target, hf_model, ids, device, record, tol_logits, tol_hidde
     """Compares logits and every residual stream entering a layer (HF hidden_states[i], i < L)."""
     num_layers = target.config.num_layers
     hf_logits, hf_hidden = hf_forward(hf_model, ids, device)
-    logits, aux = target(jnp.asarray(ids))
+    logits, aux = target(jnp.asarray(ids), tuple(range(num_layers)))
     assert logits.dtype == target.dtype
     assert aux.shape == (BATCH, SEQ, num_layers * target.config.hidden_size)
     errs = {}
@@ -113,7 +113,7 @@ def check_per_layer(target, hf_model, ids, device, record, tol_logits, tol_hidde
 def test_target_parity_fp32(family, device, hf_models, input_ids, record_error):
     path, hf_model = hf_models(family)
     num_layers = hf_model.config.num_hidden_layers
-    target = eagle_jax.load_target(path, aux_layer_ids=tuple(range(num_layers)))
+    target = eagle_jax.load_target(path)
     assert target.dtype == jnp.float32
     c = target.config  # the feature under test was read from config.json
     assert (target.lm_head is None) == c.tie_word_embeddings == (family == "tied")
@@ -129,7 +129,7 @@ def test_target_parity_bf16(family, device, hf_models, input_ids, record_error):
     path, hf_model = hf_models(family, torch.bfloat16)
     assert hf_model.dtype == torch.bfloat16
     num_layers = hf_model.config.num_hidden_layers
-    target = eagle_jax.load_target(path, aux_layer_ids=tuple(range(num_layers)))  # dtype from config.json
+    target = eagle_jax.load_target(path)  # dtype from config.json
     assert target.dtype == jnp.bfloat16
     check_per_layer(target, hf_model, input_ids, device, record_error, BF16_TOL, BF16_HIDDEN_TOL)
 
@@ -159,7 +159,7 @@ def test_default_aux_ids_are_hf_hidden_states(hf_models, input_ids, record_error
     """With L=8 the default ids are the reference (2, L//2, L-3) = (2, 4, 5); aux = cat(hs[2], hs[4], hs[5])."""
     path, hf_model = hf_models("llama", num_layers=8)
     target = eagle_jax.load_target(path)
-    assert target.aux_layer_ids == (2, 4, 5) == default_aux_layer_ids(8)
+    assert default_aux_layer_ids(8) == (2, 4, 5)
     _, hf_hidden = hf_forward(hf_model, input_ids)
     _, aux = target(jnp.asarray(input_ids))
     want = torch.cat([hf_hidden[i] for i in (2, 4, 5)], dim=-1)

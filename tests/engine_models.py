@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax import Drafter, DrafterConfig, RopeConfig, Target, TargetConfig
+from eagle_jax.config import default_aux_layer_ids
 
 
 def target_config(vocab: int, hidden: int = 64, layers: int = 3, **kw) -> TargetConfig:
@@ -54,7 +55,7 @@ def drafter_config(tc: TargetConfig, draft_vocab: int | None = None, hidden: int
         vocab_size=tc.vocab_size,
         draft_vocab_size=draft_vocab or tc.vocab_size,
         target_hidden_size=tc.hidden_size,
-        num_aux_hidden_states=len(tc.aux_layer_ids),
+        num_aux_hidden_states=len(default_aux_layer_ids(tc.num_layers)),
         max_position_embeddings=tc.max_position_embeddings,
         **kw,
     )

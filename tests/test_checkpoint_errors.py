@@ -223,7 +223,7 @@ def test_num_aux_disagrees_with_aux_ids(drafter_dir):
 def test_num_aux_disagrees_with_target(drafter_dir):
     """No ids in the checkpoint: the target's default 3 aux layers must match num_aux_hidden_states."""
     edit_config(drafter_dir, num_aux_hidden_states=2)
-    with pytest.raises(ConfigError, match=r"num_aux_hidden_states=2 but the target captures 3"):
+    with pytest.raises(ConfigError, match=r"num_aux_hidden_states=2 but it reads 3 target layers"):
         load_drafter(drafter_dir)
 
 

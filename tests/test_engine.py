@@ -19,6 +19,7 @@ from flax import nnx
 
 import eagle_jax
 from eagle_jax import ConfigError, Drafter, SpecConfig
+from eagle_jax.config import aux_layer_ids_for
 from eagle_jax.decoding.engine import one_round, start
 from eagle_jax.generate import _prepare
 
@@ -212,7 +213,7 @@ def recompute(markov):
         positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
         mask = jnp.arange(w)[None, None, :] <= positions[:, :, None]
         zero = jnp.zeros((b,), jnp.int32)
-        _, aux, t_cache = target.forward(ids, positions, mask, target.init_cache(b, w), zero)
+        _, aux, t_cache = target.forward(ids, positions, mask, target.init_cache(b, w), zero, aux_layer_ids_for(drafter.config, target.config))
         nxt = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         normed, feat, d_cache = drafter.layer(drafter.fuse(aux), nxt, positions, mask, drafter.init_cache(b, w), zero)
         return t_cache, d_cache, feat, drafter.lm_head(normed)
@@ -544,11 +545,11 @@ def test_generate_mismatched_pair_errors(pair32):
         return nnx.eval_shape(lambda: Drafter(config))
 
     other_vocab = abstract(drafter_config(target_config(40, 64)))
-    _raises("vocab_size 40 != target vocab_size 32", target, other_vocab, [[1, 2]])
+    _raises("drafter vocab_size=40 but the target's is 32", target, other_vocab, [[1, 2]])
     other_hidden = abstract(drafter_config(tc).replace(target_hidden_size=48))
-    _raises("target_hidden_size 48 != target hidden_size 64", target, other_hidden, [[1, 2]])
+    _raises("target_hidden_size=48 but the target's hidden_size is 64", target, other_hidden, [[1, 2]])
     two_aux = abstract(drafter_config(tc).replace(num_aux_hidden_states=2))
-    _raises("aux states", target, two_aux, [[1, 2]])
+    _raises("num_aux_hidden_states=2 but it reads 3 target layers", target, two_aux, [[1, 2]])
 
 
 # ----------------------------------------------------------------------------- 6. parse and streaming

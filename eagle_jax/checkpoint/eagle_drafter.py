@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from eagle_jax.checkpoint.hf_target import resolve_dtype
+from eagle_jax.checkpoint.hub import resolve_checkpoint
 from eagle_jax.checkpoint.module_fill import export_tensors, fill_module
 from eagle_jax.checkpoint.tensor_files import CheckpointError, TensorSource, write_safetensors
-from eagle_jax.config import AuxConvention, ConfigError, DrafterConfig, validate_aux_layer_ids
+from eagle_jax.config import AuxConvention, DrafterConfig, check_pair, override_drafter_config
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 
@@ -76,42 +78,32 @@ def t2d_from_d2t(d2t: np.ndarray, vocab_size: int) -> np.ndarray:
     return t2d
 
 
-def check_pair(config: DrafterConfig, target: Target, where: str) -> None:
-    """A drafter must read the target it was trained for: widths, vocabulary and aux count agree."""
-    tc = target.config
-    if config.vocab_size != tc.vocab_size:
-        raise ConfigError(f"{where}: drafter vocab_size={config.vocab_size} but the target's is {tc.vocab_size}")
-    if config.target_hidden_size != tc.hidden_size:
-        raise ConfigError(
-            f"{where}: drafter target_hidden_size={config.target_hidden_size} but the target's hidden_size "
-            f"is {tc.hidden_size}"
-        )
-    n_target = len(config.aux_layer_ids or target.aux_layer_ids)
-    if config.num_aux_hidden_states != n_target:
-        raise ConfigError(
-            f"{where}: drafter num_aux_hidden_states={config.num_aux_hidden_states} but the target captures "
-            f"{n_target} aux states (layers {list(config.aux_layer_ids or target.aux_layer_ids)})"
-        )
+def load_drafter(
+    path: str | Path,
+    target: Target,
+    dtype=None,
+    *,
+    aux_convention: AuxConvention = "input",
+    overrides: dict[str, Any] | None = None,
+    revision: str | None = None,
+) -> Drafter:
+    """Loads an EAGLE-3/3.1 drafter checkpoint for ``target`` (which is not modified).
 
+    path: a checkpoint directory, or a Hugging Face Hub repo id fetched into the HF cache at
+    ``revision`` (``eagle_jax.checkpoint.hub.resolve_checkpoint``).
 
-def load_drafter(path: str | Path, target: Target, dtype=None, *, aux_convention: AuxConvention = "input") -> Drafter:
-    """Loads an EAGLE-3/3.1 drafter checkpoint directory for ``target``.
-
-    If the checkpoint names ``eagle_aux_hidden_state_layer_ids`` (read in ``aux_convention``: "input" =
-    residual stream entering layer i, as the EAGLE code and vLLM; "output" = SGLang/SpecForge "output of
-    layer j"), the target is switched to capture those layers. The embedding is the target's unless the
+    The drafter owns the target layers it reads: ``eagle_aux_hidden_state_layer_ids`` from its config
+    (read in ``aux_convention``: "input" = residual stream entering layer i, as the EAGLE code and vLLM;
+    "output" = SGLang/SpecForge "output of layer j"), else EAGLE's default for the target's depth; the
+    loaded config always names them. ``overrides`` replaces config fields (``DrafterConfig`` names, e.g.
+    ``{"norm_output": False}`` for a SpecForge-trained EAGLE-3.1 checkpoint, whose ``norm_output`` means
+    something else; aux ids in the 'input' convention). The embedding is the target's unless the
     checkpoint carries ``embed_tokens.weight``.
     """
-    path = Path(path)
-    config = DrafterConfig.from_pretrained(path, aux_convention)
+    path = resolve_checkpoint(path, revision=revision)
     where = str(path / "config.json")
-    check_pair(config, target, where)
-    if config.aux_layer_ids is not None:
-        validate_aux_layer_ids(
-            config.aux_layer_ids,
-            target.config.num_layers,
-            f"{where}: eagle_aux_hidden_state_layer_ids (read in the '{aux_convention}' convention)",
-        )
+    config = override_drafter_config(DrafterConfig.from_pretrained(path, aux_convention), overrides, where)
+    config = config.replace(aux_layer_ids=check_pair(target.config, config, where))
     source = TensorSource(path)
     renamed = {k: canonical_key(k) for k in source.keys()}
     stored = {v: k for k, v in renamed.items()}
@@ -155,8 +147,6 @@ def load_drafter(path: str | Path, target: Target, dtype=None, *, aux_convention
     finally:
         source.release()
     drafter.set_vocab_map(d2t)
-    if config.aux_layer_ids is not None:
-        target.set_aux_layer_ids(config.aux_layer_ids)
     return drafter
 
 

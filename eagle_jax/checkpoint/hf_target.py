@@ -8,6 +8,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from flax import nnx
 
+from eagle_jax.checkpoint.hub import resolve_checkpoint
 from eagle_jax.checkpoint.module_fill import export_tensors, fill_module
 from eagle_jax.checkpoint.tensor_files import CheckpointError, TensorSource, write_safetensors
 from eagle_jax.config import ConfigError, TargetConfig
@@ -39,6 +40,18 @@ def resolve_dtype(requested, config_dtype: str | None, source: TensorSource, pro
     return jnp.float32
 
 
+def generation_eos_ids(path: str | Path) -> int | list[int] | None:
+    """``eos_token_id`` of a checkpoint's generation_config.json (None when absent)."""
+    file = Path(path) / "generation_config.json"
+    if not file.exists():
+        return None
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ConfigError(f"{file}: not a valid generation config ({e})") from e
+    return eos
+
+
 def target_key(path: tuple) -> str:
     """NNX path of a ``Target`` variable -> HF key."""
     if path[0] == "lm_head":
@@ -56,16 +69,20 @@ def _ignored_target_key(key: str, config: TargetConfig) -> bool:
     return key.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and key == "lm_head.weight")
 
 
-def load_target(path: str | Path, dtype=None, *, aux_layer_ids: tuple[int, ...] | None = None) -> Target:
-    """Loads an HF checkpoint directory into a ``Target``, streaming tensors one at a time.
+def load_target(path: str | Path, dtype=None, *, revision: str | None = None) -> Target:
+    """Loads an HF checkpoint into a ``Target``, streaming tensors one at a time.
 
+    path: a checkpoint directory, or a Hugging Face Hub repo id (``org/name``) fetched into the HF
+    cache at ``revision`` (branch, tag or commit; see ``eagle_jax.checkpoint.hub.resolve_checkpoint``).
     dtype: None keeps the checkpoint's (config ``torch_dtype``/``dtype``, else the tensors'); or
-    "float32"/"bfloat16"/"float16" or a jnp dtype. ``aux_layer_ids`` (reference convention: residual
-    stream entering layer i) overrides the default (2, L//2, L-3).
+    "float32"/"bfloat16"/"float16" or a jnp dtype. The EOS ids are generation_config.json's when it
+    names them (as HF ``generate`` reads them), else config.json's.
     """
+    path = resolve_checkpoint(path, revision=revision)
     config = TargetConfig.from_pretrained(path)
-    if aux_layer_ids is not None:
-        config = config.replace(aux_layer_ids=tuple(aux_layer_ids))
+    eos = generation_eos_ids(path)
+    if eos is not None:
+        config = config.replace(eos_token_id=eos)
     source = TensorSource(path)
     dt = resolve_dtype(dtype, config.dtype, source, "model.embed_tokens.weight")
     abstract = nnx.eval_shape(lambda: Target(config, dtype=dt))

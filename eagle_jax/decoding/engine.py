@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from eagle_jax.config import SpecConfig
+from eagle_jax.config import SpecConfig, aux_layer_ids_for
 from eagle_jax.decoding.sampling import RowSampling, accept_chain, draft_probs, sample, split_rows, target_probs
 from eagle_jax.decoding.state import LoopState, emit
 from eagle_jax.decoding.tree import TreeShape, accept as accept_tree, grow, verify_mask
@@ -69,6 +69,11 @@ class Plan:
         return self.cache_len if self.span is None else self.span
 
 
+def _aux_ids(target: Target, drafter: Drafter | None) -> tuple[int, ...]:
+    """The target layers this program captures: the drafter's (none without one)."""
+    return () if drafter is None else aux_layer_ids_for(drafter.config, target.config)
+
+
 def causal_cache_mask(q_pos: Array, cache_len: int, window: int | None) -> Array:
     """[B, T, S] for a block at positions q_pos [B, T] over cache slots holding positions 0..S-1."""
     slots = jnp.broadcast_to(jnp.arange(cache_len), (q_pos.shape[0], cache_len))
@@ -118,7 +123,9 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     zero = jnp.zeros((b,), jnp.int32)
     # The prompt block attends only to itself (P x P), then sits in cache slots 0..P-1.
     block_mask = window_mask(positions, positions, window)
-    hidden, aux, t_cache = target.forward(prompt, positions, block_mask, _placed(plan, target.init_cache(b, s)), zero)
+    hidden, aux, t_cache = target.forward(
+        prompt, positions, block_mask, _placed(plan, target.init_cache(b, s)), zero, _aux_ids(target, drafter)
+    )
     last = lens - 1
     first = pick(target.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), plan, rs, keys)
     if drafter is None:
@@ -226,7 +233,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     block = jnp.concatenate([st.pending[:, None], drafts], axis=1)
     pos = st.length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     hidden, aux, t_cache = target.forward(
-        block, pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
+        block, pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length, _aux_ids(target, drafter)
     )
     logits = target.logits(hidden)
     if plan.greedy:
@@ -264,7 +271,7 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
     mask = verify_mask(tree, st.length, span)
     if target.config.sliding_window is not None:
         mask &= causal_cache_mask(pos, span, target.config.sliding_window) | (jnp.arange(span) >= st.length[:, None])[:, None, :]
-    hidden, aux, t_cache = target.forward(tree.tokens, pos, mask, st.t_cache, st.length)
+    hidden, aux, t_cache = target.forward(tree.tokens, pos, mask, st.t_cache, st.length, _aux_ids(target, drafter))
     path, n, bonus = accept_tree(keys, tree, target.logits(hidden), None if plan.greedy else st.sampling, shape)
     t_cache = _gather_path(t_cache, path, st.length)
     path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from eagle_jax.config import TargetConfig, validate_aux_layer_ids
+from eagle_jax.config import TargetConfig, default_aux_layer_ids
 from eagle_jax.modeling.layers import MLP, Attention, Linear, RMSNorm, causal_mask, rope_cos_sin
 
 Array = jax.Array
@@ -64,26 +64,23 @@ class DecoderLayer(nnx.Module):
 
 
 class Target(nnx.Module):
-    """The target model. ``target(input_ids) -> (logits [B,T,V], aux [B,T,N*H])`` on whole sequences.
+    """The target model. ``target(input_ids, aux_layer_ids) -> (logits [B,T,V], aux [B,T,N*H])``.
 
     aux = the residual streams ENTERING layers ``aux_layer_ids`` (HF ``hidden_states[i]``), raw, in
-    ascending layer order, concatenated on the feature axis.
+    ascending layer order, concatenated on the feature axis. The ids belong to the drafter that reads
+    them (``config.aux_layer_ids_for``): the target itself holds none, so one target serves any number
+    of drafters, each program capturing the layers its drafter asks for.
     """
 
     def __init__(self, config: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs or nnx.Rngs(0)
         self.config = config
         self.dtype = dtype
-        self.aux_layer_ids = config.aux_layer_ids
         c = config
         self.embed_tokens = nnx.Param((jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size)) * 0.02).astype(dtype))
         self.layers = nnx.List([DecoderLayer(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
-
-    def set_aux_layer_ids(self, ids: tuple[int, ...]) -> None:
-        """Captures other layers (a drafter trained on other ids); validated against the depth."""
-        self.aux_layer_ids = validate_aux_layer_ids(tuple(ids), self.config.num_layers, "aux_layer_ids")
 
     def embed(self, input_ids: Array) -> Array:
         return jnp.take(self.embed_tokens[...], input_ids, axis=0)
@@ -101,8 +98,10 @@ class Target(nnx.Module):
         mask: Array,
         cache: KVCache | None = None,
         write_index: Array | None = None,
-    ) -> tuple[Array, Array, KVCache | None]:
-        """The decoder stack. Returns (final-normed hidden [B,T,H], aux [B,T,N*H], updated cache).
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[Array, Array | None, KVCache | None]:
+        """The decoder stack. Returns (final-normed hidden [B,T,H], aux [B,T,N*H] or None when no
+        ``aux_layer_ids`` are asked for, updated cache).
 
         input_ids, positions: [B, T]. Without ``cache``, ``mask`` is [B, T, T] over the block itself. With
         a cache, the block's keys/values are written at slots ``write_index + 0..T-1`` and ``mask`` is
@@ -113,7 +112,7 @@ class Target(nnx.Module):
         cos, sin = rope_cos_sin(c.rope, c.head_dim, positions, h.dtype)
         aux, ks, vs = [], [], []
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layer_ids:
+            if i in aux_layer_ids:
                 aux.append(h)
             kv = None if cache is None else (cache.k[i], cache.v[i])
             h, kv = layer(h, cos, sin, mask, kv, write_index)
@@ -121,15 +120,18 @@ class Target(nnx.Module):
                 ks.append(kv[0])
                 vs.append(kv[1])
         new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs))
-        return self.norm(h), jnp.concatenate(aux, axis=-1), new_cache
+        return self.norm(h), (jnp.concatenate(aux, axis=-1) if aux else None), new_cache
 
-    def __call__(self, input_ids: Array) -> tuple[Array, Array]:
+    def __call__(self, input_ids: Array, aux_layer_ids: tuple[int, ...] | None = None) -> tuple[Array, Array]:
+        """Whole sequences from position 0; ``aux_layer_ids`` None = EAGLE's default (2, L/2, L-3)."""
+        if aux_layer_ids is None:
+            aux_layer_ids = default_aux_layer_ids(self.config.num_layers)
         b, t = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         mask = causal_mask(b, t)
         if self.config.sliding_window is not None:
             mask = window_mask(positions, positions, self.config.sliding_window)
-        hidden, aux, _ = self.forward(input_ids, positions, mask)
+        hidden, aux, _ = self.forward(input_ids, positions, mask, aux_layer_ids=tuple(aux_layer_ids))
         return self.logits(hidden), aux
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:

@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle_jax.config import ConfigError, SpecConfig
+from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding.engine import Plan, prefill, run_rounds, scratch_slots
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams, split_rows
 from eagle_jax.decoding.state import LoopState
-from eagle_jax.generate import PROMPT_BUCKETS, bucket, check_pair
+from eagle_jax.generate import PROMPT_BUCKETS, bucket
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import KVCache, Target
 
@@ -77,7 +77,8 @@ class SlotEngine:
             raise ConfigError(f"slots must be >= 1, got {slots}")
         if rounds_per_step < 1:
             raise ConfigError(f"rounds_per_step must be >= 1, got {rounds_per_step}")
-        check_pair(target, drafter)
+        if drafter is not None:
+            check_pair(target.config, drafter.config)
         if drafter is None and any(s is not None for s in specs):
             raise ConfigError("speculation configs were given but there is no drafter")
         limit = target.config.max_position_embeddings

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from eagle_jax.checkpoint.eagle_drafter import load_drafter, save_drafter
 from eagle_jax.checkpoint.hf_target import DTYPES, load_target
-from eagle_jax.config import DrafterConfig, RopeConfig, TargetConfig
+from eagle_jax.config import DrafterConfig, RopeConfig, TargetConfig, aux_layer_ids_for, check_pair, default_aux_layer_ids
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 from eagle_jax.sharding import BATCH_AXES, logical_to_spec, make_mesh, put, tree_shardings
@@ -54,10 +54,10 @@ DEFAULTS: dict[str, Any] = {
         "path": None,  # HF checkpoint directory
         "random": None,  # or TargetConfig fields of a randomly initialised llama (tiny recipes, tests)
         "dtype": "float32",
-        "aux_layer_ids": None,  # reference convention (entering layer i); None = (2, L//2, L-3)
     },
     "drafter": {
         "init": None,  # an EAGLE drafter checkpoint to start from; else fresh weights
+        "aux_layer_ids": None,  # target layers read (entering layer i); None = EAGLE's (2, L//2, L-3)
         "hidden_size": None,  # None = the target's
         "num_heads": None,
         "num_kv_heads": None,
@@ -189,17 +189,14 @@ def mesh_from_config(m: dict) -> jax.sharding.Mesh:
 def build_target(cfg: dict) -> Target:
     t = cfg["target"]
     dtype = DTYPES[t["dtype"]]
-    aux = tuple(t["aux_layer_ids"]) if t["aux_layer_ids"] else None
     if t["path"]:
-        return load_target(t["path"], dtype, aux_layer_ids=aux)
+        return load_target(t["path"], dtype)
     if not t["random"]:
         raise TrainConfigError("config: set target.path (an HF checkpoint) or target.random (a TargetConfig dict)")
     fields = {"architecture": "llama", **t["random"]}
     # A random init has near-uniform next-token distributions; scaling the lm_head makes them as
     # peaked as a trained model's, so that there is something to learn.
     logit_scale = float(fields.pop("logit_scale", 1.0))
-    if aux:
-        fields["aux_layer_ids"] = aux
     if "rope_theta" in fields:
         fields["rope"] = RopeConfig(theta=float(fields.pop("rope_theta")))
     target = Target(TargetConfig(**fields), dtype=dtype, rngs=nnx.Rngs(int(cfg["seed"]) + 1000))
@@ -231,6 +228,7 @@ def build_samples(cfg: dict, target: Target) -> tuple[list[Sample], int, str]:
 
 def drafter_config_for(cfg: dict, target: Target) -> DrafterConfig:
     d, tc = cfg["drafter"], target.config
+    aux = tuple(d["aux_layer_ids"]) if d["aux_layer_ids"] else default_aux_layer_ids(tc.num_layers)
     h = d["hidden_size"] or tc.hidden_size
     heads = d["num_heads"] or tc.num_heads
     return DrafterConfig(
@@ -242,13 +240,13 @@ def drafter_config_for(cfg: dict, target: Target) -> DrafterConfig:
         vocab_size=tc.vocab_size,
         draft_vocab_size=d["draft_vocab_size"] or tc.vocab_size,
         target_hidden_size=tc.hidden_size,
-        num_aux_hidden_states=len(target.aux_layer_ids),
+        num_aux_hidden_states=len(aux),
         rms_norm_eps=d["rms_norm_eps"] or tc.rms_norm_eps,
         rope=RopeConfig(theta=float(d["rope_theta"] or tc.rope.theta)),
         max_position_embeddings=tc.max_position_embeddings,
         fc_norm=bool(d["fc_norm"]),
         norm_output=bool(d["norm_output"]),
-        aux_layer_ids=tuple(target.aux_layer_ids),
+        aux_layer_ids=aux,
     )
 
 
@@ -258,6 +256,7 @@ def build_drafter(cfg: dict, target: Target, samples: list[Sample]) -> tuple[Dra
     if d["init"]:
         return load_drafter(d["init"], target, jnp.float32), f"drafter initialised from {d['init']}"
     config = drafter_config_for(cfg, target)
+    check_pair(target.config, config, "config: drafter")
     if config.hidden_size != target.config.hidden_size:
         raise TrainConfigError(
             f"config: drafter.hidden_size={config.hidden_size} differs from the target's {target.config.hidden_size}; "
@@ -341,6 +340,7 @@ def make_train_step(
     graphdef_t: nnx.GraphDef,
     tx: optax.GradientTransformation,
     *,
+    aux_layer_ids: tuple[int, ...],
     ttt_length: int,
     decay: float,
     normalize: str,
@@ -348,7 +348,8 @@ def make_train_step(
 ) -> Callable:
     """The pure train step: (params, opt_state, frozen, target_state, batch) -> (params, opt_state, metrics).
 
-    batch: input_ids / loss_mask [grad_accum, micro_batch, T].
+    batch: input_ids / loss_mask [grad_accum, micro_batch, T]. ``aux_layer_ids``: the target layers the
+    drafter reads.
     """
 
     def cast(tree):
@@ -362,7 +363,7 @@ def make_train_step(
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def micro(params, frozen, target_state, ids, mask):
-        t_logits, aux = nnx.merge(graphdef_t, target_state)(ids)  # the frozen target, no gradient
+        t_logits, aux = nnx.merge(graphdef_t, target_state)(ids, aux_layer_ids)  # the frozen target, no gradient
         t_logits, aux = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(aux.astype(compute_dtype))
         (_, out), grads = grad_fn(params, frozen, aux, ids, t_logits, mask)
         return grads, out
@@ -530,7 +531,8 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     batch_sh = NamedSharding(mesh, PartitionSpec(None, *logical_to_spec(BATCH_AXES, (batch_size // accum, 1), mesh)))
 
     step_fn = make_train_step(
-        graphdef_d, graphdef_t, tx, ttt_length=int(t_cfg["ttt_length"]), decay=float(t_cfg["decay"]),
+        graphdef_d, graphdef_t, tx, aux_layer_ids=aux_layer_ids_for(drafter.config, target.config),
+        ttt_length=int(t_cfg["ttt_length"]), decay=float(t_cfg["decay"]),
         normalize=t_cfg["normalize"], compute_dtype=compute_dtype,
     )
     jitted = jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, replicated))

@@ -28,15 +28,16 @@ def random_pair(vocab: int = 6144, hidden: int = 384, layers: int = 12, draft_vo
     return target, drafter
 
 
-def load_pair_or_random(target_dir: str | None, drafter_dir: str | None, prompts_file: str | None, prompt_len: int):
+def load_pair_or_random(target_dir: str | None, drafter_dir: str | None, prompts_file: str | None, prompt_len: int,
+                        dtype: str = "float32"):
     """(target, drafter, tokenizer or None, prompts as id lists, description of the models)."""
     target_dir = target_dir or (str(BUNDLED_TARGET) if BUNDLED_TARGET.exists() else None)
     drafter_dir = drafter_dir or (str(BUNDLED_DRAFTER) if BUNDLED_DRAFTER.exists() else None)
     tokenizer = None
     if target_dir and drafter_dir:
-        target = eagle_jax.load_target(target_dir, dtype="float32")
-        drafter = eagle_jax.load_drafter(drafter_dir, target, dtype="float32")
-        source = {"target": target_dir, "drafter": drafter_dir}
+        target = eagle_jax.load_target(target_dir, dtype=dtype)
+        drafter = eagle_jax.load_drafter(drafter_dir, target, dtype=dtype)
+        source = {"target": target_dir, "drafter": drafter_dir, "dtype": dtype}
         if (Path(target_dir) / "tokenizer.json").exists():
             from transformers import AutoTokenizer
 

@@ -2,6 +2,7 @@
 
     python -m bench.speed                                   # bundled pair if present, else random models
     python -m bench.speed --target DIR --drafter DIR --batch 1 4 16 --ks 1 3 5 --trees 8,5,48
+    python -m bench.speed --dtype bfloat16 --exact          # bf16 weights, every row also in exact mode
 
 Writes JSON (``--out``) and prints a table. The round split times, inside jitted loops (no host
 dispatch, like the real loop): one drafter step (1 token), one target verification of the round's
@@ -41,6 +42,12 @@ def _timed_interleaved(calls: dict, repeats: int = 9) -> dict:
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - t0)
     return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def spec_name(spec: SpecConfig) -> str:
+    if spec.method == "chain":
+        return f"chain K={spec.num_speculative_tokens}"
+    return f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
 
 
 def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, rounds: int = 48) -> dict:
@@ -118,38 +125,45 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", help="JSONL with 'prompt' fields (default: held-out code prompts with the bundled pair)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--split-only", action="store_true", help="only the round time split")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the bundled pair's dtype")
+    ap.add_argument("--exact", action="store_true", help="also run every row with generate(exact=True); speedups stay "
+                    "relative to the default plain row, so the exact rows show the mode's cost")
     ap.add_argument("--out", default="bench/results/speed.json")
     args = ap.parse_args(argv)
 
-    target, drafter, tokenizer, prompts, source = load_pair_or_random(args.target, args.drafter, args.prompts, args.prompt_len)
+    target, drafter, tokenizer, prompts, source = load_pair_or_random(args.target, args.drafter, args.prompts, args.prompt_len, args.dtype)
     specs = [SpecConfig(num_speculative_tokens=k) for k in args.ks]
     for t in args.trees:
         k, d, n = (int(x) for x in t.split(","))
         specs.append(SpecConfig(method="tree", tree_top_k=k, tree_depth=d, tree_total_tokens=n))
     rows, results = [], {"models": source, "runs": [], "round_split": []}
+    modes = (False, True) if args.exact else (False,)
     for b in [] if args.split_only else args.batch:
         batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
-        kw = dict(max_new_tokens=args.max_new, temperature=args.temperature, eos_token_id=[])
-        first = eagle_jax.generate(target, None, batch_prompts, **kw)
-        base = eagle_jax.generate(target, None, batch_prompts, **kw)
-        rows.append([b, "none", "-", f"{base.tokens_per_s:.1f}", "1.00x", f"{first.compile_s:.1f}"])
-        results["runs"].append({"batch": b, "spec": None, "tokens_per_s": base.tokens_per_s, "speedup": 1.0, "compile_s": first.compile_s})
-        for spec in specs:
-            first = eagle_jax.generate(target, drafter, batch_prompts, spec=spec, **kw)
-            r = eagle_jax.generate(target, drafter, batch_prompts, spec=spec, **kw)
-            name = f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
-            speedup = r.tokens_per_s / base.tokens_per_s
-            rows.append([b, name, f"{r.acceptance_length:.2f}", f"{r.tokens_per_s:.1f}", f"{speedup:.2f}x", f"{first.compile_s:.1f}"])
-            results["runs"].append(
-                {"batch": b, "spec": name, "acceptance_length": r.acceptance_length, "position_acceptance": r.position_acceptance,
-                 "tokens_per_s": r.tokens_per_s, "speedup": speedup, "compile_s": first.compile_s}
-            )
+        base_tps = None
+        for exact in modes:
+            mode = "exact" if exact else args.dtype
+            kw = dict(max_new_tokens=args.max_new, temperature=args.temperature, eos_token_id=[], exact=exact)
+            for spec in [None, *specs]:
+                d = None if spec is None else drafter
+                first = eagle_jax.generate(target, d, batch_prompts, spec=spec, **kw)
+                r = eagle_jax.generate(target, d, batch_prompts, spec=spec, **kw)
+                base_tps = base_tps or r.tokens_per_s
+                name = "none" if spec is None else spec_name(spec)
+                speedup = r.tokens_per_s / base_tps
+                al = "-" if spec is None else f"{r.acceptance_length:.2f}"
+                rows.append([b, mode, name, al, f"{r.tokens_per_s:.1f}", f"{speedup:.2f}x", f"{first.compile_s:.1f}"])
+                results["runs"].append(
+                    {"batch": b, "mode": mode, "spec": None if spec is None else name, "acceptance_length": r.acceptance_length,
+                     "position_acceptance": r.position_acceptance, "tokens_per_s": r.tokens_per_s, "speedup": speedup,
+                     "compile_s": first.compile_s}
+                )
     if rows:
-        print_table(["batch", "speculation", "AL", "tok/s", "speedup", "compile s"], rows)
+        print_table(["batch", "mode", "speculation", "AL", "tok/s", "speedup", "compile s"], rows)
     split_rows = []
     for spec in specs:
         s = round_split(target, drafter, spec, 1, args.prompt_len)
-        name = f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
+        name = spec_name(spec)
         results["round_split"].append({"spec": name, **s})
         split_rows.append([name, f"{s['draft_step_s'] * 1e3:.2f}", f"{s['verify_s'] * 1e3:.2f}", f"{s['round_s'] * 1e3:.2f}", f"{s['rest_s'] * 1e3:.2f}", f"{s['overhead']:.3f}"])
     print()

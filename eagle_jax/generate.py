@@ -97,7 +97,7 @@ def eos_ids(target: Target, tokenizer=None, eos_token_id: int | Sequence[int] | 
     return tuple(sorted(ids))
 
 
-def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh=None):
+def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh=None, exact=False):
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if drafter is not None:
@@ -129,6 +129,7 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
         greedy=sampling.greedy,
         eos_ids=eos_ids(target, tokenizer, eos_token_id),
         mesh=mesh,
+        exact=bool(exact),
     )
     longest = max(len(p) for p in ids)
     limit = target.config.max_position_embeddings
@@ -185,15 +186,27 @@ def generate(
     seed: int = 0,
     tokenizer=None,
     mesh=None,
+    exact: bool = False,
 ) -> GenerationResult:
     """Generates up to ``max_new_tokens`` per prompt with speculative decoding (``drafter=None``: plain).
 
     One XLA program per call: target prefill with aux capture, drafter prefill, then a while_loop of
-    rounds with no host round trip. Greedy output equals the target's own greedy decoding; sampling
-    keeps the target's distribution (temperature / top_k / top_p). Prompts are padded to length buckets
-    so new lengths reuse compiled programs. ``mesh``: run tensor-parallel over the mesh's ``model`` axis.
+    rounds with no host round trip. Sampling keeps the target's distribution (temperature / top_k /
+    top_p). Prompts are padded to length buckets so new lengths reuse compiled programs. ``mesh``: run
+    tensor-parallel over the mesh's ``model`` axis.
+
+    Greedy output equals the target's own greedy decoding token for token in float32. In bfloat16 it
+    does except at near-ties (top-2 logits within bf16 rounding, as in every engine): a position's
+    bf16 logits depend slightly on how many positions and rows one matmul covers, so verification of
+    K+1 positions (and plain decoding at another batch size) can resolve a tie differently.
+    ``exact=True`` computes the target in float32 from its stored weights, plain and speculative
+    alike: the output is then the same for every batch size, drafter and speculation setting (cost:
+    fp32 activations and caches; see BENCHMARKS.md).
+
+    ``eos_token_id``: None = the model's own (generation_config.json / config.json) and the
+    tokenizer's; an id or a list; ``[]`` = never stop before ``max_new_tokens``.
     """
-    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh)
+    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
     if mesh is not None:
@@ -233,11 +246,12 @@ def generate_stream(
     eos_token_id: int | Sequence[int] | None = None,
     seed: int = 0,
     tokenizer=None,
+    exact: bool = False,
 ) -> Iterator[list[list[int]]]:
     """The same loop run in chunks of ``rounds_per_chunk`` rounds; yields each row's new tokens per chunk."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
-    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer)
+    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
 

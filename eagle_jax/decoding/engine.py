@@ -52,12 +52,13 @@ class Plan:
     eos_ids: tuple[int, ...]
     span: int | None = None  # leading cache slots the rounds read and write (None: all of them)
     mesh: Any = None  # tensor parallel: caches are laid out by the sharding rules
+    exact: bool = False  # the target computes in float32 whatever its weights' dtype (see ``target_dtype``)
 
     @classmethod
     def one_shot(cls, batch: int, prompt_len: int, max_new: int, spec: SpecConfig | None, greedy: bool,
-                 eos_ids: tuple[int, ...], mesh: Any = None) -> "Plan":
+                 eos_ids: tuple[int, ...], mesh: Any = None, exact: bool = False) -> "Plan":
         """The plan of ``generate``: prompts padded to ``prompt_len``, ``max_new`` tokens per row."""
-        return cls(batch, prompt_len + max_new + scratch_slots(spec) + 1, max_new, spec, greedy, eos_ids, None, mesh)
+        return cls(batch, prompt_len + max_new + scratch_slots(spec) + 1, max_new, spec, greedy, eos_ids, None, mesh, exact)
 
     @property
     def width(self) -> int:
@@ -69,9 +70,20 @@ class Plan:
         return self.cache_len if self.span is None else self.span
 
 
-def _aux_ids(target: Target, drafter: Drafter | None) -> tuple[int, ...]:
-    """The target layers this program captures: the drafter's (none without one)."""
-    return () if drafter is None else aux_layer_ids_for(drafter.config, target.config)
+def target_dtype(target: Target, plan: Plan):
+    """The target's activation and cache dtype in this program.
+
+    Exact mode computes in float32 from the stored (e.g. bf16) weights: in bf16 a position's logits
+    depend, by rounding, on how many positions and rows a matmul covers, so verifying K+1 positions
+    at once, or a row in a larger batch, can flip a near-tie that plain batch-1 decoding resolves the
+    other way. In float32 such flips need logit gaps near 1e-6, and the output is plain decoding's."""
+    return jnp.float32 if plan.exact else target.dtype
+
+
+def _forward(target: Target, drafter: Drafter | None, plan: Plan, tokens, positions, mask, cache, write_index):
+    """A target forward in the plan's dtype, capturing the layers the drafter reads (none without one)."""
+    aux_ids = () if drafter is None else aux_layer_ids_for(drafter.config, target.config)
+    return target.forward(tokens, positions, mask, cache, write_index, aux_ids, target_dtype(target, plan))
 
 
 def causal_cache_mask(q_pos: Array, cache_len: int, window: int | None) -> Array:
@@ -123,9 +135,8 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     zero = jnp.zeros((b,), jnp.int32)
     # The prompt block attends only to itself (P x P), then sits in cache slots 0..P-1.
     block_mask = window_mask(positions, positions, window)
-    hidden, aux, t_cache = target.forward(
-        prompt, positions, block_mask, _placed(plan, target.init_cache(b, s)), zero, _aux_ids(target, drafter)
-    )
+    t_cache = _placed(plan, target.init_cache(b, s, target_dtype(target, plan)))
+    hidden, aux, t_cache = _forward(target, drafter, plan, prompt, positions, block_mask, t_cache, zero)
     last = lens - 1
     first = pick(target.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), plan, rs, keys)
     if drafter is None:
@@ -216,8 +227,8 @@ def _extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array
 
 def _round_plain(target: Target, plan: Plan, st: LoopState, keys: Array | None):
     pos = st.length[:, None]
-    hidden, _, t_cache = target.forward(
-        st.pending[:, None], pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
+    hidden, _, t_cache = _forward(
+        target, None, plan, st.pending[:, None], pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
     )
     nxt = pick(target.logits(hidden[:, 0]), plan, st.sampling, keys)
     zero = jnp.zeros_like(st.length)
@@ -232,8 +243,8 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     drafts, draft_ids, q, d_cache = _draft_chain(drafter, plan, st, None if sub is None else sub[:, 0], k)
     block = jnp.concatenate([st.pending[:, None], drafts], axis=1)
     pos = st.length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    hidden, aux, t_cache = target.forward(
-        block, pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length, _aux_ids(target, drafter)
+    hidden, aux, t_cache = _forward(
+        target, drafter, plan, block, pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
     )
     logits = target.logits(hidden)
     if plan.greedy:
@@ -271,7 +282,7 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
     mask = verify_mask(tree, st.length, span)
     if target.config.sliding_window is not None:
         mask &= causal_cache_mask(pos, span, target.config.sliding_window) | (jnp.arange(span) >= st.length[:, None])[:, None, :]
-    hidden, aux, t_cache = target.forward(tree.tokens, pos, mask, st.t_cache, st.length, _aux_ids(target, drafter))
+    hidden, aux, t_cache = _forward(target, drafter, plan, tree.tokens, pos, mask, st.t_cache, st.length)
     path, n, bonus = accept_tree(keys, tree, target.logits(hidden), None if plan.greedy else st.sampling, shape)
     t_cache = _gather_path(t_cache, path, st.length)
     path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)

@@ -99,9 +99,13 @@ class Target(nnx.Module):
         cache: KVCache | None = None,
         write_index: Array | None = None,
         aux_layer_ids: tuple[int, ...] = (),
+        compute_dtype=None,
     ) -> tuple[Array, Array | None, KVCache | None]:
         """The decoder stack. Returns (final-normed hidden [B,T,H], aux [B,T,N*H] or None when no
         ``aux_layer_ids`` are asked for, updated cache).
+
+        ``compute_dtype``: the activations' dtype (default: the weights'); float32 over bf16 weights is
+        the exact mode, whose results do not depend on the batch or the verification width.
 
         input_ids, positions: [B, T]. Without ``cache``, ``mask`` is [B, T, T] over the block itself. With
         a cache, the block's keys/values are written at slots ``write_index + 0..T-1`` and ``mask`` is
@@ -109,6 +113,8 @@ class Target(nnx.Module):
         """
         c = self.config
         h = self.embed(input_ids)
+        if compute_dtype is not None:
+            h = h.astype(compute_dtype)  # every matmul, norm and cache write follows the activations
         cos, sin = rope_cos_sin(c.rope, c.head_dim, positions, h.dtype)
         aux, ks, vs = [], [], []
         for i, layer in enumerate(self.layers):

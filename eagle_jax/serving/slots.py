@@ -58,7 +58,9 @@ class SlotEngine:
     """Device state and compiled programs for ``slots`` concurrent requests of at most ``max_len`` tokens.
 
     ``specs``: every speculation config the host may pick per step (None = no drafts); they share one
-    state, so switching between them costs nothing but their first compilation.
+    state, so switching between them costs nothing but their first compilation. ``exact``: the target
+    computes in float32 (``generate``'s exact mode): a request's greedy output then does not depend on
+    which requests share its steps.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class SlotEngine:
         specs: Sequence[SpecConfig | None] = (None,),
         rounds_per_step: int = 4,
         eos_ids: Sequence[int] = (),
+        exact: bool = False,
         on_compile: Callable[[str, float], None] | None = None,
     ):
         if slots < 1:
@@ -89,6 +92,7 @@ class SlotEngine:
         self.slots, self.max_len, self.rounds_per_step = slots, max_len, rounds_per_step
         self.specs = tuple(specs)
         self.eos_ids = tuple(int(e) for e in eos_ids)
+        self.exact = bool(exact)
         self.on_compile = on_compile
         self.max_width = max(1 if s is None else s.max_emitted for s in self.specs)
         self.scratch = max(scratch_slots(s) for s in self.specs)
@@ -116,7 +120,7 @@ class SlotEngine:
             return jnp.zeros((b,), jnp.int32)
 
         return LoopState(
-            t_cache=self.target.init_cache(b, s),
+            t_cache=self.target.init_cache(b, s, jnp.float32 if self.exact else None),
             d_cache=None if d is None else d.init_cache(b, s),
             length=zero(),
             pending=zero(),
@@ -227,7 +231,7 @@ class SlotEngine:
 
     def _insert_fn(self, p: int):
         eos = self.eos_ids
-        plan = Plan(batch=1, cache_len=p, max_rounds=0, spec=None, greedy=False, eos_ids=eos)
+        plan = Plan(batch=1, cache_len=p, max_rounds=0, spec=None, greedy=False, eos_ids=eos, exact=self.exact)
 
         def insert(t_state, d_state, st: LoopState, slot, prompt, plen, rs, key, max_tokens):
             tgt, drf = self._merge(t_state, d_state)
@@ -313,7 +317,7 @@ class SlotEngine:
     def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int):
         plan = Plan(
             batch=rows, cache_len=self.cache_len, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy,
-            eos_ids=self.eos_ids, span=span,
+            eos_ids=self.eos_ids, span=span, exact=self.exact,
         )
 
         def step(t_state, d_state, st: LoopState, cancel):

@@ -29,7 +29,6 @@ from bench.common import heldout_code_prompts, print_table, pyplot, spec_name, w
 from eagle_jax.config import SpecConfig
 from eagle_jax.serving import SpecSchedule
 
-PROFILE = Path("configs/serve/bundled.yaml")
 
 
 async def _user(client, url: str, model: str, prompts: list[list[int]], max_new: int, log: list, user: int) -> dict:
@@ -112,10 +111,10 @@ def generate_per_user(target, drafter, spec, per_user, max_new: int, eos) -> flo
 
 
 def main(argv=None) -> None:
-    import yaml
-
     import eagle_jax
-    from serve.server import Server, make_service, model_eos_ids
+    from eagle_jax import bundled
+    from eagle_jax.generate import eos_ids
+    from eagle_jax.serving.server import Server, make_service, read_profile
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -131,16 +130,16 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args(argv)
 
-    profile = yaml.safe_load(PROFILE.read_text())
+    profile = read_profile(bundled.config_path("serve/bundled.yaml"))
     schedule_text = args.schedule or profile["spec"]
     rounds = args.rounds_per_step or profile["rounds_per_step"]
     target = eagle_jax.load_target(profile["target"], dtype="float32")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(profile["target"])
-    eos = model_eos_ids(target, Path(profile["target"]), tokenizer)
-    d31 = eagle_jax.load_drafter("assets/drafter-eagle3.1", target, dtype="float32")
-    d3 = eagle_jax.load_drafter("assets/drafter-eagle3", target, dtype="float32")
+    eos = eos_ids(target, tokenizer)
+    d31 = eagle_jax.load_drafter(bundled.drafter_dir("eagle3.1"), target, dtype="float32")
+    d3 = eagle_jax.load_drafter(bundled.drafter_dir("eagle3"), target, dtype="float32")
     prompts = [p["ids"] for p in heldout_code_prompts(tokenizer, args.n_prompts, max_chars=args.max_chars)]
     print(f"{len(prompts)} held-out prompts, {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "
           f"{args.max_new} new tokens; {args.slots} slots; {rounds} rounds per step; EOS {eos}")

@@ -27,7 +27,7 @@ from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
 from eagle_jax.decoding.engine import Plan, causal_cache_mask, run_rounds, start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.generate import bucket
-from bench.common import load_pair_or_random, print_table, write_json
+from bench.common import load_pair_or_random, print_table, spec_name, write_json
 
 
 def _timed_interleaved(calls: dict, repeats: int = 9) -> dict:
@@ -42,12 +42,6 @@ def _timed_interleaved(calls: dict, repeats: int = 9) -> dict:
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - t0)
     return {name: float(np.median(t)) for name, t in times.items()}
-
-
-def spec_name(spec: SpecConfig) -> str:
-    if spec.method == "chain":
-        return f"chain K={spec.num_speculative_tokens}"
-    return f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
 
 
 def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, rounds: int = 48) -> dict:
@@ -149,7 +143,7 @@ def main(argv=None) -> dict:
                 first = eagle_jax.generate(target, d, batch_prompts, spec=spec, **kw)
                 r = eagle_jax.generate(target, d, batch_prompts, spec=spec, **kw)
                 base_tps = base_tps or r.tokens_per_s
-                name = "none" if spec is None else spec_name(spec)
+                name = spec_name(spec)
                 speedup = r.tokens_per_s / base_tps
                 al = "-" if spec is None else f"{r.acceptance_length:.2f}"
                 rows.append([b, mode, name, al, f"{r.tokens_per_s:.1f}", f"{speedup:.2f}x", f"{first.compile_s:.1f}"])

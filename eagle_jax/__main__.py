@@ -1,10 +1,12 @@
 """The main job: complete a code prompt with the bundled target + EAGLE-3.1 drafter, with and without
 speculation, and print the text, the acceptance length and tokens/s of both.
 
-    python -m eagle_jax [--target DIR] [--drafter DIR] [--prompt TEXT] [--max-new-tokens N] [--k K | --tree]
+    python -m eagle_jax [--target DIR|ORG/NAME --drafter DIR|ORG/NAME] [--prompt TEXT] [--max-new-tokens N] [--k K | --tree]
 
-Without a bundled pair (``assets/``), it builds a tiny random Llama in HF format, imports it through
-the real checkpoint path, checks it against transformers, and runs the same comparison on it.
+(also installed as ``eagle-jax``). The bundled pair is found beside the package (``eagle_jax.bundled``),
+from any working directory. Only when the bundle is absent and no pair is given does it build a tiny
+RANDOM Llama in HF format, import it through the real checkpoint path, check it against transformers,
+and run the same comparison on it: that shows the pipeline runs, and its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 import eagle_jax
+from eagle_jax import bundled
+from eagle_jax.checkpoint.hub import resolve_checkpoint
 from eagle_jax.config import SpecConfig
 
-BUNDLED_TARGET = Path("assets/target")
-BUNDLED_DRAFTER = Path("assets/drafter-eagle3.1")
+RANDOM_NOTE = "random weights, untrained drafter: meaningless"
 DEFAULT_PROMPT = '''import re
 
 
@@ -58,29 +61,40 @@ def _tiny_random_pair(workdir: Path):
     return target, drafter, None, [list(range(1, 17))]
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(BUNDLED_TARGET))
-    ap.add_argument("--drafter", default=str(BUNDLED_DRAFTER))
+    ap.add_argument("--target", help="target checkpoint directory or Hub repo id (default: the bundled target)")
+    ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id (default: the bundled EAGLE-3.1 drafter)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5, help="chain speculation depth")
     ap.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree (top_k 8, depth 5, 48 nodes)")
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
+    if (args.target is None) != (args.drafter is None):
+        ap.error("--target and --drafter go together (a drafter is trained for one target); give both or neither")
 
     tmp = None
-    if Path(args.target).exists() and Path(args.drafter).exists():
-        from transformers import AutoTokenizer
-
-        target = eagle_jax.load_target(args.target, dtype="float32")
-        drafter = eagle_jax.load_drafter(args.drafter, target, dtype="float32")
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
-        prompts = [tokenizer.encode(args.prompt, add_special_tokens=False)]
-    else:
-        print(f"no bundled pair at {args.target} + {args.drafter}: demo on a tiny random model instead")
+    random_model = args.target is None and not bundled.available()
+    if random_model:
+        print(f"WARNING: the bundled models are not installed ({bundled.ASSETS}): running on a tiny RANDOM target with an\n"
+              f"untrained drafter instead. Acceptance length and speedup below mean nothing; they only show the\n"
+              f"pipeline runs. Use an editable install of the repository, or pass --target and --drafter.")
         tmp = tempfile.TemporaryDirectory()
         target, drafter, tokenizer, prompts = _tiny_random_pair(Path(tmp.name))
+    else:
+        from transformers import AutoTokenizer
+
+        if args.target is None:
+            target_dir, drafter_dir = bundled.target_dir(), bundled.drafter_dir()
+            print(f"target:  bundled target {target_dir}\ndrafter: bundled EAGLE-3.1 drafter {drafter_dir}")
+        else:
+            target_dir, drafter_dir = resolve_checkpoint(args.target), resolve_checkpoint(args.drafter)
+            print(f"target:  {args.target}\ndrafter: {args.drafter}")
+        target = eagle_jax.load_target(target_dir, dtype="float32")
+        drafter = eagle_jax.load_drafter(drafter_dir, target, dtype="float32")
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        prompts = [tokenizer.encode(args.prompt, add_special_tokens=False)]
     spec = SpecConfig(method="tree") if args.tree else SpecConfig(num_speculative_tokens=args.k)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, tokenizer=tokenizer)
     runs = {}
@@ -96,10 +110,11 @@ def main(argv=None) -> None:
         print("tokens:", spec_run.tokens[0][:32], "...")
     same = "identical" if spec_run.tokens == plain.tokens else "DIFFERENT"
     method = "tree" if args.tree else f"chain K={args.k}"
+    note = f"  [{RANDOM_NOTE}]" if random_model else ""
     print(f"speculative ({method}) output vs plain output: {same}")
-    print(f"acceptance length: {spec_run.acceptance_length:.2f} tokens per target forward")
-    print(f"plain:       {plain.tokens_per_s:8.1f} tokens/s")
-    print(f"speculative: {spec_run.tokens_per_s:8.1f} tokens/s  ({spec_run.tokens_per_s / plain.tokens_per_s:.2f}x)")
+    print(f"acceptance length: {spec_run.acceptance_length:.2f} tokens per target forward{note}")
+    print(f"plain:       {plain.tokens_per_s:8.1f} tokens/s{note}")
+    print(f"speculative: {spec_run.tokens_per_s:8.1f} tokens/s  ({spec_run.tokens_per_s / plain.tokens_per_s:.2f}x){note}")
     if tmp is not None:
         tmp.cleanup()
 

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP server of eagle_jax (FastAPI + uvicorn); the engine is eagle_jax.serving."""
+"""``python -m serve`` from the repository; the server itself is ``eagle_jax.serving`` (installed as ``eagle-jax-serve``)."""

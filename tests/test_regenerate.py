@@ -29,7 +29,7 @@ def greedy(target: Target, ids: list[int], n: int, eos: int, width: int = 128) -
 
 
 def test_regenerate_cli_replaces_assistant_turns_in_order(tmp_path):
-    from train.regenerate import main
+    from eagle_jax.cli.regenerate import main
 
     train_tokenizer(CORPUS, vocab_size=300, out_dir=tmp_path / "target")
     tok = AutoTokenizer.from_pretrained(tmp_path / "target")

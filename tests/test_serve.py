@@ -19,7 +19,7 @@ import pytest
 
 import eagle_jax
 from eagle_jax import SpecConfig
-from serve.server import Server, build_service
+from eagle_jax.serving.server import Server, build_service
 from serving_models import save_pair
 
 MODEL = "target"

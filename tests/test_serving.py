@@ -12,7 +12,7 @@ from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
 from engine_models import markov_drafter, markov_target
-from serve.text import TextStream
+from eagle_jax.serving.text import TextStream
 from serving_models import build_tokenizer
 
 SCHEDULE = SpecSchedule.parse("1:3,2:2,3:0")
@@ -162,7 +162,7 @@ def test_text_stream_stop_strings():
 
 
 def test_serve_spec_argument():
-    from serve.server import parse_spec
+    from eagle_jax.serving.server import parse_spec
 
     vllm = parse_spec('{"model": "x", "method": "eagle3", "num_speculative_tokens": 3}', True)
     assert vllm.rules == ((1, SpecConfig(num_speculative_tokens=3)),)
@@ -175,3 +175,28 @@ def test_serve_spec_argument():
         parse_spec("{method: eagle3}", True)
     with pytest.raises(ConfigError, match="unknown fields"):
         parse_spec('{"method": "eagle3", "depth": 3}', True)
+
+
+def test_exact_mode_in_slots(tmp_path):
+    """``exact``: a bf16 pair served with the target in float32; each request's greedy output equals
+    ``generate(..., exact=True)`` of its prompt alone, whatever shares its steps."""
+    from engine_models import random_pair
+
+    target, drafter = random_pair(vocab=48, hidden=32, logit_scale=4.0, layers=4)
+    eagle_jax.save_target(target, tmp_path / "t", dtype="bfloat16")
+    eagle_jax.save_drafter(drafter, tmp_path / "d", dtype="bfloat16")
+    target = eagle_jax.load_target(tmp_path / "t")
+    drafter = eagle_jax.load_drafter(tmp_path / "d", target)
+    spec = SpecConfig(num_speculative_tokens=3)
+    engine = SlotEngine(target, drafter, slots=3, max_len=64, specs=(spec,), rounds_per_step=2, exact=True)
+    assert target.dtype == np.dtype("bfloat16") and engine.state.t_cache.k[0].dtype == np.float32
+    sched = Scheduler(engine, SpecSchedule.fixed(spec)).start()
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(20))]
+    try:
+        handles = [sched.submit(Request(tuple(p), 16)) for p in prompts]
+        for h in handles:
+            h.wait(300)
+    finally:
+        sched.stop()
+    for p, h in zip(prompts, handles):
+        assert h.tokens == eagle_jax.generate(target, None, [p], max_new_tokens=16, exact=True).tokens[0]

@@ -1,4 +1,4 @@
-"""train.eval: real acceptance length with the engine on a held-out JSONL (chat and completion records)."""
+"""eagle-jax-eval (eagle_jax.cli.eval): real acceptance length with the engine on a held-out JSONL (chat and completion records)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ CORPUS = ["def add(a, b):\n    return a + b\n" * 10, "for i in range(10):\n    p
 
 
 def test_eval_reports_the_engines_acceptance(tmp_path):
-    from train.eval import eval_prompts, main
+    from eagle_jax.cli.eval import eval_prompts, main
 
     train_tokenizer(CORPUS, vocab_size=300, out_dir=tmp_path / "target")
     tok = AutoTokenizer.from_pretrained(tmp_path / "target")

@@ -185,7 +185,7 @@ def test_export_round_trip(reference, work):
     run_dir = reference["run_dir"]
     export = Path(reference["summary"]["export_dir"])
     # The end-of-run export and `train.export` from the last checkpoint write the same tensors.
-    from train.export import main as export_main
+    from eagle_jax.cli.export import main as export_main
 
     export_main(["--checkpoint", str(run_dir), "--out", str(work / "cli_export")])
     a, b = load_file(export / "model.safetensors"), load_file(work / "cli_export" / "model.safetensors")

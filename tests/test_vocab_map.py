@@ -1,4 +1,4 @@
-"""d2t / t2d from loss-masked token frequencies (SPEC 5), and the train.vocab_map CLI."""
+"""d2t / t2d from loss-masked token frequencies (SPEC 5), and the eagle-jax-vocab-map CLI (eagle_jax.cli.vocab_map)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_save_load_round_trip_and_validation(tmp_path):
 
 
 def test_cli_builds_map_from_assistant_tokens(tmp_path):
-    from train.vocab_map import main
+    from eagle_jax.cli.vocab_map import main
 
     train_tokenizer(["hello world, the fox jumps over the lazy dog\n" * 20], vocab_size=300, out_dir=tmp_path / "tok")
     data = tmp_path / "chat.jsonl"

@@ -54,7 +54,7 @@ def regenerate(target_dir: Path, n_prompts: int, max_new: int, batch: int) -> Pa
 def vocab_map(target_dir: Path, data: Path) -> Path:
     out = WORK / "vocab_map.npz"
     if not out.exists():
-        from train.vocab_map import main as build
+        from eagle_jax.cli.vocab_map import main as build
 
         build(["--data", str(data), "--tokenizer", str(target_dir), "--target", str(target_dir),
                "--draft-vocab-size", str(DRAFT_VOCAB), "--out", str(out), "--max-length", "1024"])

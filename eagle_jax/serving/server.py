@@ -1,4 +1,5 @@
-"""Building the served model (target, drafter, tokenizer, engine, scheduler) and running uvicorn."""
+"""Building the served model (target, drafter, tokenizer, engine, scheduler), serving profiles, and
+running uvicorn. Needs the ``serve`` extra (FastAPI, uvicorn, prometheus-client)."""
 
 from __future__ import annotations
 
@@ -8,31 +9,39 @@ import threading
 import time
 from pathlib import Path
 
+from eagle_jax.checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from eagle_jax.config import ConfigError, SpecConfig
+from eagle_jax.generate import eos_ids
 from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
-from serve.app import Service, create_app
-from serve.metrics import Metrics
+from eagle_jax.serving.http_app import Service, create_app
+from eagle_jax.serving.metrics import Metrics
 
 log = logging.getLogger("serve")
 
+PROFILE_PATH_KEYS = ("target", "drafter", "tokenizer")
 
-def model_eos_ids(target, target_dir: Path, tokenizer) -> tuple[int, ...]:
-    """EOS ids from the model's config.json, generation_config.json and tokenizer, together."""
-    ids: set[int] = set()
 
-    def add(v):
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(int(x) for x in v)
+def read_profile(path: str | Path) -> dict:
+    """A YAML serving profile (keys: target, drafter, tokenizer, spec, slots, max_len, rounds_per_step,
+    dtype, exact). Relative checkpoint paths in it are relative to the profile's own folder, so it works from
+    any working directory; a value that names no such folder but reads as a Hub repo id stays an id."""
+    import yaml
 
-    add(target.config.eos_token_id)
-    gen = target_dir / "generation_config.json"
-    if gen.exists():
-        add(json.loads(gen.read_text()).get("eos_token_id"))
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
+    path = Path(path)
+    try:
+        profile = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read the serving profile ({exc})") from None
+    if not isinstance(profile, dict):
+        raise ConfigError(f"{path}: a serving profile is a YAML mapping, not {type(profile).__name__}")
+    for key in PROFILE_PATH_KEYS:
+        value = profile.get(key)
+        if value is None or str(value) == "none":
+            continue
+        local = (path.resolve().parent / str(value)).resolve()
+        if local.exists() or not looks_like_repo_id(str(value)):
+            profile[key] = str(local)
+    return profile
 
 
 def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule:
@@ -69,25 +78,29 @@ def build_service(
     model_name: str | None = None,
     tokenizer_dir: str | Path | None = None,
     warmup: bool = True,
+    exact: bool = False,
 ) -> Service:
-    """Loads the checkpoints and tokenizer and wires them into a ``Service``."""
+    """Loads the checkpoints (directories or Hub repo ids) and tokenizer and wires them into a ``Service``."""
     import eagle_jax
     from transformers import AutoTokenizer
 
-    target_dir = Path(target_dir)
+    name = Path(target_dir).name  # a directory's name, or the name part of a Hub id
+    where = target_dir
+    target_dir = resolve_checkpoint(target_dir)  # Hub ids -> the cached snapshot
     target = eagle_jax.load_target(target_dir, dtype=dtype)
-    drafter = None if drafter_dir is None else eagle_jax.load_drafter(drafter_dir, target, dtype=dtype)
+    drafter = None if drafter_dir is None else eagle_jax.load_drafter(resolve_checkpoint(drafter_dir), target, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or target_dir))
-    log.info("loaded %s with %s", target_dir, drafter_dir or "no drafter")
-    return make_service(target, drafter, tokenizer, parse_spec(spec, drafter is not None), model_eos_ids(target, target_dir, tokenizer),
+    log.info("loaded %s with %s", where, drafter_dir or "no drafter")
+    return make_service(target, drafter, tokenizer, parse_spec(spec, drafter is not None), eos_ids(target, tokenizer),
                         slots=slots, max_len=max_len, rounds_per_step=rounds_per_step, max_queue=max_queue,
-                        model_name=model_name or target_dir.name, warmup=warmup)
+                        model_name=model_name or name, warmup=warmup, exact=exact)
 
 
 def make_service(target, drafter, tokenizer, schedule: SpecSchedule, eos_ids: tuple[int, ...], *, slots: int = 16,
                  max_len: int | None = None, rounds_per_step: int = 4, max_queue: int = 256, model_name: str = "model",
-                 warmup: bool = True) -> Service:
-    """A ``Service`` over models already loaded (benchmarks build several over one pair)."""
+                 warmup: bool = True, exact: bool = False) -> Service:
+    """A ``Service`` over models already loaded (benchmarks build several over one pair). ``exact``: the
+    target computes in float32 whatever its weights' dtype (``generate``'s exact mode)."""
     holder: dict[str, Metrics] = {}
 
     def on_compile(kind: str, seconds: float) -> None:
@@ -96,7 +109,7 @@ def make_service(target, drafter, tokenizer, schedule: SpecSchedule, eos_ids: tu
             holder["metrics"].on_compile(kind, seconds)
 
     engine = SlotEngine(target, drafter, slots=slots, max_len=max_len, specs=schedule.specs, rounds_per_step=rounds_per_step,
-                        eos_ids=eos_ids, on_compile=on_compile)
+                        eos_ids=eos_ids, exact=exact, on_compile=on_compile)
     scheduler = Scheduler(engine, schedule, max_queue=max_queue)
     metrics = holder["metrics"] = Metrics(scheduler)
     scheduler.on_step = metrics.on_step
@@ -109,7 +122,7 @@ def make_service(target, drafter, tokenizer, schedule: SpecSchedule, eos_ids: tu
 
 
 class Server:
-    """uvicorn in a background thread (tests, benchmarks); ``python -m serve`` runs it in the foreground."""
+    """uvicorn in a background thread (tests, benchmarks); ``eagle-jax-serve`` runs it in the foreground."""
 
     def __init__(self, service: Service, host: str = "127.0.0.1", port: int = 0):
         import uvicorn

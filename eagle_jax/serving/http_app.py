@@ -19,9 +19,9 @@ from pydantic import BaseModel, ValidationError
 from eagle_jax.config import ConfigError
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Handle, QueueFull, Request, Scheduler
-from serve.metrics import Metrics
-from serve.protocol import APIError, ChatRequest, CompletionRequest
-from serve.text import TextStream
+from eagle_jax.serving.metrics import Metrics
+from eagle_jax.serving.protocol import APIError, ChatRequest, CompletionRequest
+from eagle_jax.serving.text import TextStream
 
 DISCONNECT_POLL_S = 0.5
 

@@ -1,0 +1,3 @@
+"""The command-line entry points, one module per command, each with ``main(argv=None)``; installed as
+console scripts (``eagle-jax-train``, ``-export``, ``-regenerate``, ``-vocab-map``, ``-eval``,
+``-serve``) and run in the repository as ``python -m train.<name>`` / ``python -m serve``."""

@@ -1,0 +1,92 @@
+"""``eagle-jax-serve`` (or ``python -m serve`` in the repository): an OpenAI-compatible server over
+the speculative engine.
+
+    eagle-jax-serve                                  # the bundled pair (configs/serve/bundled.yaml)
+    eagle-jax-serve --target DIR|ORG/NAME --drafter DIR|ORG/NAME [--spec '{"method": "eagle3", "num_speculative_tokens": 3}']
+                    [--slots 16] [--port 8000] [--max-len N] [--dtype float32|bfloat16]
+
+``--spec`` takes vLLM's speculative config (one depth for every step) or a schedule of chain depths by
+number of occupied slots, e.g. ``1:5,4:3,9:0`` (K=5 while 1-3 slots are busy, K=3 from 4, none from 9).
+``--drafter none`` serves the target alone. Checkpoints are directories or Hugging Face Hub repo ids;
+relative paths in a profile are relative to the profile's folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+BUNDLED_PROFILE = "serve/bundled.yaml"  # under the repository's configs/
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", help="YAML serving profile; flags override it (default: the bundled pair's)")
+    ap.add_argument("--target", help="target checkpoint directory or Hub repo id")
+    ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id, or 'none'")
+    ap.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    ap.add_argument("--spec")
+    ap.add_argument("--slots", type=int)
+    ap.add_argument("--max-len", type=int)
+    ap.add_argument("--rounds-per-step", type=int)
+    ap.add_argument("--dtype")
+    ap.add_argument("--exact", action="store_true", default=None,
+                    help="the target computes in float32 whatever --dtype: a request's greedy output then does not "
+                         "depend on the requests sharing its steps (bf16 otherwise can flip near-ties)")
+    ap.add_argument("--max-queue", type=int, default=256)
+    ap.add_argument("--model-name")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    from eagle_jax import CheckpointError, ConfigError, bundled
+    from eagle_jax.serving.server import read_profile
+
+    try:
+        profile_path = args.profile or bundled.config_path(BUNDLED_PROFILE)
+    except bundled.BundleNotFound as exc:
+        if args.target is None:
+            raise SystemExit(f"error: no --target given, and {exc}") from None
+        profile_path = None  # an explicit model needs no profile
+    try:
+        profile = read_profile(profile_path) if profile_path else {}
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.target:  # a model given on the command line does not inherit the bundled pair's settings
+        profile = {k: v for k, v in profile.items() if k in ("slots", "rounds_per_step", "dtype", "exact")}
+
+    def pick(flag, key, default=None):
+        return flag if flag is not None else profile.get(key, default)
+
+    def checkpoint(value):
+        return None if value is None or str(value) == "none" else str(value)
+
+    target = checkpoint(pick(args.target, "target"))
+    if target is None:
+        ap.error("no --target and the profile names none")
+    drafter = checkpoint(pick(args.drafter, "drafter"))
+
+    import uvicorn
+
+    from eagle_jax.serving.http_app import create_app
+    from eagle_jax.serving.server import build_service
+
+    try:
+        service = build_service(
+            target, drafter, spec=pick(args.spec, "spec"), slots=pick(args.slots, "slots", 16), max_len=pick(args.max_len, "max_len"),
+            rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), dtype=pick(args.dtype, "dtype", "float32"),
+            max_queue=args.max_queue, model_name=args.model_name, tokenizer_dir=pick(args.tokenizer, "tokenizer"),
+            exact=bool(pick(args.exact, "exact", False)),
+        )
+    except (ConfigError, CheckpointError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    service.scheduler.start()
+    try:
+        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="info")
+    finally:
+        service.scheduler.stop()
+
+
+if __name__ == "__main__":
+    main()

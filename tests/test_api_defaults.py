@@ -85,3 +85,37 @@ def test_drafter_overrides(saved_pair):
         eagle_jax.load_drafter(root / "drafter", target, overrides={"aux_layer_ids": [0, 1, 7]})
     with pytest.raises(ConfigError, match="mutually exclusive"):
         eagle_jax.load_drafter(root / "drafter", target, overrides={"fc_norm": True, "norm_before_fc": True})
+
+
+def test_one_pair_check_for_loading_and_generating(saved_pair):
+    """The same check (``eagle_jax.config.check_pair``) guards load_drafter, generate and the slot engine."""
+    import eagle_jax.checkpoint.eagle_drafter as loader
+    import eagle_jax.generate as gen
+    from eagle_jax.config import check_pair
+    from eagle_jax.serving import SlotEngine
+    from engine_models import drafter_config
+
+    root, _ = saved_pair
+    assert not hasattr(gen, "check_pair") or gen.check_pair is check_pair
+    assert not hasattr(loader, "check_pair") or loader.check_pair is check_pair
+    target = eagle_jax.load_target(root / "target")
+    wrong = drafter_config(target.config).replace(num_aux_hidden_states=2)
+    with pytest.raises(ConfigError) as direct:
+        check_pair(target.config, wrong)
+    from flax import nnx
+
+    abstract = nnx.eval_shape(lambda: eagle_jax.Drafter(wrong))
+    for call in (lambda: eagle_jax.generate(target, abstract, [[1, 2]], max_new_tokens=2),
+                 lambda: SlotEngine(target, abstract, slots=1, max_len=16)):
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert str(err.value) == str(direct.value)
+    cfg = json.loads((root / "drafter" / "config.json").read_text())
+    bad = root / "drafter_bad"
+    bad.mkdir(exist_ok=True)
+    for f in (root / "drafter").iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg.pop("eagle_config", None)
+    _write(bad, "config.json", {**cfg, "num_aux_hidden_states": 2})
+    with pytest.raises(ConfigError, match="num_aux_hidden_states=2 but it reads 3 target layers"):
+        eagle_jax.load_drafter(bad, target)

@@ -3,7 +3,7 @@
 from eagle_jax.checkpoint.eagle_drafter import load_drafter, save_drafter
 from eagle_jax.checkpoint.hf_target import load_target, save_target
 from eagle_jax.checkpoint.tensor_files import CheckpointError
-from eagle_jax.config import ConfigError, DrafterConfig, RopeConfig, SpecConfig, TargetConfig
+from eagle_jax.config import ConfigError, DrafterConfig, MLAConfig, MoEConfig, RopeConfig, SpecConfig, TargetConfig
 from eagle_jax.generate import GenerationResult, generate, generate_stream
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import KVCache, Target
@@ -15,6 +15,8 @@ __all__ = [
     "DrafterConfig",
     "KVCache",
     "GenerationResult",
+    "MLAConfig",
+    "MoEConfig",
     "RopeConfig",
     "SpecConfig",
     "Target",

@@ -29,8 +29,17 @@ TARGET_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-TARGET_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Kimi-K2 is the DeepSeek-V3 architecture under its own model_type.
+TARGET_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+}
 
 
 @dataclass(frozen=True)
@@ -159,11 +168,181 @@ def validate_aux_layer_ids(ids: tuple[int, ...], num_layers: int, source: str) -
     return tuple(sorted(ids))
 
 
+# DeepseekV3Config's defaults for the routing fields a config.json may omit (transformers reads them so).
+_DEEPSEEK_DEFAULTS = {
+    "n_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 3,
+    "rope_interleave": True,
+}
+
+
+def _positive(obj: Any, names: tuple[str, ...], what: str, minimum: int = 1) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ConfigError(f"{what}: field '{name}'={value!r} must be an integer >= {minimum}")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), in HF's field names.
+
+    Keys and values of every head are decoded from one per-token latent of ``kv_lora_rank`` numbers
+    plus one rope key of ``qk_rope_head_dim`` shared by all heads; query heads are
+    ``qk_nope_head_dim + qk_rope_head_dim`` wide, value heads ``v_head_dim``.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: a direct q_proj instead of q_a_proj -> norm -> q_b_proj
+    rope_interleave: bool = True  # the rope dims are stored in interleaved pairs (x0, x1), (x2, x3), ...
+
+    def __post_init__(self) -> None:
+        what = "MLA config"
+        _positive(self, ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), what)
+        if self.q_lora_rank is not None:
+            _positive(self, ("q_lora_rank",), what)
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"{what}: field 'qk_rope_head_dim'={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], source: str) -> "MLAConfig":
+        if "q_lora_rank" not in d:
+            raise ConfigError(f"{source}: required field 'q_lora_rank' is missing (null for a direct q_proj)")
+        q_rank = d["q_lora_rank"]
+        return cls(
+            kv_lora_rank=int(_require(d, "kv_lora_rank", source)),
+            qk_nope_head_dim=int(_require(d, "qk_nope_head_dim", source)),
+            qk_rope_head_dim=int(_require(d, "qk_rope_head_dim", source)),
+            v_head_dim=int(_require(d, "v_head_dim", source)),
+            q_lora_rank=None if q_rank is None else int(q_rank),
+            rope_interleave=bool(d.get("rope_interleave", _DEEPSEEK_DEFAULTS["rope_interleave"])),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "rope_interleave": self.rope_interleave,
+        }
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts with shared experts and group-limited sigmoid routing (DeepSeek-V3, Kimi-K2), in
+    HF's field names.
+
+    Routing: sigmoid scores; ``e_score_correction_bias`` is added for the choice only. Experts fall in
+    ``n_group`` groups, each scored by the sum of its top-2 biased scores; the best ``topk_group``
+    groups are kept and the top ``num_experts_per_tok`` of their experts chosen. The chosen unbiased
+    scores are the weights (normalised to sum 1 when ``norm_topk_prob``), times
+    ``routed_scaling_factor``. ``n_shared_experts`` add one dense MLP of
+    ``moe_intermediate_size * n_shared_experts`` that every token passes. The first
+    ``first_k_dense_replace`` layers have a dense MLP of the target's ``intermediate_size`` instead.
+    """
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 0
+
+    def __post_init__(self) -> None:
+        what = "MoE config"
+        _positive(self, ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group"), what)
+        _positive(self, ("n_shared_experts", "first_k_dense_replace"), what, minimum=0)
+        e, g = self.n_routed_experts, self.n_group
+        if e % g:
+            raise ConfigError(f"{what}: n_routed_experts={e} is not a multiple of n_group={g}")
+        if e // g < 2:
+            raise ConfigError(
+                f"{what}: n_routed_experts / n_group = {e // g}; groups are scored by their top-2 experts, so each needs >= 2"
+            )
+        if self.topk_group > g:
+            raise ConfigError(f"{what}: topk_group={self.topk_group} is larger than n_group={g}")
+        if self.num_experts_per_tok > self.topk_group * (e // g):
+            raise ConfigError(
+                f"{what}: num_experts_per_tok={self.num_experts_per_tok} exceeds the {self.topk_group * (e // g)} experts "
+                f"of the topk_group={self.topk_group} groups a token may use"
+            )
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], source: str) -> "MoEConfig":
+        scoring = d.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ConfigError(f"{source}: unsupported scoring_func '{scoring}' (only sigmoid, as DeepSeek-V3)")
+        method = d.get("topk_method", "noaux_tc")
+        if method != "noaux_tc":
+            raise ConfigError(f"{source}: unsupported topk_method '{method}' (only noaux_tc, as DeepSeek-V3)")
+        if d.get("moe_layer_freq", 1) != 1:
+            raise ConfigError(
+                f"{source}: moe_layer_freq={d['moe_layer_freq']} is not supported (only 1: every layer past first_k_dense_replace)"
+            )
+
+        def get(key: str) -> Any:
+            value = d.get(key)
+            return _DEEPSEEK_DEFAULTS[key] if value is None else value
+
+        return cls(
+            n_routed_experts=int(_require(d, "n_routed_experts", source)),
+            num_experts_per_tok=int(_require(d, "num_experts_per_tok", source)),
+            moe_intermediate_size=int(_require(d, "moe_intermediate_size", source)),
+            n_shared_experts=int(get("n_shared_experts")),
+            n_group=int(get("n_group")),
+            topk_group=int(get("topk_group")),
+            routed_scaling_factor=float(get("routed_scaling_factor")),
+            norm_topk_prob=bool(get("norm_topk_prob")),
+            first_k_dense_replace=int(get("first_k_dense_replace")),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "n_routed_experts": self.n_routed_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "n_shared_experts": self.n_shared_experts,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "norm_topk_prob": self.norm_topk_prob,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+        }
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index >= self.first_k_dense_replace
+
+
 @dataclass(frozen=True)
 class TargetConfig:
-    """A Llama-family decoder (Llama 3.x, Mistral, Qwen2, Qwen3)."""
+    """A decoder-only target: the Llama family (Llama 3.x, Mistral, Qwen2, Qwen3) or DeepSeek-V3 /
+    Kimi-K2 (``mla`` and ``moe`` set).
 
-    architecture: str  # llama | mistral | qwen2 | qwen3
+    For DeepSeek-V3, ``num_kv_heads`` equals ``num_heads`` (every head decodes its own key and value from
+    the shared latent), ``head_dim`` is the query/key head width ``qk_nope_head_dim + qk_rope_head_dim``
+    (RoPE covers only the last ``qk_rope_head_dim`` of it: ``rope_dim``) and ``intermediate_size`` is
+    the dense MLP of the first ``moe.first_k_dense_replace`` layers.
+    """
+
+    architecture: str  # llama | mistral | qwen2 | qwen3 | deepseek_v3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -181,6 +360,8 @@ class TargetConfig:
     dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # generation_config.json's when it names them
+    mla: MLAConfig | None = None  # multi-head latent attention instead of GQA
+    moe: MoEConfig | None = None  # routed experts instead of the dense MLP (past moe.first_k_dense_replace)
 
     def __post_init__(self) -> None:
         source = f"{self.architecture} target config"
@@ -191,6 +372,23 @@ class TargetConfig:
                 f"{source}: num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
+        if self.mla is not None:
+            if self.num_kv_heads != self.num_heads:
+                raise ConfigError(f"{source}: with MLA num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads}")
+            if self.head_dim != self.mla.qk_head_dim:
+                raise ConfigError(
+                    f"{source}: with MLA head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = {self.mla.qk_head_dim}"
+                )
+            unsupported = [k for k in ("qk_norm", "sliding_window") if getattr(self, k)]
+            if unsupported:
+                raise ConfigError(f"{source}: {unsupported} are not supported with MLA")
+        if (self.mla is None) != (self.moe is None) or (self.architecture == "deepseek_v3") != (self.mla is not None):
+            raise ConfigError(f"{source}: architecture deepseek_v3 has both 'mla' and 'moe' set, the other families neither")
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotated part of a query/key head."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> "TargetConfig":
@@ -214,6 +412,17 @@ class TargetConfig:
         if arch == "mistral" or d.get("use_sliding_window"):
             sliding = d.get("sliding_window")
         default_bias = arch == "qwen2"
+        mla = moe = None
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        if arch == "deepseek_v3":
+            try:
+                mla, moe = MLAConfig.from_hf(d, source), MoEConfig.from_hf(d, source)
+            except ConfigError as e:
+                raise ConfigError(str(e).replace("MLA config", source, 1).replace("MoE config", source, 1)) from None
+            # Every query head decodes its own key and value from the shared latent. (HF's config calls
+            # the rope width head_dim; here head_dim is the query/key head width.)
+            kv_heads, head_dim = heads, mla.qk_head_dim
         return cls(
             architecture=arch,
             vocab_size=int(_require(d, "vocab_size", source)),
@@ -221,8 +430,8 @@ class TargetConfig:
             intermediate_size=int(_require(d, "intermediate_size", source)),
             num_layers=int(_require(d, "num_hidden_layers", source)),
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope=parse_rope(d, source, ROPE_TYPES, 10000.0),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
@@ -233,6 +442,8 @@ class TargetConfig:
             dtype=_dtype_name(d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            mla=mla,
+            moe=moe,
         )
 
     @classmethod
@@ -267,6 +478,11 @@ class TargetConfig:
             out["sliding_window"] = self.sliding_window
             if self.architecture != "mistral":
                 out["use_sliding_window"] = True
+        if self.mla is not None:
+            del out["head_dim"]  # transformers derives it (the rope width) from qk_rope_head_dim
+            out.update(self.mla.to_hf())
+            out.update(self.moe.to_hf())
+            out["num_nextn_predict_layers"] = 0  # multi-token-prediction layers are not kept
         if self.dtype:
             out["torch_dtype"] = self.dtype
         return out

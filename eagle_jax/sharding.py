@@ -1,7 +1,8 @@
 """Device mesh and the ONE table of logical -> mesh axis rules for parameters, KV caches and batches.
 
 Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameters sharded, gathered per
-use), ``model`` (tensor parallel: attention heads, MLP hidden units, vocabulary). A parameter is
+use), ``expert`` (expert parallel: the routed experts of a mixture-of-experts layer; present only when
+asked for), ``model`` (tensor parallel: attention heads, MLP hidden units, vocabulary). A parameter is
 described by the logical names of its axes (``PARAM_RULES``, matched on the NNX variable path); the
 logical names map to mesh axes through ``LOGICAL_AXES``. A dimension that does not divide by its mesh
 axes' size is replicated instead (correct, just not sharded), so any model runs on any mesh.
@@ -9,6 +10,14 @@ axes' size is replicated instead (correct, just not sharded), so any model runs 
 Tensor-parallel layout (Megatron): q/k/v and gate/up are column-parallel (output over ``model``),
 o_proj and down_proj row-parallel (input over ``model``); the residual stream is replicated over
 ``model``. Embedding rows and lm_head columns (the vocabulary) go over ``model`` as well.
+
+Mixture of experts: the stacked expert kernels [E, in, out] put their experts over ``expert`` and,
+inside each expert, the hidden units over ``model`` (the dense MLP's layout); the router and the
+shared experts follow the dense rules. Activations are not split over ``expert`` (every expert shard
+sees all tokens and computes those routed to its experts); the compiled program combines the shards.
+MLA: the query and key/value up-projections (q_b_proj, kv_b_proj, or a direct q_proj) are
+column-parallel over heads; the down-projections to the latents are replicated over ``model``, as is
+the latent cache, which every head reads.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "model")
+EXPERT_MESH_AXES = ("data", "fsdp", "expert", "model")
 
 # Logical axis -> mesh axis (or axes, or None = replicated).
 LOGICAL_AXES: dict[str, str | tuple[str, ...] | None] = {
@@ -34,12 +44,18 @@ LOGICAL_AXES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "model",
     "vocab": "model",
     "fused_in": "model",  # the drafter's fc input N * Ht (row-parallel)
+    "expert": "expert",  # the routed experts of a MoE layer
+    "latent": None,  # MLA's compressed query / key-value latents
     "norm": None,
 }
 
 # (regex searched in the '/'-joined variable path, logical axes of the array). First match wins;
 # anything unmatched (norm weights, d2t, t2d, optimiser counters) is replicated.
 PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"(^|/)experts/(gate_proj|up_proj)/kernel$", ("expert", "embed", "mlp")),
+    (r"(^|/)experts/down_proj/kernel$", ("expert", "mlp", "embed")),
+    (r"(^|/)(q_a_proj|kv_a_proj_with_mqa)/kernel$", ("embed", "latent")),
+    (r"(^|/)(q_b_proj|kv_b_proj)/kernel$", ("latent", "heads")),
     (r"(^|/)(q_proj|k_proj|v_proj)/kernel$", ("embed", "heads")),
     (r"(^|/)(q_proj|k_proj|v_proj)/bias$", ("heads",)),
     (r"(^|/)o_proj/kernel$", ("heads", "embed")),
@@ -53,13 +69,21 @@ KV_CACHE_AXES = ("batch", "seq", "kv_heads", "head_dim")
 BATCH_AXES = ("batch", "seq")
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, model) mesh over ``devices`` (default: all devices of all processes)."""
+def make_mesh(
+    data: int = 1, fsdp: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None, *, expert: int = 1
+) -> Mesh:
+    """A (data, fsdp, model) mesh over ``devices`` (default: all devices of all processes); with
+    ``expert`` > 1, a (data, fsdp, expert, model) mesh. Rules naming an axis a mesh lacks replicate."""
     devices = list(jax.devices() if devices is None else devices)
-    n = data * fsdp * model
+    if expert == 1:
+        sizes, axes = (data, fsdp, model), MESH_AXES
+    else:
+        sizes, axes = (data, fsdp, expert, model), EXPERT_MESH_AXES
+    n = int(np.prod(sizes))
     if n != len(devices):
-        raise ValueError(f"mesh data={data} x fsdp={fsdp} x model={model} = {n} devices, but {len(devices)} are given")
-    return Mesh(np.asarray(devices, dtype=object).reshape(data, fsdp, model), MESH_AXES)
+        shape = " x ".join(f"{a}={s}" for a, s in zip(axes, sizes))
+        raise ValueError(f"mesh {shape} = {n} devices, but {len(devices)} are given")
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), axes)
 
 
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> PartitionSpec:

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax import Drafter, DrafterConfig, RopeConfig, Target, TargetConfig
-from eagle_jax.config import default_aux_layer_ids
+from eagle_jax.config import MLAConfig, MoEConfig, default_aux_layer_ids
 
 
 def target_config(vocab: int, hidden: int = 64, layers: int = 3, **kw) -> TargetConfig:
@@ -40,6 +40,28 @@ def target_config(vocab: int, hidden: int = 64, layers: int = 3, **kw) -> Target
         head_dim=hidden // 4,
         rms_norm_eps=1e-6,
         max_position_embeddings=kw.pop("max_position_embeddings", 256),
+        **kw,
+    )
+
+
+def deepseek_config(vocab: int, hidden: int = 64, layers: int = 3, **kw) -> TargetConfig:
+    """A tiny DeepSeek-V3-style target: MLA (q LoRA, YaRN), one dense layer, then 8 experts (top-2 of
+    the best of 2 groups) plus a shared expert."""
+    return TargetConfig(
+        architecture="deepseek_v3",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=24,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0, type="yarn", factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.8),
+        max_position_embeddings=kw.pop("max_position_embeddings", 256),
+        mla=MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=32),
+        moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=2,
+                      topk_group=1, routed_scaling_factor=2.0, first_k_dense_replace=1),
         **kw,
     )
 
@@ -88,23 +110,34 @@ def successor_maps(vocab: int, seed: int, disagree: float):
     return succ, draft_succ
 
 
-def markov_target(vocab: int = 32, hidden: int = 64, seed: int = 0, eps: float = 0.05, margin: float = 1.0) -> tuple[Target, np.ndarray]:
+def markov_target(
+    vocab: int = 32, hidden: int = 64, seed: int = 0, eps: float = 0.05, margin: float = 1.0, config: TargetConfig | None = None
+) -> tuple[Target, np.ndarray]:
     """The near-bigram target of the module docstring; returns (target, succ).
 
     ``eps`` scales the layers' o_proj / down_proj: 0 gives an exact bigram model, ~0.1 lets the context
     change some greedy choices (about one in eight here), larger values soon drown the bigram.
+    ``config``: another architecture of that vocabulary and width (e.g. ``deepseek_config``); its
+    routed and shared experts are damped alike and its routers get a random selection bias.
     """
     assert vocab < hidden
     succ, _ = successor_maps(vocab, seed, 0.0)
-    tc = target_config(vocab, hidden)
+    tc = config or target_config(vocab, hidden)
     t = Target(tc, rngs=nnx.Rngs(seed))
     embed = np.zeros((vocab, hidden), np.float32)
     embed[np.arange(vocab), np.arange(vocab)] = 1.0
     embed[:, hidden - 1] = 1.0
     _set(t.embed_tokens, embed)
+    rng = np.random.default_rng(seed + 50)
     for layer in t.layers:
         _set(layer.self_attn.o_proj.kernel, layer.self_attn.o_proj.kernel[...] * eps)
-        _set(layer.mlp.down_proj.kernel, layer.mlp.down_proj.kernel[...] * eps)
+        mlp = layer.mlp
+        downs = [mlp.experts.down_proj, mlp.shared_experts.down_proj] if hasattr(mlp, "experts") else [mlp.down_proj]
+        for down in downs:
+            _set(down.kernel, down.kernel[...] * eps)
+        if hasattr(mlp, "gate"):
+            bias = mlp.gate.e_score_correction_bias
+            _set(bias, rng.normal(0, 0.5, bias[...].shape))
     rng = np.random.default_rng(seed + 100)
     head = rng.normal(0, 0.1, (hidden, vocab)).astype(np.float32)
     head[np.arange(vocab), succ] += margin

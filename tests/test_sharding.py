@@ -11,6 +11,7 @@ from eagle_jax import Drafter, DrafterConfig, Target, TargetConfig
 from eagle_jax.sharding import batch_spec, kv_cache_spec, make_mesh, param_partition_spec, shard_module, tree_shardings
 
 MESH = AbstractMesh((2, 2, 2), ("data", "fsdp", "model"))
+EP_MESH = AbstractMesh((2, 2, 2, 2), ("data", "fsdp", "expert", "model"))
 
 
 def test_rules_per_parameter():
@@ -30,10 +31,30 @@ def test_rules_per_parameter():
         ("layers", 0, "self_attn", "q_norm", "weight"): ((16,), P(None)),
         ("d2t",): ((500,), P(None)),
         ("t2d",): ((1000,), P(None)),
+        # DeepSeek-V3: MLA up-projections over heads, latents replicated; router replicated
+        ("layers", 3, "mlp", "shared_experts", "up_proj", "kernel"): ((64, 32), P("fsdp", "model")),
+        ("layers", 3, "mlp", "gate", "weight"): ((8, 64), P(None, None)),
+        ("layers", 3, "mlp", "gate", "e_score_correction_bias"): ((8,), P(None)),
+        ("layers", 0, "self_attn", "q_a_proj", "kernel"): ((64, 48), P("fsdp", None)),
+        ("layers", 0, "self_attn", "q_b_proj", "kernel"): ((48, 96), P(None, "model")),
+        ("layers", 0, "self_attn", "kv_a_proj_with_mqa", "kernel"): ((64, 40), P("fsdp", None)),
+        ("layers", 0, "self_attn", "kv_b_proj", "kernel"): ((32, 128), P(None, "model")),
     }
     for path, (shape, want) in cases.items():
         assert param_partition_spec(path, shape, MESH) == want, path
         assert param_partition_spec(path, shape) == want, path  # without a mesh: the rule itself
+
+
+def test_expert_rules():
+    """Routed experts [E, in, out]: experts over "expert" (a mesh without that axis leaves them whole),
+    their hidden units over "model"."""
+    gate, down = ("layers", 3, "mlp", "experts", "gate_proj", "kernel"), ("layers", 3, "mlp", "experts", "down_proj", "kernel")
+    assert param_partition_spec(gate, (8, 64, 32)) == P("expert", "fsdp", "model")
+    assert param_partition_spec(gate, (8, 64, 32), EP_MESH) == P("expert", "fsdp", "model")
+    assert param_partition_spec(down, (8, 32, 64), EP_MESH) == P("expert", "model", "fsdp")
+    assert param_partition_spec(gate, (8, 64, 32), MESH) == P(None, "fsdp", "model")
+    assert param_partition_spec(gate, (7, 64, 32), EP_MESH) == P(None, "fsdp", "model")  # 7 experts do not split in 2
+    assert kv_cache_spec(EP_MESH, (8, 128, 1, 512)) == P(("data", "fsdp"), None, None, None)  # the MLA latent cache
 
 
 def test_non_dividing_dims_fall_back_to_replication():

@@ -143,7 +143,7 @@ def load_drafter(
 
     abstract = nnx.eval_shape(lambda: Drafter(config, dtype=dt))
     try:
-        drafter = fill_module(abstract, source, drafter_key, dt, provided=provided, renamed=renamed)
+        drafter = fill_module(abstract, source, drafter_key, provided=provided, renamed=renamed)
     finally:
         source.release()
     drafter.set_vocab_map(d2t)

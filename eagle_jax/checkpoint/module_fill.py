@@ -1,7 +1,8 @@
 """Fills an abstract NNX module (built with ``nnx.eval_shape``) from named checkpoint tensors, and back.
 
 Each model family supplies one function mapping an NNX state path to its checkpoint key; torch Linear
-weights are [out, in] and our kernels [in, out], so every path ending in ``kernel`` is transposed.
+weights are [out, in] and our kernels [in, out], so every path ending in ``kernel`` has its last two
+axes swapped (stacked per-expert kernels [E, in, out] included).
 """
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ def state_items(module: nnx.Module) -> Iterator[tuple[Path, object]]:
         yield tuple(int(p) if isinstance(p, int) else str(p) for p in path), leaf
 
 
+def _torch_layout(shape: tuple) -> tuple:
+    return (*shape[:-2], shape[-1], shape[-2])
+
+
 def _convert(arr: np.ndarray, path: Path, expected_shape: tuple, dtype, key: str, source: TensorSource) -> jax.Array:
-    if path[-1] == "kernel":
-        arr = arr.T
+    kernel = path[-1] == "kernel" and arr.ndim >= 2
+    if kernel:
+        arr = np.swapaxes(arr, -1, -2)
     if tuple(arr.shape) != tuple(expected_shape):
         # Report in the checkpoint's own (torch) layout.
-        got, want = (arr.T.shape, expected_shape[::-1]) if path[-1] == "kernel" else (arr.shape, expected_shape)
+        got, want = (_torch_layout(arr.shape), _torch_layout(expected_shape)) if kernel else (arr.shape, expected_shape)
         raise CheckpointError(f"{source.file_of(key)}: tensor '{key}' has shape {list(got)}, expected {list(want)}")
     return jnp.asarray(np.asarray(arr).astype(dtype, copy=False))
 
@@ -40,13 +46,13 @@ def fill_module(
     abstract: nnx.Module,
     source: TensorSource,
     key_of: KeyFn,
-    dtype,
     *,
     provided: dict[Path, jax.Array] | None = None,
     ignored: Callable[[str], bool] = lambda k: False,
     renamed: dict[str, str] | None = None,
 ) -> nnx.Module:
-    """Returns a concrete module whose variables are read from ``source`` one tensor at a time.
+    """Returns a concrete module whose variables are read from ``source`` one tensor at a time, each
+    cast to the dtype its abstract variable declares (the module is built in the wanted dtype).
 
     ``provided``: values for paths not in the checkpoint (e.g. the drafter's embedding from the target).
     ``renamed``: stored key -> the normalised key ``key_of`` produces. Missing or unexpected keys and shape mismatches raise, naming the key and the file.
@@ -70,9 +76,8 @@ def fill_module(
         key = key_of(path)
         spec = leaf.get_value()
         if key in stored:
-            keep_dtype = jnp.issubdtype(spec.dtype, jnp.integer) or spec.dtype == jnp.bool_
             arr = source.get(stored[key])
-            leaf.set_value(_convert(arr, path, spec.shape, spec.dtype if keep_dtype else dtype, stored[key], source))
+            leaf.set_value(_convert(arr, path, spec.shape, spec.dtype, stored[key], source))
         elif path in provided:
             leaf.set_value(jnp.asarray(provided[path]))
         else:
@@ -80,14 +85,21 @@ def fill_module(
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def export_tensors(module: nnx.Module, key_of: KeyFn, dtype=None, skip: Callable[[Path], bool] = lambda p: False) -> Iterator[tuple[str, np.ndarray]]:
-    """(checkpoint key, numpy array in torch layout) for every variable, floats cast to ``dtype``."""
+def export_tensors(
+    module: nnx.Module,
+    key_of: KeyFn,
+    dtype=None,
+    skip: Callable[[Path], bool] = lambda p: False,
+    keep_dtype: Callable[[Path], bool] = lambda p: False,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(checkpoint key, numpy array in torch layout) for every variable, floats cast to ``dtype`` except
+    where ``keep_dtype(path)``."""
     for path, leaf in state_items(module):
         if skip(path):
             continue
         arr = np.asarray(jax.device_get(leaf.get_value()))
-        if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
+        if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating) and not keep_dtype(path):
             arr = arr.astype(dtype)
-        if path[-1] == "kernel":
-            arr = np.ascontiguousarray(arr.T)
+        if path[-1] == "kernel" and arr.ndim >= 2:
+            arr = np.ascontiguousarray(np.swapaxes(arr, -1, -2))
         yield key_of(path), arr

@@ -1,4 +1,6 @@
-"""Llama-family target decoders (Llama 3.x, Mistral, Qwen2, Qwen3) with KV cache and aux-state capture."""
+"""Target decoders with KV cache and aux-state capture: the Llama family (Llama 3.x, Mistral, Qwen2,
+Qwen3; GQA + dense MLP) and DeepSeek-V3 / Kimi-K2 (multi-head latent attention + mixture of experts).
+Each decoder layer picks its attention and MLP from the config; everything else is shared."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from flax import nnx
 
 from eagle_jax.config import TargetConfig, default_aux_layer_ids
 from eagle_jax.modeling.layers import MLP, Attention, Linear, RMSNorm, causal_mask, rope_cos_sin
+from eagle_jax.modeling.mla import MLAttention
+from eagle_jax.modeling.moe import MoE
 
 Array = jax.Array
 
@@ -17,15 +21,27 @@ Array = jax.Array
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """Per-layer key/value caches, each [B, S, Hkv, D]. Slot s of a row holds position s of that row."""
+    """Per-layer caches ``k`` [B, S, Hkv, Dk] and ``v`` [B, S, Hkv, Dv]. Slot s of a row holds position s
+    of that row. GQA: keys and values. MLA: ``k`` the latents [B, S, 1, kv_lora_rank], ``v`` the
+    shared rope keys [B, S, 1, qk_rope_head_dim]."""
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
 
     @classmethod
-    def zeros(cls, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
-        shape = (batch, length, kv_heads, head_dim)
-        return cls(tuple(jnp.zeros(shape, dtype) for _ in range(layers)), tuple(jnp.zeros(shape, dtype) for _ in range(layers)))
+    def zeros(
+        cls, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype, v_head_dim: int | None = None
+    ) -> "KVCache":
+        k_shape = (batch, length, kv_heads, head_dim)
+        v_shape = (batch, length, kv_heads, head_dim if v_head_dim is None else v_head_dim)
+        return cls(tuple(jnp.zeros(k_shape, dtype) for _ in range(layers)), tuple(jnp.zeros(v_shape, dtype) for _ in range(layers)))
+
+    @classmethod
+    def for_config(cls, c: TargetConfig, batch: int, length: int, dtype) -> "KVCache":
+        """Zeroed caches of a target: keys and values per kv head, or for MLA the latent and the shared rope key."""
+        if c.mla is not None:
+            return cls.zeros(c.num_layers, batch, length, 1, c.mla.kv_lora_rank, dtype, v_head_dim=c.mla.qk_rope_head_dim)
+        return cls.zeros(c.num_layers, batch, length, c.num_kv_heads, c.head_dim, dtype)
 
     @property
     def max_len(self) -> int:
@@ -41,21 +57,29 @@ def window_mask(q_pos: Array, k_pos: Array, window: int | None) -> Array:
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, c: TargetConfig, *, dtype, rngs: nnx.Rngs):
+    """Pre-norm residual block; attention GQA or MLA and MLP dense or MoE, as the config says for layer ``index``."""
+
+    def __init__(self, c: TargetConfig, index: int, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(
-            c.hidden_size,
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            bias=c.attention_bias,
-            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
-            dtype=dtype,
-            rngs=rngs,
-        )
+        if c.mla is not None:
+            self.self_attn = MLAttention(c.hidden_size, c.num_heads, c.mla, c.rope, bias=c.attention_bias, dtype=dtype, rngs=rngs)
+        else:
+            self.self_attn = Attention(
+                c.hidden_size,
+                c.hidden_size,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                bias=c.attention_bias,
+                qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+                dtype=dtype,
+                rngs=rngs,
+            )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)
+        if c.moe is not None and c.moe.is_moe_layer(index):
+            self.mlp = MoE(c.hidden_size, c.moe, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, h, cos, sin, mask, kv=None, write_index=None):
         attn, kv = self.self_attn(self.input_layernorm(h), cos, sin, mask, kv, write_index)
@@ -78,7 +102,7 @@ class Target(nnx.Module):
         self.dtype = dtype
         c = config
         self.embed_tokens = nnx.Param((jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size)) * 0.02).astype(dtype))
-        self.layers = nnx.List([DecoderLayer(c, dtype=dtype, rngs=rngs) for _ in range(c.num_layers)])
+        self.layers = nnx.List([DecoderLayer(c, i, dtype=dtype, rngs=rngs) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
 
@@ -115,7 +139,7 @@ class Target(nnx.Module):
         h = self.embed(input_ids)
         if compute_dtype is not None:
             h = h.astype(compute_dtype)  # every matmul, norm and cache write follows the activations
-        cos, sin = rope_cos_sin(c.rope, c.head_dim, positions, h.dtype)
+        cos, sin = rope_cos_sin(c.rope, c.rope_dim, positions, h.dtype)
         aux, ks, vs = [], [], []
         for i, layer in enumerate(self.layers):
             if i in aux_layer_ids:
@@ -141,5 +165,4 @@ class Target(nnx.Module):
         return self.logits(hidden), aux
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        c = self.config
-        return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype or self.dtype)
+        return KVCache.for_config(self.config, batch, max_len, dtype or self.dtype)

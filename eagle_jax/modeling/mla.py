@@ -1,0 +1,171 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2) over a latent KV cache.
+
+Per token, ``kv_a_proj_with_mqa`` gives a latent ``c`` of ``kv_lora_rank`` numbers (RMS-normed by
+``kv_a_layernorm``) and one rope key ``k_rot`` of ``qk_rope_head_dim`` numbers shared by every head.
+Head h's key is ``[W_UK[h] c, k_rot]`` and its value ``W_UV[h] c``, with W_UK / W_UV the two halves of
+``kv_b_proj``. The cache therefore holds only ``c`` and ``k_rot`` (``KVCache.k`` = latents
+[B, S, 1, kv_lora_rank], ``KVCache.v`` = rope keys [B, S, 1, qk_rope_head_dim]), and attention over
+it uses the absorbed form: W_UK is folded into the query, so scores are taken against the latents
+directly,
+
+    score[h, s] = (q_nope[h] W_UK[h]) . c[s] + q_rot[h] . k_rot[s]
+    out[h]      = W_UV[h] sum_s p[h, s] c[s]
+
+and no per-head key or value is ever built for the cached tokens. A block attending only to itself
+(a prefill) uses the expanded form, cheaper there: its T x T scores are then dot products of
+qk_head_dim numbers rather than kv_lora_rank + qk_rope_head_dim.
+
+Cache size per token and layer: ``(kv_lora_rank + qk_rope_head_dim) * bytes``, against
+``num_heads * (qk_head_dim + v_head_dim) * bytes`` for the per-head keys and values the same model
+would cache as multi-head attention (one kv head per query head, as it computes). bf16, 61 layers:
+
+    model        heads  latent + rope   MLA per layer  MHA per layer  MLA per token  MHA per token  ratio
+    DeepSeek-V3   128     512 + 64         1,152 B       81,920 B       68.6 KiB       4.77 MiB      71x
+    Kimi-K2        64     512 + 64         1,152 B       40,960 B       68.6 KiB       2.38 MiB      36x
+
+For scale, a GQA model with 8 kv heads of 128 caches 4,096 B per token and layer.
+
+Numerics follow HF transformers' DeepseekV3Attention: scores ``q.k * scale`` in the activation dtype,
+softmax in fp32, probabilities cast back before the value product; ``q_a_layernorm`` and
+``kv_a_layernorm`` use eps 1e-6 whatever ``rms_norm_eps`` says (HF builds them with the default).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle_jax.config import MLAConfig, RopeConfig, TargetConfig
+from eagle_jax.modeling.layers import Linear, RMSNorm, apply_rope, write_kv
+
+Array = jax.Array
+
+LATENT_NORM_EPS = 1e-6
+
+
+def softmax_scale(mla: MLAConfig, rope: RopeConfig) -> float:
+    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under scaled RoPE, as HF's
+    ``yarn_apply_mscale`` (the cos/sin carry the other part, mscale / mscale_all_dim)."""
+    scale = mla.qk_head_dim**-0.5
+    if rope.type != "default" and rope.mscale_all_dim:
+        m = 1.0 if rope.factor <= 1 else 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+def latent_cache_bytes_per_token(config: TargetConfig, itemsize: int = 2) -> int:
+    """Bytes an MLA target caches per token over all layers (latent + shared rope key)."""
+    mla = config.mla
+    return config.num_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) * itemsize
+
+
+def expanded_cache_bytes_per_token(config: TargetConfig, itemsize: int = 2) -> int:
+    """Bytes the same model would cache per token as multi-head attention (per-head keys and values)."""
+    mla = config.mla
+    return config.num_layers * config.num_heads * (mla.qk_head_dim + mla.v_head_dim) * itemsize
+
+
+def _softmax(scores: Array, mask: Array, dtype) -> Array:
+    scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+class MLAttention(nnx.Module):
+    """MLA with HF's parameter names; called like ``layers.Attention`` (same cache contract)."""
+
+    def __init__(self, hidden: int, num_heads: int, mla: MLAConfig, rope: RopeConfig, *, bias: bool = False, dtype, rngs: nnx.Rngs):
+        self.num_heads, self.mla = num_heads, mla
+        self.scale = softmax_scale(mla, rope)
+        qk = num_heads * mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(hidden, qk, dtype=dtype, rngs=rngs)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias, dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+            self.q_b_proj = Linear(mla.q_lora_rank, qk, dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(num_heads * mla.v_head_dim, hidden, bias=bias, dtype=dtype, rngs=rngs)
+
+    def _rope(self, x: Array, cos: Array, sin: Array) -> Array:
+        if self.mla.rope_interleave:
+            # Pairs (x0, x1), (x2, x3), ... -> halves (x0, x2, ...), (x1, x3, ...): then it is rotate-half
+            # RoPE, exactly as HF's apply_rotary_pos_emb_interleave computes it (queries and keys alike).
+            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+        return apply_rope(x, cos, sin)
+
+    def _up_kernels(self, dtype) -> tuple[Array, Array]:
+        """kv_b_proj split per head: W_UK [R, heads, nope], W_UV [R, heads, v]."""
+        m = self.mla
+        w = self.kv_b_proj.kernel[...].astype(dtype).reshape(m.kv_lora_rank, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
+        return w[..., : m.qk_nope_head_dim], w[..., m.qk_nope_head_dim :]
+
+    def _expanded(self, q_nope: Array, q_rot: Array, latent: Array, k_rot: Array, mask: Array) -> Array:
+        """Per-head keys and values built from the latents: for a block attending to itself."""
+        w_uk, w_uv = self._up_kernels(q_nope.dtype)
+        k_nope = jnp.einsum("bsr,rhd->bshd", latent, w_uk)
+        v = jnp.einsum("bsr,rhd->bshd", latent, w_uv)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:3], k_rot.shape[-1]))], axis=-1)
+        scores = jnp.einsum("bthd,bshd->bhts", jnp.concatenate([q_nope, q_rot], axis=-1), k)
+        probs = _softmax(scores * self.scale, mask[:, None], v.dtype)
+        return jnp.einsum("bhts,bshd->bthd", probs, v)
+
+    def _absorbed(self, q_nope: Array, q_rot: Array, latent: Array, k_rot: Array, mask: Array) -> Array:
+        """Scores against the latents directly: W_UK folded into the query, W_UV after the average."""
+        b, t, h, _ = q_nope.shape
+        w_uk, w_uv = self._up_kernels(q_nope.dtype)
+        # Heads and query positions share one latent per key: fold them into one row axis (heads major,
+        # so a split over heads stays a split of rows), making each batch row a single [h*t, R] x [R, S]
+        # matmul (the MQA shape).
+        q_lat = jnp.einsum("bthd,rhd->bhtr", q_nope, w_uk).reshape(b, h * t, -1)
+        q_rot = q_rot.transpose(0, 2, 1, 3).reshape(b, h * t, -1)
+        scores = jnp.einsum("bqr,bsr->bqs", q_lat, latent) + jnp.einsum("bqd,bsd->bqs", q_rot, k_rot)
+        probs = _softmax((scores * self.scale).reshape(b, h, t, -1), mask[:, None], latent.dtype)
+        o_lat = jnp.einsum("bqs,bsr->bqr", probs.reshape(b, h * t, -1), latent).reshape(b, h, t, -1)
+        return jnp.einsum("bhtr,rhd->bthd", o_lat, w_uv)
+
+    def __call__(
+        self,
+        x: Array,
+        cos: Array,
+        sin: Array,
+        mask: Array,
+        kv: tuple[Array, Array] | None = None,
+        write_index: Array | None = None,
+    ) -> tuple[Array, tuple[Array, Array] | None]:
+        """x: [B, T, H]; cos/sin: [B, T, qk_rope_head_dim]. The cache contract of ``layers.Attention``
+        with ``kv`` = (latents [B, S, 1, kv_lora_rank], rope keys [B, S, 1, qk_rope_head_dim]): this
+        block's entries are written at slots ``write_index`` [B], then the block attends over the first
+        ``mask.shape[-1]`` slots of the leading B rows (absorbed), or, when ``mask`` is [B, T, T] with
+        T < S, over itself (expanded)."""
+        m = self.mla
+        b, t, _ = x.shape
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(b, t, self.num_heads, m.qk_head_dim)
+        q_nope, q_rot = q[..., : m.qk_nope_head_dim], self._rope(q[..., m.qk_nope_head_dim :], cos, sin)
+        compressed = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(compressed[..., : m.kv_lora_rank])
+        k_rot = self._rope(compressed[..., None, m.kv_lora_rank :], cos, sin)[:, :, 0]  # one head, shared
+        if kv is None:
+            out = self._expanded(q_nope, q_rot, latent, k_rot, mask)
+            return self.o_proj(out.reshape(b, t, -1)), None
+        latents = write_kv(kv[0], latent[:, :, None], write_index)
+        rot_keys = write_kv(kv[1], k_rot[:, :, None], write_index)
+        span = mask.shape[-1]
+        if span == t and t < latents.shape[1]:
+            out = self._expanded(q_nope, q_rot, latent, k_rot, mask)
+        else:
+            # Only the leading ``span`` slots are read: a program sized for short rows skips the unused tail.
+            lat_read = latents[:b, :span, 0].astype(q.dtype)
+            rot_read = rot_keys[:b, :span, 0].astype(q.dtype)
+            out = self._absorbed(q_nope, q_rot, lat_read, rot_read, mask)
+        return self.o_proj(out.reshape(b, t, -1)), (latents, rot_keys)

@@ -1,0 +1,66 @@
+"""A DeepSeek-V3-style target (MLA + MoE) sharded over 8 host CPU devices gives the tokens, accepted
+drafts and logits of one device: experts over the "expert" mesh axis, heads and expert hidden units
+over "model". The pair is engine_models' near-bigram one, so tree rounds accept several drafts.
+
+XLA_FLAGS must be set before jax is imported, so the check runs in a subprocess.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+    import eagle_jax as ej
+    from eagle_jax.config import SpecConfig
+    from eagle_jax.sharding import make_mesh, shard_tree
+    from engine_models import deepseek_config, markov_drafter, markov_target
+
+    assert len(jax.devices()) == 8, jax.devices()
+    t, succ = markov_target(vocab=32, hidden=64, seed=1, eps=0.1, config=deepseek_config(32, 64))
+    d, _ = markov_drafter(t, succ, seed=1, disagree=0.25)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 12]
+    spec = SpecConfig(method="tree", tree_top_k=3, tree_depth=3, tree_total_tokens=8)
+    ref = ej.generate(t, d, prompts, max_new_tokens=10, spec=spec, eos_token_id=[])
+    assert max(a for row in ref.accepted for a in row) >= 2, ref.accepted
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, 32, (2, 16)), jnp.int32)
+    graph, state = nnx.split(t)
+    forward = jax.jit(lambda s, x: nnx.merge(graph, s)(x, (0, 1, 2)))
+    ref_logits, ref_aux = forward(state, ids)
+    meshes = {"expert4 x model2": make_mesh(1, 1, 2, expert=4), "expert8": make_mesh(expert=8),
+              "model4": make_mesh(1, 1, 4, jax.devices()[:4])}
+    for name, mesh in meshes.items():
+        r = ej.generate(t, d, prompts, max_new_tokens=10, spec=spec, eos_token_id=[], mesh=mesh)
+        assert r.tokens == ref.tokens, (name, r.tokens, ref.tokens)
+        assert r.accepted == ref.accepted, name
+        sharded = shard_tree(state, mesh)
+        logits, aux = forward(sharded, ids)
+        for got, want in ((logits, ref_logits), (aux, ref_aux)):
+            err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            assert err <= 1e-5, (name, err)
+        kernel = sharded["layers"][1]["mlp"]["experts"]["gate_proj"]["kernel"][...]
+        want_spec = {"expert4 x model2": P("expert", None, "model"), "expert8": P("expert", None, None),
+                     "model4": P(None, None, "model")}[name]
+        assert kernel.sharding.spec == want_spec, (name, kernel.sharding)
+        print(name, "max rel err", err)
+    print("EP-OK")
+    """
+)
+
+
+def test_expert_parallel_matches_single_device():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    here = os.path.dirname(os.path.abspath(__file__))  # engine_models
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0 and "EP-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

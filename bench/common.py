@@ -56,6 +56,27 @@ def load_pair_or_random(target_dir: str | None, drafter_dir: str | None, prompts
     return target, drafter, tokenizer, prompts, source
 
 
+def load_recipe_pair(recipe: str, prompt_len: int, num_prompts: int = 16):
+    """The pair of a tiny training recipe whose target is ``target.random`` (e.g. the DeepSeek-V3-shaped
+    configs/train/tiny_mla_moe.yaml): the same seeded target the recipe trained against and the drafter
+    it exported to ``<run_dir>/export``; prompts are random tokens from a seed the training data never
+    used (its prompts come from seed 0). Returns what ``load_pair_or_random`` returns."""
+    from eagle_jax.training.trainer import build_target, load_config
+
+    cfg = load_config(recipe)
+    if not cfg["target"]["random"]:
+        raise SystemExit(f"{recipe}: --recipe takes a recipe with target.random; use --target/--drafter for checkpoints")
+    export = Path(cfg["run_dir"]) / "export"
+    if not (export / "config.json").exists():
+        raise SystemExit(f"{export}: no exported drafter; train it first: eagle-jax-train --config {recipe}")
+    target = build_target(cfg)
+    drafter = eagle_jax.load_drafter(export, target)
+    rng = np.random.default_rng(12345)
+    prompts = [rng.integers(0, target.config.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
+    source = {"recipe": recipe, "target": f"random {target.config.architecture} (seeded)", "drafter": str(export)}
+    return target, drafter, None, prompts, source
+
+
 def print_table(header: list[str], rows: list[list]) -> None:
     cells = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

@@ -3,6 +3,7 @@
     python -m bench.speed                                   # bundled pair if present, else random models
     python -m bench.speed --target DIR --drafter DIR --batch 1 4 16 --ks 1 3 5 --trees 8,5,48
     python -m bench.speed --dtype bfloat16 --exact          # bf16 weights, every row also in exact mode
+    python -m bench.speed --recipe configs/train/tiny_mla_moe.yaml --prompt-len 8   # the DeepSeek-V3-shaped tiny pair
 
 Writes JSON (``--out``) and prints a table. The round split times, inside jitted loops (no host
 dispatch, like the real loop): one drafter step (1 token), one target verification of the round's
@@ -27,7 +28,7 @@ from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
 from eagle_jax.decoding.engine import Plan, causal_cache_mask, run_rounds, start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.generate import bucket
-from bench.common import load_pair_or_random, print_table, spec_name, write_json
+from bench.common import load_pair_or_random, load_recipe_pair, print_table, spec_name, write_json
 
 
 def _timed_interleaved(calls: dict, repeats: int = 9) -> dict:
@@ -111,6 +112,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target")
     ap.add_argument("--drafter")
+    ap.add_argument("--recipe", help="a tiny training recipe with target.random (its seeded target and exported drafter)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
     ap.add_argument("--trees", nargs="*", default=["8,5,48"], help="top_k,depth,total_tokens")
@@ -125,7 +127,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="bench/results/speed.json")
     args = ap.parse_args(argv)
 
-    target, drafter, tokenizer, prompts, source = load_pair_or_random(args.target, args.drafter, args.prompts, args.prompt_len, args.dtype)
+    if args.recipe:
+        target, drafter, tokenizer, prompts, source = load_recipe_pair(args.recipe, args.prompt_len)
+    else:
+        target, drafter, tokenizer, prompts, source = load_pair_or_random(args.target, args.drafter, args.prompts, args.prompt_len, args.dtype)
     specs = [SpecConfig(num_speculative_tokens=k) for k in args.ks]
     for t in args.trees:
         k, d, n = (int(x) for x in t.split(","))

@@ -21,8 +21,24 @@ class ConfigError(ValueError):
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-# Drafters only ever use these (SPEC 3); targets use all of ROPE_TYPES.
+# Llama-layout drafters only ever use these (SPEC 3); targets and MLA drafters use all of ROPE_TYPES.
 DRAFTER_ROPE_TYPES = ("default", "linear", "dynamic")
+
+LLAMA_DRAFTER_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# EAGLE-3 drafters whose decoder layer is DeepSeek multi-head latent attention. vLLM registers the first
+# two (deepseek_eagle3), SGLang the first two as well; SpecForge's MLA branch writes the third; the
+# fourth is an older SGLang-style name. vLLM wraps a bare DeepseekV{2,3}ForCausalLM draft config as
+# Eagle3DeepseekV{2,3}ForCausalLM, so those name it too. The first is what save_drafter writes: the
+# published Kimi-K2.x MLA drafters (TorchSpec exports) carry it.
+MLA_DRAFTER_ARCHITECTURES = (
+    "Eagle3DeepseekV2ForCausalLM",
+    "Eagle3DeepseekV3ForCausalLM",
+    "DeepseekV3ForCausalLMEagle3",
+    "DeepseekV2ForCausalLMEagle3",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM",
+)
+_MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 TARGET_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -520,13 +536,32 @@ class DrafterConfig:
     # The target layers this drafter reads, in the reference ('input') convention: the residual stream
     # entering layer i. None: EAGLE's default for the target's depth (``aux_layer_ids_for``).
     aux_layer_ids: tuple[int, ...] | None = None
-    architectures: tuple[str, ...] = ("LlamaForCausalLMEagle3",)
+    architectures: tuple[str, ...] = (LLAMA_DRAFTER_ARCHITECTURE,)
     dtype: str | None = None
+    # Multi-head latent attention (DeepSeek-V3 / Kimi-K2 drafters) instead of GQA. As for targets,
+    # num_kv_heads then equals num_heads and head_dim is qk_nope_head_dim + qk_rope_head_dim.
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         src = "drafter config"
         if self.fc_norm and self.norm_before_fc:
             raise ConfigError(f"{src}: 'fc_norm' and 'norm_before_fc' are mutually exclusive; set one")
+        names_mla = any(a in MLA_DRAFTER_ARCHITECTURES for a in self.architectures)
+        if self.mla is not None:
+            if self.architectures == (LLAMA_DRAFTER_ARCHITECTURE,):  # the default: the MLA family's name instead
+                object.__setattr__(self, "architectures", (MLA_DRAFTER_ARCHITECTURES[0],))
+            elif not names_mla:
+                raise ConfigError(
+                    f"{src}: architectures {list(self.architectures)} name a Llama-layout drafter but the MLA fields "
+                    f"(kv_lora_rank, ...) are set; MLA drafters are {list(MLA_DRAFTER_ARCHITECTURES[:3])}"
+                )
+            if (self.num_kv_heads, self.head_dim) != (self.num_heads, self.mla.qk_head_dim):
+                raise ConfigError(
+                    f"{src}: with MLA num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads} and "
+                    f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = {self.mla.qk_head_dim}"
+                )
+        elif names_mla:
+            raise ConfigError(f"{src}: architectures {list(self.architectures)} name an MLA drafter but no MLA fields are set")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"{src}: num_attention_heads={self.num_heads} is not a multiple of "
@@ -546,6 +581,11 @@ class DrafterConfig:
     def fc_in_features(self) -> int:
         return self.num_aux_hidden_states * self.target_hidden_size
 
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotated part of a query/key head."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
     @classmethod
     def from_hf(
         cls, d: dict[str, Any], source: str = "config.json", aux_convention: AuxConvention = "input"
@@ -555,6 +595,11 @@ class DrafterConfig:
         ``eagle_aux_hidden_state_layer_ids`` is read in the reference convention ("input": the residual
         stream entering layer i, HF ``hidden_states[i]``, as the EAGLE code and vLLM read it) unless
         ``aux_convention="output"`` (SGLang/SpecForge: "output of layer j", i.e. entering j+1).
+
+        MLA drafters (``architectures`` one of ``MLA_DRAFTER_ARCHITECTURES``, or none given and a DeepSeek /
+        Kimi ``model_type``) read HF's DeepSeek fields (``q_lora_rank``, ``kv_lora_rank``,
+        ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``rope_interleave``) and any rope
+        scaling, YaRN with mscale included; their ``num_key_value_heads`` and ``head_dim`` are not read.
         """
         if aux_convention not in ("input", "output"):
             raise ConfigError(f"{source}: aux_convention must be 'input' or 'output', got {aux_convention!r}")
@@ -572,26 +617,35 @@ class DrafterConfig:
         layers = int(d.get("num_hidden_layers", 1))
         if layers != 1:
             raise ConfigError(f"{source}: num_hidden_layers={layers}; EAGLE-3 drafters have exactly 1 layer")
+        archs = tuple(d.get("architectures") or ())
+        mla = None
+        if any(a in MLA_DRAFTER_ARCHITECTURES for a in archs) or (not archs and d.get("model_type") in _MLA_MODEL_TYPES):
+            try:
+                mla = MLAConfig.from_hf(d, source)
+            except ConfigError as e:
+                raise ConfigError(str(e).replace("MLA config", source, 1)) from None
+            archs = archs or (MLA_DRAFTER_ARCHITECTURES[0],)
         try:
             return cls(
                 hidden_size=hidden,
                 num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
+                num_kv_heads=heads if mla else int(d.get("num_key_value_heads") or heads),
+                head_dim=mla.qk_head_dim if mla else int(d.get("head_dim") or hidden // heads),
                 intermediate_size=int(_require(d, "intermediate_size", source)),
                 vocab_size=vocab,
                 draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
                 target_hidden_size=int(d.get("target_hidden_size") or hidden),
                 num_aux_hidden_states=int(n_aux),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope=parse_rope(d, source, DRAFTER_ROPE_TYPES, 10000.0),
+                rope=parse_rope(d, source, ROPE_TYPES if mla else DRAFTER_ROPE_TYPES, 10000.0),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 fc_norm=bool(d.get("fc_norm", False)),
                 norm_output=bool(d.get("norm_output", False)),
                 norm_before_fc=bool(d.get("norm_before_fc", False)),
                 aux_layer_ids=None if ids is None else tuple(ids),
-                architectures=tuple(d.get("architectures") or ("LlamaForCausalLMEagle3",)),
+                architectures=archs or (LLAMA_DRAFTER_ARCHITECTURE,),
                 dtype=_dtype_name(d),
+                mla=mla,
             )
         except ConfigError as e:
             raise ConfigError(str(e).replace("drafter config", source, 1)) from None
@@ -602,10 +656,12 @@ class DrafterConfig:
         return cls.from_hf(d, source, aux_convention)
 
     def to_hf(self) -> dict[str, Any]:
-        """config.json as PyTorch engines read it (aux ids in the reference 'input' convention)."""
+        """config.json as PyTorch engines read it (aux ids in the reference 'input' convention). An MLA
+        drafter is written as a DeepseekV3Config (model_type deepseek_v3, which transformers knows) with
+        its MLA fields; vLLM and SGLang choose the model class by ``architectures``."""
         out: dict[str, Any] = {
             "architectures": list(self.architectures),
-            "model_type": "llama",
+            "model_type": "llama" if self.mla is None else "deepseek_v3",
             "hidden_size": self.hidden_size,
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
@@ -626,6 +682,9 @@ class DrafterConfig:
             "norm_before_fc": self.norm_before_fc,
             "tie_word_embeddings": False,
         }
+        if self.mla is not None:
+            del out["head_dim"]  # DeepseekV3Config's head_dim is the rope width, derived from qk_rope_head_dim
+            out.update(self.mla.to_hf())
         if self.aux_layer_ids is not None:
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
         if self.dtype:

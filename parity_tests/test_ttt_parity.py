@@ -2,9 +2,11 @@
 
 Compared: the total loss, each step's loss and accuracy, and the gradient of every trainable drafter
 parameter, for EAGLE-3 and EAGLE-3.1 flags, Vd < V, both normalisations and both accuracy
-denominators. Then structural tests of the unroll: the attention pattern of each step, the causal
-dependency of each (step, index) on tokens and features, and equality with the drafter's own cached
-inference path (Drafter.step with a KV cache), which pins RoPE positions and feature feeding per step.
+denominators, and an MLA (DeepSeek-V3 / Kimi-K2) drafter. Then structural tests of the unroll: the
+attention pattern of each step, the causal dependency of each (step, index) on tokens and features,
+and equality with the drafter's own cached inference path (Drafter.step with a KV cache; for MLA the
+latent cache and absorbed attention against the unroll's expanded heads), which pins RoPE positions
+and feature feeding per step.
 
 Tolerances (fp32 on CPU): the two sides do the same math with different op grouping (grouped-query
 einsums vs repeated heads, gathered vs boolean-indexed vocab), so values agree to a few ulp of their
@@ -53,11 +55,25 @@ def cfg_dict(**kw) -> dict:
     return d
 
 
+# An MLA drafter (DeepSeek-V3 / Kimi-K2 layout): q LoRA, value heads narrower than query heads, Kimi's
+# YaRN over 4 rope dims (its softmax scale and cos/sin scale differ from plain RoPE's).
+MLA = dict(
+    architectures=["Eagle3DeepseekV3ForCausalLM"],
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=12,
+    rope_theta=50000.0,
+    rope_scaling=dict(type="yarn", factor=16.0, original_max_position_embeddings=4, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
+                      mscale_all_dim=1.0),
+)
 VARIANTS = {
     "eagle3": dict(),
     "eagle3.1": dict(fc_norm=True, norm_output=True),
     "norm_before_fc": dict(norm_before_fc=True),
     "full_vocab": dict(draft_vocab_size=96),
+    "mla_eagle3.1": dict(MLA, fc_norm=True, norm_output=True),
 }
 
 
@@ -172,7 +188,7 @@ def test_extended_attention_equals_dense_mask_of_spec(steps):
     junk = 100.0 * jnp.ones((2, b, t, hkv, d))
     dk = jnp.concatenate([k_all[1:], junk]) if steps > 1 else junk
     dv = jnp.concatenate([v_all[1:], junk]) if steps > 1 else junk
-    got = ttt._extended_attention(q, k_all[0], v_all[0], dk, dv, steps - 1)
+    got = ttt._extended_attention(q, k_all[0], v_all[0], dk, dv, steps - 1, 1.0 / np.sqrt(d))
 
     j = np.arange(t)[:, None]
     blocks = [j >= np.arange(t)[None, :]] + [j == np.arange(t)[None, :]] * (steps - 1)
@@ -201,7 +217,7 @@ def test_each_step_sees_only_what_it_should():
         np.testing.assert_array_equal(changed, np.broadcast_to(m <= j_idx, changed.shape), err_msg=f"aux {m}")
 
 
-@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1", "mla_eagle3.1"])
 def test_unroll_equals_cached_chain_drafting(variant):
     """Index j of the unroll is what chain drafting does after a prefix of j+1 target positions: step i
     at RoPE position j+i, seeing the prefix keys 0..j and the keys of its own drafted steps 1..i, and

@@ -10,6 +10,17 @@ reference code where they matter for half-precision parity:
   activation dtype before being applied.
 - Residual adds in the model dtype. No bias anywhere. MLP = down(silu(gate(x)) * up(x)).
 
+MLA drafters (DeepSeek-V3 / Kimi-K2 EAGLE-3, a config with ``kv_lora_rank``) replace the GQA attention
+by multi-head latent attention over the same 2H input, computed as HF transformers' DeepseekV3Attention
+does (per-head keys and values expanded from the latents, never the absorbed form): q from ``q_a_proj ->
+q_a_layernorm -> q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa`` -> (latent, one shared rope key),
+latent -> ``kv_a_layernorm`` -> ``kv_b_proj`` -> per-head (k_nope, v); RoPE only on the last
+``qk_rope_head_dim`` numbers of q and k, in DeepSeek's interleaved-pair layout rotated as HF's
+``apply_rotary_pos_emb_interleave``; scores times ``qk_head_dim**-0.5``, times
+``yarn_get_mscale(factor, mscale_all_dim)**2`` under YaRN (HF's ``yarn_apply_mscale``); DeepSeek YaRN
+frequencies and cos/sin scale as HF's ``_compute_yarn_parameters``. The latent norms use the drafter's
+``rms_norm_eps`` (vLLM / SGLang / TorchSpec build them so; HF's target uses its default 1e-6).
+
 Public API (see the docstrings): ``RefDrafterConfig``, ``RefDrafter``, ``load_eagle_state_dict``,
 ``make_vocab_map``, ``ttt_unroll``, ``ttt_loss``.
 """
@@ -32,12 +43,17 @@ KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [B, kv_heads, S, head_dim
 # --------------------------------------------------------------------------------------------------
 
 
-def _parse_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "original_max_position_embeddings")
+
+
+def _parse_rope(d: Mapping[str, Any], allow_yarn: bool = False) -> tuple[float, dict[str, Any] | None]:
     """Read theta and scaling from either config dialect (SPEC 5).
 
     transformers 4 / most checkpoints: top-level ``rope_theta`` + ``rope_scaling``.
     transformers >= 5: ``rope_parameters`` = {rope_type, rope_theta, factor, ...}.
-    Returns (theta, scaling) with scaling None or {"type": "linear"|"dynamic", "factor": f, ...}.
+    Returns (theta, scaling) with scaling None or {"type": "linear"|"dynamic", "factor": f, ...}, or
+    for MLA drafters (``allow_yarn``) {"type": "yarn", "factor", "beta_fast", "beta_slow", "mscale",
+    "mscale_all_dim", "original_max_position_embeddings"}.
     """
     params = d.get("rope_parameters") or {}
     theta = d.get("rope_theta")
@@ -59,8 +75,13 @@ def _parse_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
                 scaling["original_max_position_embeddings"] = int(
                     scaling_src["original_max_position_embeddings"]
                 )
+        elif kind == "yarn" and allow_yarn:
+            scaling = {"type": "yarn", "factor": float(scaling_src["factor"])}
+            scaling.update({k: scaling_src.get(k) for k in _YARN_KEYS})
+            if scaling["original_max_position_embeddings"] is None:
+                scaling["original_max_position_embeddings"] = int(d.get("max_position_embeddings") or 2048)
         else:
-            # Only linear and dynamic appear in drafter code (SPEC 3); never substitute another.
+            # Only linear and dynamic appear in GQA drafter code (SPEC 3); never substitute another.
             raise ValueError(f"rope scaling type {kind!r} is not supported by the drafter reference")
     return float(theta), scaling
 
@@ -83,6 +104,12 @@ class RefDrafterConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048  # only used by dynamic NTK scaling
+    # MLA (set kv_lora_rank): heads = num_attention_heads, all of them reading one latent per token
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None  # None: a direct q_proj
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.fc_norm and self.norm_before_fc:
@@ -113,10 +140,16 @@ class RefDrafterConfig:
             if ids is None:
                 ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
             n_aux = len(ids) if ids is not None else 3
-        theta, scaling = _parse_rope(d)
+        mla = d.get("kv_lora_rank") is not None
+        theta, scaling = _parse_rope(d, allow_yarn=mla)
         max_pos = int(d.get("max_position_embeddings") or 2048)
         if scaling is not None and "original_max_position_embeddings" in scaling:
             max_pos = scaling["original_max_position_embeddings"]
+        if mla:
+            kv_heads, head_dim = heads, int(d["qk_nope_head_dim"]) + int(d["qk_rope_head_dim"])
+            mla_fields = {k: d[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+        else:
+            mla_fields = {}
         return cls(
             hidden_size=H,
             num_attention_heads=heads,
@@ -134,11 +167,20 @@ class RefDrafterConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
+            **mla_fields,
         )
 
     @property
     def fc_in(self) -> int:
         return self.num_aux_hidden_states * self.target_hidden_size
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim if self.mla else self.head_dim
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,6 +216,25 @@ class RefAttention(nn.Module):
         self.o_proj = _linear(cfg.num_attention_heads * hd, H)
 
 
+class RefMLAttention(nn.Module):
+    """HF DeepseekV3Attention's weights, the two down-projections reading the 2H drafter input."""
+
+    def __init__(self, cfg: RefDrafterConfig) -> None:
+        super().__init__()
+        H, heads = cfg.hidden_size, cfg.num_attention_heads
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = _linear(2 * H, heads * qk)
+        else:
+            self.q_a_proj = _linear(2 * H, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = _linear(cfg.q_lora_rank, heads * qk)
+        self.kv_a_proj_with_mqa = _linear(2 * H, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = _linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = _linear(heads * cfg.v_head_dim, H)
+
+
 class RefMLP(nn.Module):
     def __init__(self, cfg: RefDrafterConfig) -> None:
         super().__init__()
@@ -194,7 +255,7 @@ class RefMidLayer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = RefAttention(cfg)
+        self.self_attn = RefMLAttention(cfg) if cfg.mla else RefAttention(cfg)
         self.mlp = RefMLP(cfg)
 
 
@@ -203,20 +264,51 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(cfg: RefDrafterConfig, d: int) -> tuple[torch.Tensor, float]:
+    """DeepSeek YaRN (HF ``_compute_yarn_parameters``): blended inverse frequencies and the cos/sin scale."""
+    sc, base = cfg.rope_scaling, cfg.rope_theta
+    factor = sc["factor"]
+    ms, ms_all = sc.get("mscale"), sc.get("mscale_all_dim")
+    attn = yarn_get_mscale(factor, ms) / yarn_get_mscale(factor, ms_all) if ms and ms_all else yarn_get_mscale(factor)
+    orig = sc["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(sc.get("beta_fast") or 32)), 0)
+    high = min(math.ceil(correction_dim(sc.get("beta_slow") or 1)), d - 1)
+    if low == high:
+        high += 0.001
+    extrapolate = 1 - torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, d, 2).to(torch.float32) / d)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, attn
+
+
 def rope_cos_sin(
     cfg: RefDrafterConfig, position_ids: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [B, T, head_dim], built in fp32 and cast to ``dtype``.
+    """cos, sin of shape [B, T, rope_dim], built in fp32 and cast to ``dtype``.
 
     linear scaling: positions / factor (as the EAGLE reference code does it).
     dynamic NTK: stateless; seq_len = max(position_ids) + 1, and theta is enlarged only when
     seq_len > max_position_embeddings (HF formula). Note this makes dynamic scaling depend on the
     positions present in the call.
+    yarn (MLA drafters): DeepSeek YaRN, cos/sin times the attention factor.
     """
-    d = cfg.head_dim
+    d = cfg.rope_dim
     base = cfg.rope_theta
     pos = position_ids.to(torch.float32)
     sc = cfg.rope_scaling
+    if sc is not None and sc["type"] == "yarn":
+        inv_freq, attn = _yarn_inv_freq(cfg, d)
+        freqs = pos[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * attn).to(dtype), (emb.sin() * attn).to(dtype)
     if sc is not None and sc["type"] == "dynamic":
         seq_len = int(position_ids.max().item()) + 1
         if seq_len > cfg.max_position_embeddings:
@@ -234,6 +326,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [B, heads, T, hd]; cos/sin: [B, T, hd]."""
     cos, sin = cos[:, None], sin[:, None]
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved pairs (x0, x1), (x2, x3), ... each rotated by one frequency, written as HF's
+    ``apply_rotary_pos_emb_interleave``: the rotated evens then the rotated odds (the same permutation
+    for queries and keys, so q.k is the in-place rotation's). x: [B, heads, T, d]; cos/sin: [B, T, d]."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None, :, :half], sin[:, None, :, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def mla_softmax_scale(cfg: RefDrafterConfig) -> float:
+    """HF DeepseekV3Attention.scaling: qk_head_dim**-0.5, times mscale(factor, mscale_all_dim)**2 under YaRN."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    sc = cfg.rope_scaling
+    if sc is not None and sc.get("mscale_all_dim"):
+        scale *= yarn_get_mscale(sc["factor"], sc["mscale_all_dim"]) ** 2
+    return scale
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -333,14 +444,60 @@ class RefDrafter(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
+    def _u(self, g: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        ml = self.midlayer
+        e = self.embed_tokens(input_ids).to(g.dtype)
+        return torch.cat((ml.input_layernorm(e), ml.hidden_norm(g)), dim=-1)  # EMBEDDING FIRST
+
+    def mla_latents(
+        self, g: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA: (normed latents [B, T, kv_lora_rank], rotated shared rope keys [B, T, rope]), what a latent
+        cache holds."""
+        cfg, at = self.cfg, self.midlayer.self_attn
+        kv = at.kv_a_proj_with_mqa(self._u(g, input_ids))
+        latent, k_rot = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        cos, sin = rope_cos_sin(cfg, position_ids, g.dtype)
+        return at.kv_a_layernorm(latent), apply_rope_interleaved(k_rot[:, None], cos, sin)[:, 0]
+
+    def _mla_qkv(
+        self, g: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MLA, as HF DeepseekV3Attention: q, k [B, heads, T, nope + rope] and v [B, heads, T, v_head_dim]."""
+        cfg, at = self.cfg, self.midlayer.self_attn
+        B, T, _ = g.shape
+        heads, nope, rope = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        u = self._u(g, input_ids)
+        if cfg.q_lora_rank is None:
+            q = at.q_proj(u)
+        else:
+            q = at.q_b_proj(at.q_a_layernorm(at.q_a_proj(u)))
+        q = q.view(B, T, heads, nope + rope).transpose(1, 2)
+        q_pass, q_rot = q.split([nope, rope], dim=-1)
+        kv = at.kv_a_proj_with_mqa(u)
+        latent, k_rot = kv.split([cfg.kv_lora_rank, rope], dim=-1)
+        kv = at.kv_b_proj(at.kv_a_layernorm(latent)).view(B, T, heads, nope + cfg.v_head_dim).transpose(1, 2)
+        k_pass, v = kv.split([nope, cfg.v_head_dim], dim=-1)
+        cos, sin = rope_cos_sin(cfg, position_ids, g.dtype)
+        q_rot = apply_rope_interleaved(q_rot, cos, sin)
+        k_rot = apply_rope_interleaved(k_rot.view(B, 1, T, rope), cos, sin).expand(B, heads, T, rope)
+        return torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_pass, k_rot), dim=-1), v
+
+    def scaled(self, dots: torch.Tensor) -> torch.Tensor:
+        """q.k dot products -> attention scores (model dtype): / sqrt(head_dim), or times MLA's softmax scale."""
+        if self.cfg.mla:
+            return dots * mla_softmax_scale(self.cfg)
+        return dots / math.sqrt(self.cfg.head_dim)
+
     def _qkv(
         self, g: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, heads, T, hd], k/v [B, kv_heads, T, hd] (q and k rotated) for pairs (g_t, x_{t+1})."""
         cfg, ml = self.cfg, self.midlayer
+        if cfg.mla:
+            return self._mla_qkv(g, input_ids, position_ids)
         B, T, _ = g.shape
-        e = self.embed_tokens(input_ids).to(g.dtype)
-        u = torch.cat((ml.input_layernorm(e), ml.hidden_norm(g)), dim=-1)  # EMBEDDING FIRST
+        u = self._u(g, input_ids)
         at = ml.self_attn
         q = at.q_proj(u).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
         k = at.k_proj(u).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
@@ -393,7 +550,7 @@ class RefDrafter(nn.Module):
             raise ValueError(f"step: attn_mask shape {tuple(attn_mask.shape)} != {(B, T, S)}")
         n_rep = cfg.num_attention_heads // cfg.num_key_value_heads
         kr, vr = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        scores = torch.matmul(q, kr.transpose(2, 3)) / math.sqrt(cfg.head_dim)  # model dtype
+        scores = self.scaled(torch.matmul(q, kr.transpose(2, 3)))  # model dtype
         scores = scores.to(torch.float32).masked_fill(~attn_mask[:, None], torch.finfo(torch.float32).min)
         probs = scores.softmax(dim=-1).to(q.dtype)  # fp32 softmax, cast back
         logits, h2, normed = self._finish(g, torch.matmul(probs, vr))
@@ -522,7 +679,6 @@ def ttt_unroll(
     cfg = model.cfg
     B, T = input_ids.shape
     n_rep = cfg.num_attention_heads // cfg.num_key_value_heads
-    scale = math.sqrt(cfg.head_dim)
     pos = torch.arange(T)[None].expand(B, T)
     causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]  # [Tq, Tk]: key k <= query j
 
@@ -542,9 +698,9 @@ def ttt_unroll(
             diag_k.append(k)
             diag_v.append(v)
         # Scores vs step-0 keys, causal: [B, h, T, T].
-        s0 = torch.matmul(q, k0.transpose(2, 3)) / scale
+        s0 = model.scaled(torch.matmul(q, k0.transpose(2, 3)))
         # Scores vs each later step's key at the SAME index j (the diagonal): [B, h, T, 1] each.
-        sd = [((q * kd).sum(-1) / scale)[..., None] for kd in diag_k]
+        sd = [model.scaled((q * kd).sum(-1))[..., None] for kd in diag_k]
         s0 = s0.to(torch.float32).masked_fill(~causal, torch.finfo(torch.float32).min)
         scores = torch.cat([s0] + [s.to(torch.float32) for s in sd], dim=-1)
         probs = scores.softmax(dim=-1).to(q.dtype)  # ONE fp32 softmax over T + i columns

@@ -16,6 +16,9 @@ embedding (plus a little of the fused target feature, so the drafter's cache dep
 o_proj is the identity, the MLP is off; h2 is then ~ the embedding of the pair's token x_{t+1}, and the
 lm_head maps it to ``draft_succ[x_{t+1}]``, i.e. the token after next. For ranks below the first the
 lm_head prefers the target's own successor, so tree siblings can rescue a wrong first choice.
+``markov_mla_drafter`` is the same drafter with multi-head latent attention: the shared rope key and
+the queries' rope part read the bias unit (the peak on the pair's own slot), the latent copies the
+token embedding (plus a little of the feature) and kv_b_proj's value half decodes it back.
 """
 
 from __future__ import annotations
@@ -182,18 +185,57 @@ def markov_drafter(
     _set(d.self_attn.k_proj.kernel, wk)
     _set(d.self_attn.v_proj.kernel, wv)
     _set(d.self_attn.o_proj.kernel, np.eye(hd, h, dtype=np.float32))
+    _markov_head(d, succ, draft_succ, dvocab, rng)
+    return d, draft_succ
+
+
+def markov_mla_drafter(
+    target: Target, succ: np.ndarray, seed: int = 0, disagree: float = 0.25, feature_mix: float = 0.005
+) -> tuple[Drafter, np.ndarray]:
+    """``markov_drafter`` with MLA attention (direct q_proj, latent as wide as H, 4 heads of 16 value
+    dims = H); returns (drafter, draft_succ)."""
+    tc = target.config
+    v, h = tc.vocab_size, tc.hidden_size
+    _, draft_succ = successor_maps(v, seed, disagree)
+    mla = MLAConfig(kv_lora_rank=h, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=h // 4, q_lora_rank=None)
+    dc = drafter_config(tc, num_kv_heads=4, rope=RopeConfig(theta=10.0), mla=mla)  # head_dim H/4 = qk_head_dim
+    d = Drafter(dc, embed=target.embed_tokens[...], rngs=nnx.Rngs(seed + 7))
+    rng = np.random.default_rng(seed + 200)
+    heads, nope, rope, dv = dc.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    bias_u = h - 1
+    scale = float(np.sqrt(h / 2))  # value of norm(e_v) on its two nonzero dimensions
+    c = 10.0 / scale
+    wq = np.zeros((2 * h, heads, nope + rope), np.float32)
+    wq[bias_u, :, nope:] = c  # rope part only: the peak comes from the rotation
+    wkv = np.zeros((2 * h, h + rope), np.float32)
+    wkv[np.arange(h), np.arange(h)] = 1.0  # latent = norm(e) (+ a little feature); kv_a_layernorm keeps it
+    wkv[h:, :h] = rng.normal(0, feature_mix, (h, h))
+    wkv[bias_u, h:] = c  # the shared rope key
+    wb = np.zeros((h, heads, nope + dv), np.float32)
+    for i in range(heads):  # head i's value = latent dims [i*dv, (i+1)*dv) / scale
+        wb[i * dv + np.arange(dv), i, nope + np.arange(dv)] = 1.0 / scale
+    _set(d.self_attn.q_proj.kernel, wq.reshape(2 * h, -1))
+    _set(d.self_attn.kv_a_proj_with_mqa.kernel, wkv)
+    _set(d.self_attn.kv_b_proj.kernel, wb.reshape(h, -1))
+    _set(d.self_attn.o_proj.kernel, np.eye(h, dtype=np.float32))
+    _markov_head(d, succ, draft_succ, np.arange(v), rng)
+    return d, draft_succ
+
+
+def _markov_head(d: Drafter, succ: np.ndarray, draft_succ: np.ndarray, dvocab: np.ndarray, rng) -> None:
+    """MLP off, a small random fc, and the lm_head reading h2 ~ onehot(x) + onehot(H-1) (+ small noise;
+    normed h2 ~ scale * that) as ``draft_succ[x]``, then the target's successors."""
+    h = d.config.hidden_size
     _set(d.mlp.down_proj.kernel, np.zeros_like(d.mlp.down_proj.kernel[...]))
-    _set(d.fc.kernel, rng.normal(0, 0.3 / np.sqrt(dc.fc_in_features), d.fc.kernel[...].shape))
-    # h2 ~ onehot(x) + onehot(H-1) (+ small noise); normed h2 ~ scale * that.
+    _set(d.fc.kernel, rng.normal(0, 0.3 / np.sqrt(d.config.fc_in_features), d.fc.kernel[...].shape))
     head = rng.normal(0, 0.05, (h, len(dvocab))).astype(np.float32)
     pos = {int(t): i for i, t in enumerate(dvocab)}
-    for x in range(v):
+    for x in range(len(succ)):
         ranks = list(dict.fromkeys([int(draft_succ[x]), int(succ[x]), int(succ[succ[x]])]))
         bonus = 1.0
         for tok in ranks:
             if tok in pos:
                 head[x, pos[tok]] += bonus
                 bonus *= 0.5
-    head[bias_u] = 0.0
+    head[h - 1] = 0.0
     _set(d.lm_head.kernel, head)
-    return d, draft_succ

@@ -1,8 +1,9 @@
 """The engine with a DeepSeek-V3-style target (MLA latent cache + MoE): greedy speculative decoding (chain
 and tree) equals plain decoding token for token, in ``generate`` and in the slot engine's leading-row
-programs. The target is the near-bigram construction of engine_models (damped attention and experts),
-so the hand-built drafter is often right and multi-token rounds, i.e. accepted tree paths gathered in
-the latent cache, really happen.
+programs, with a GQA drafter and with an MLA drafter (its own latent cache, absorbed attention in the
+drafting steps and tree expansions). The target is the near-bigram construction of engine_models
+(damped attention and experts), so the hand-built drafters are often right and multi-token rounds,
+i.e. accepted tree paths gathered in the latent cache, really happen.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import eagle_jax
 from eagle_jax import SpecConfig
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
-from engine_models import deepseek_config, markov_drafter, markov_target
+from engine_models import deepseek_config, markov_drafter, markov_mla_drafter, markov_target
 
 PROMPTS = [[1, 2, 3], [9, 8], list(range(5, 25))]
 CHAIN = SpecConfig(num_speculative_tokens=3)
@@ -20,9 +21,21 @@ TREE = SpecConfig(method="tree", tree_top_k=3, tree_depth=3, tree_total_tokens=8
 
 
 @pytest.fixture(scope="module")
-def pair():
-    target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1, config=deepseek_config(32, 64))
+def target_succ():
+    return markov_target(vocab=32, hidden=64, seed=0, eps=0.1, config=deepseek_config(32, 64))
+
+
+@pytest.fixture(scope="module")
+def pair(target_succ):
+    target, succ = target_succ
     drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.25)
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def mla_pair(target_succ):
+    target, succ = target_succ
+    drafter, _ = markov_mla_drafter(target, succ, seed=0, disagree=0.25)
     return target, drafter
 
 
@@ -39,9 +52,20 @@ def test_greedy_speculative_equals_plain(pair, plain, spec):
     assert max(a for row in out.accepted for a in row) >= 2  # multi-token rounds happened
 
 
-def test_slot_engine_equals_generate(pair, plain):
-    """Three requests in four slots: every program runs on the leading rows of the shared latent caches."""
-    target, drafter = pair
+@pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain3", "tree8"])
+def test_mla_drafter_greedy_speculative_equals_plain(mla_pair, plain, spec):
+    target, drafter = mla_pair
+    assert drafter.config.mla is not None and drafter.init_cache(1, 4)[0].shape == (1, 4, 1, 64)
+    out = eagle_jax.generate(target, drafter, PROMPTS, max_new_tokens=24, spec=spec, eos_token_id=[])
+    assert out.tokens == plain.tokens
+    assert out.acceptance_length > 2.0  # the drafter's latent cache is read right: it is often right
+
+
+@pytest.mark.parametrize("drafter_kind", ["gqa", "mla"])
+def test_slot_engine_equals_generate(drafter_kind, request, plain):
+    """Three requests in four slots: every program runs on the leading rows of the shared latent caches
+    (the MLA drafter's included)."""
+    target, drafter = request.getfixturevalue({"gqa": "pair", "mla": "mla_pair"}[drafter_kind])
     engine = SlotEngine(target, drafter, slots=4, max_len=64, specs=(TREE,), rounds_per_step=2, eos_ids=())
     sched = Scheduler(engine, SpecSchedule.fixed(TREE)).start()
     try:

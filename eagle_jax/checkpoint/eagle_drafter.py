@@ -1,9 +1,16 @@
-"""EAGLE-3 / 3.1 drafter checkpoints (EAGLE authors', vLLM and SpecForge layouts) <-> ``Drafter``.
+"""EAGLE-3 / 3.1 drafter checkpoints (EAGLE authors', vLLM, SGLang, SpecForge and TorchSpec layouts) <-> ``Drafter``.
 
 Canonical layout (SPEC 5): ``fc.weight``, ``fc_norm.{i}.weight`` / ``input_norm.weight``,
 ``midlayer.*`` for the decoder layer, ``norm.weight``, ``lm_head.weight``, ``d2t`` (offsets, int64) and
 ``t2d`` (bool). Accepted variants: ``layers.0.*`` for ``midlayer.*``, a ``model.`` prefix on every key
-but ``lm_head``, ``draft_id_to_target_id`` for ``d2t``, ``t2d`` absent, both absent when Vd == V.
+but ``lm_head``, ``draft_id_to_target_id`` for ``d2t``, ``t2d`` absent, both absent when Vd == V, an
+``embed_tokens.weight`` of the drafter's own.
+
+The decoder layer's attention is the GQA ``self_attn.{q,k,v,o}_proj`` of the Llama layout or, for MLA
+drafters (DeepSeek-V3 / Kimi-K2; ``DrafterConfig.mla``), HF DeepseekV3Attention's
+``self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+o_proj}`` with q_a_proj (or q_proj) and kv_a_proj_with_mqa reading the 2H input: the same key map
+(``drafter_key`` names the module's own variables), so every variant above applies to both.
 """
 
 from __future__ import annotations
@@ -152,6 +159,12 @@ def load_drafter(
 
 def save_drafter(drafter: Drafter, path: str | Path, dtype=None, *, include_embedding: bool = False) -> None:
     """Writes config.json + model.safetensors in the EAGLE layout PyTorch engines load.
+
+    Keys ``midlayer.*`` (the EAGLE authors' layout). Llama-layout drafters: ``LlamaForCausalLMEagle3``,
+    loaded by vLLM (llama_eagle3), SGLang and SpecForge. MLA drafters: a DeepseekV3Config with the MLA
+    fields and ``architectures`` as read (``Eagle3DeepseekV2ForCausalLM`` for new ones, the name of the
+    released Kimi-K2.x MLA drafters), loaded by vLLM's deepseek_eagle3 (which maps ``midlayer.`` to
+    ``layers.0.``) and SGLang's MLA EAGLE-3 models (whose own name is ``midlayer``).
 
     d2t is written as int64 offsets and t2d as bool (omitted only never: engines expect both when
     Vd < V). The embedding is omitted unless ``include_embedding`` (engines take the target's), and

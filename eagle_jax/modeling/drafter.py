@@ -1,4 +1,10 @@
-"""EAGLE-3 / EAGLE-3.1 drafter (SPEC 3-5): one decoder layer over fused target hidden states."""
+"""EAGLE-3 / EAGLE-3.1 drafter (SPEC 3-5): one decoder layer over fused target hidden states.
+
+The layer's attention is GQA (the Llama layout of the EAGLE authors) or, with ``config.mla``, DeepSeek
+multi-head latent attention (the Kimi-K2 / DeepSeek-V3 drafters of vLLM's and SGLang's deepseek_eagle3):
+the same ``MLAttention`` as an MLA target, reading the 2H input ``cat(embedding, feature)`` in its
+q_a_proj / q_proj and kv_a_proj_with_mqa, with a latent cache. Everything around it is shared.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from flax import nnx
 
 from eagle_jax.config import DrafterConfig
 from eagle_jax.modeling.layers import MLP, Attention, Frozen, Linear, RMSNorm, causal_mask, rope_cos_sin
+from eagle_jax.modeling.mla import MLAttention
 
 Array = jax.Array
 
@@ -38,7 +45,11 @@ class Drafter(nnx.Module):
         self.input_norm = RMSNorm(c.fc_in_features, c.rms_norm_eps, dtype=dtype) if c.norm_before_fc else None
         self.hidden_norm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
         self.input_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(2 * h, h, c.num_heads, c.num_kv_heads, c.head_dim, dtype=dtype, rngs=rngs)
+        if c.mla is not None:
+            # Latent norms with the drafter's rms_norm_eps, as the engines and trainers of MLA drafters build them.
+            self.self_attn = MLAttention(2 * h, h, c.num_heads, c.mla, c.rope, latent_eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        else:
+            self.self_attn = Attention(2 * h, h, c.num_heads, c.num_kv_heads, c.head_dim, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(h, c.intermediate_size, dtype=dtype, rngs=rngs)
         self.norm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
@@ -86,15 +97,23 @@ class Drafter(nnx.Module):
         [B, T, S] over the cache slots with one. Returns (normed h2 [B,T,H] for the lm_head, the feature
         fed to the next step [B,T,H]: post-norm with ``norm_output``, else pre-norm h2, cache).
         """
-        c = self.config
-        e = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(g.dtype)
-        u = jnp.concatenate([self.input_layernorm(e), self.hidden_norm(g)], axis=-1)  # embedding first
-        cos, sin = rope_cos_sin(c.rope, c.head_dim, positions, g.dtype)
+        u, cos, sin = self.attention_input(g, input_ids, positions)
         attn, cache = self.self_attn(u, cos, sin, mask, cache, write_index)
+        return self.finish(g, attn) + (cache,)
+
+    def attention_input(self, g: Array, input_ids: Array, positions: Array) -> tuple[Array, Array, Array]:
+        """u = cat(input_layernorm(embedding), hidden_norm(g)) [B,T,2H] (embedding first) and RoPE cos/sin."""
+        e = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(g.dtype)
+        u = jnp.concatenate([self.input_layernorm(e), self.hidden_norm(g)], axis=-1)
+        cos, sin = rope_cos_sin(self.config.rope, self.config.rope_dim, positions, g.dtype)
+        return u, cos, sin
+
+    def finish(self, g: Array, attn: Array) -> tuple[Array, Array]:
+        """Attention output (after o_proj) -> (normed h2 for the lm_head, the feature fed forward)."""
         h1 = g + attn  # residual is the un-normed feature
         h2 = h1 + self.mlp(self.post_attention_layernorm(h1))
         normed = self.norm(h2)
-        return normed, (normed if c.norm_output else h2), cache
+        return normed, (normed if self.config.norm_output else h2)
 
     def step(
         self,
@@ -126,6 +145,11 @@ class Drafter(nnx.Module):
         return logits, nxt
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[Array, Array]:
+        """Zeroed (k, v) caches [B, S, kv_heads, head_dim]; MLA: (latents [B, S, 1, kv_lora_rank], shared
+        rope keys [B, S, 1, qk_rope_head_dim]), the target's latent cache layout."""
         c = self.config
+        dtype = dtype or self.dtype
+        if c.mla is not None:
+            return jnp.zeros((batch, max_len, 1, c.mla.kv_lora_rank), dtype), jnp.zeros((batch, max_len, 1, c.mla.qk_rope_head_dim), dtype)
         shape = (batch, max_len, c.num_kv_heads, c.head_dim)
-        return jnp.zeros(shape, dtype or self.dtype), jnp.zeros(shape, dtype or self.dtype)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

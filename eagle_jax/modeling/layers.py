@@ -211,6 +211,7 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
         self.q_proj = Linear(d_in, num_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d_in, num_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d_in, num_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
@@ -220,6 +221,16 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
+
+    def heads(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """x [B, T, d_in] -> q [B, T, Hq, D], k / v [B, T, Hkv, D], q and k rotated."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def __call__(
         self,
@@ -236,12 +247,7 @@ class Attention(nnx.Module):
         whose leading rows are then used) — or, when ``mask`` is [B, T, T] with T < S (a prefill from
         an empty cache), over the block itself, which costs T x T instead of T x S."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.heads(x, cos, sin)
         if kv is None:
             return self.o_proj(attend(q, k, v, mask)), None
         k_cache = write_kv(kv[0], k, write_index)

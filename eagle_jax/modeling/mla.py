@@ -26,8 +26,14 @@ would cache as multi-head attention (one kv head per query head, as it computes)
 For scale, a GQA model with 8 kv heads of 128 caches 4,096 B per token and layer.
 
 Numerics follow HF transformers' DeepseekV3Attention: scores ``q.k * scale`` in the activation dtype,
-softmax in fp32, probabilities cast back before the value product; ``q_a_layernorm`` and
-``kv_a_layernorm`` use eps 1e-6 whatever ``rms_norm_eps`` says (HF builds them with the default).
+softmax in fp32, probabilities cast back before the value product. ``q_a_layernorm`` and
+``kv_a_layernorm`` take their eps from the caller: a target uses 1e-6 whatever ``rms_norm_eps`` says
+(HF builds them with the default), an EAGLE drafter its ``rms_norm_eps`` (as vLLM, SGLang and TorchSpec,
+which trains the published MLA drafters, build theirs).
+
+The same module is the attention of MLA EAGLE-3 drafters, whose layer input is ``cat(embedding,
+feature)`` of width 2H: only the projections that read the layer input (``q_a_proj`` or ``q_proj``,
+and ``kv_a_proj_with_mqa``) take ``d_in``; ``o_proj`` writes ``d_out``.
 """
 
 from __future__ import annotations
@@ -74,24 +80,39 @@ def _softmax(scores: Array, mask: Array, dtype) -> Array:
 
 
 class MLAttention(nnx.Module):
-    """MLA with HF's parameter names; called like ``layers.Attention`` (same cache contract)."""
+    """MLA with HF's parameter names; called like ``layers.Attention`` (same cache contract).
 
-    def __init__(self, hidden: int, num_heads: int, mla: MLAConfig, rope: RopeConfig, *, bias: bool = False, dtype, rngs: nnx.Rngs):
+    ``d_in`` is the input width (H for a target layer, 2H for a drafter), ``d_out`` the output width.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        num_heads: int,
+        mla: MLAConfig,
+        rope: RopeConfig,
+        *,
+        bias: bool = False,
+        latent_eps: float = LATENT_NORM_EPS,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
         self.num_heads, self.mla = num_heads, mla
         self.scale = softmax_scale(mla, rope)
         qk = num_heads * mla.qk_head_dim
         if mla.q_lora_rank is None:
-            self.q_proj = Linear(hidden, qk, dtype=dtype, rngs=rngs)
+            self.q_proj = Linear(d_in, qk, dtype=dtype, rngs=rngs)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         else:
             self.q_proj = None
-            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias, dtype=dtype, rngs=rngs)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+            self.q_a_proj = Linear(d_in, mla.q_lora_rank, bias=bias, dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, latent_eps, dtype=dtype)
             self.q_b_proj = Linear(mla.q_lora_rank, qk, dtype=dtype, rngs=rngs)
-        self.kv_a_proj_with_mqa = Linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(d_in, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, latent_eps, dtype=dtype)
         self.kv_b_proj = Linear(mla.kv_lora_rank, num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(num_heads * mla.v_head_dim, hidden, bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(num_heads * mla.v_head_dim, d_out, bias=bias, dtype=dtype, rngs=rngs)
 
     def _rope(self, x: Array, cos: Array, sin: Array) -> Array:
         if self.mla.rope_interleave:
@@ -106,12 +127,17 @@ class MLAttention(nnx.Module):
         w = self.kv_b_proj.kernel[...].astype(dtype).reshape(m.kv_lora_rank, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
         return w[..., : m.qk_nope_head_dim], w[..., m.qk_nope_head_dim :]
 
-    def _expanded(self, q_nope: Array, q_rot: Array, latent: Array, k_rot: Array, mask: Array) -> Array:
-        """Per-head keys and values built from the latents: for a block attending to itself."""
-        w_uk, w_uv = self._up_kernels(q_nope.dtype)
+    def _expand(self, latent: Array, k_rot: Array) -> tuple[Array, Array]:
+        """Per-head keys [B, S, heads, qk_head_dim] (``[W_UK c, k_rot]``) and values [B, S, heads, v_head_dim]."""
+        w_uk, w_uv = self._up_kernels(latent.dtype)
         k_nope = jnp.einsum("bsr,rhd->bshd", latent, w_uk)
         v = jnp.einsum("bsr,rhd->bshd", latent, w_uv)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:3], k_rot.shape[-1]))], axis=-1)
+        return k, v
+
+    def _expanded(self, q_nope: Array, q_rot: Array, latent: Array, k_rot: Array, mask: Array) -> Array:
+        """Per-head keys and values built from the latents: for a block attending to itself."""
+        k, v = self._expand(latent, k_rot)
         scores = jnp.einsum("bthd,bshd->bhts", jnp.concatenate([q_nope, q_rot], axis=-1), k)
         probs = _softmax(scores * self.scale, mask[:, None], v.dtype)
         return jnp.einsum("bhts,bshd->bthd", probs, v)
@@ -130,20 +156,9 @@ class MLAttention(nnx.Module):
         o_lat = jnp.einsum("bqs,bsr->bqr", probs.reshape(b, h * t, -1), latent).reshape(b, h, t, -1)
         return jnp.einsum("bhtr,rhd->bthd", o_lat, w_uv)
 
-    def __call__(
-        self,
-        x: Array,
-        cos: Array,
-        sin: Array,
-        mask: Array,
-        kv: tuple[Array, Array] | None = None,
-        write_index: Array | None = None,
-    ) -> tuple[Array, tuple[Array, Array] | None]:
-        """x: [B, T, H]; cos/sin: [B, T, qk_rope_head_dim]. The cache contract of ``layers.Attention``
-        with ``kv`` = (latents [B, S, 1, kv_lora_rank], rope keys [B, S, 1, qk_rope_head_dim]): this
-        block's entries are written at slots ``write_index`` [B], then the block attends over the first
-        ``mask.shape[-1]`` slots of the leading B rows (absorbed), or, when ``mask`` is [B, T, T] with
-        T < S, over itself (expanded)."""
+    def _project(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array, Array]:
+        """x [B, T, d_in] -> q_nope [B,T,heads,nope], rotated q_rot [B,T,heads,rope], normed latents
+        [B,T,kv_lora_rank], rotated shared rope keys [B,T,rope]."""
         m = self.mla
         b, t, _ = x.shape
         if self.q_proj is not None:
@@ -155,6 +170,31 @@ class MLAttention(nnx.Module):
         compressed = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(compressed[..., : m.kv_lora_rank])
         k_rot = self._rope(compressed[..., None, m.kv_lora_rank :], cos, sin)[:, :, 0]  # one head, shared
+        return q_nope, q_rot, latent, k_rot
+
+    def heads(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """Per-head q, k [B, T, heads, qk_head_dim] (rotated) and v [B, T, heads, v_head_dim] of a block:
+        the expanded form, for attention patterns outside the cache contract (the TTT unroll)."""
+        q_nope, q_rot, latent, k_rot = self._project(x, cos, sin)
+        k, v = self._expand(latent, k_rot)
+        return jnp.concatenate([q_nope, q_rot], axis=-1), k, v
+
+    def __call__(
+        self,
+        x: Array,
+        cos: Array,
+        sin: Array,
+        mask: Array,
+        kv: tuple[Array, Array] | None = None,
+        write_index: Array | None = None,
+    ) -> tuple[Array, tuple[Array, Array] | None]:
+        """x: [B, T, d_in]; cos/sin: [B, T, qk_rope_head_dim]. The cache contract of ``layers.Attention``
+        with ``kv`` = (latents [B, S, 1, kv_lora_rank], rope keys [B, S, 1, qk_rope_head_dim]): this
+        block's entries are written at slots ``write_index`` [B], then the block attends over the first
+        ``mask.shape[-1]`` slots of the leading B rows (absorbed), or, when ``mask`` is [B, T, T] with
+        T < S, over itself (expanded)."""
+        b, t, _ = x.shape
+        q_nope, q_rot, latent, k_rot = self._project(x, cos, sin)
         if kv is None:
             out = self._expanded(q_nope, q_rot, latent, k_rot, mask)
             return self.o_proj(out.reshape(b, t, -1)), None
@@ -165,7 +205,7 @@ class MLAttention(nnx.Module):
             out = self._expanded(q_nope, q_rot, latent, k_rot, mask)
         else:
             # Only the leading ``span`` slots are read: a program sized for short rows skips the unused tail.
-            lat_read = latents[:b, :span, 0].astype(q.dtype)
-            rot_read = rot_keys[:b, :span, 0].astype(q.dtype)
+            lat_read = latents[:b, :span, 0].astype(q_nope.dtype)
+            rot_read = rot_keys[:b, :span, 0].astype(q_nope.dtype)
             out = self._absorbed(q_nope, q_rot, lat_read, rot_read, mask)
         return self.o_proj(out.reshape(b, t, -1)), (latents, rot_keys)

@@ -62,7 +62,9 @@ class DecoderLayer(nnx.Module):
     def __init__(self, c: TargetConfig, index: int, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         if c.mla is not None:
-            self.self_attn = MLAttention(c.hidden_size, c.num_heads, c.mla, c.rope, bias=c.attention_bias, dtype=dtype, rngs=rngs)
+            self.self_attn = MLAttention(
+                c.hidden_size, c.hidden_size, c.num_heads, c.mla, c.rope, bias=c.attention_bias, dtype=dtype, rngs=rngs
+            )
         else:
             self.self_attn = Attention(
                 c.hidden_size,

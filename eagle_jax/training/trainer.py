@@ -22,6 +22,7 @@ are errors.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import time
@@ -39,7 +40,17 @@ from tqdm.auto import tqdm
 
 from eagle_jax.checkpoint.eagle_drafter import load_drafter, save_drafter
 from eagle_jax.checkpoint.hf_target import DTYPES, load_target
-from eagle_jax.config import DrafterConfig, RopeConfig, TargetConfig, aux_layer_ids_for, check_pair, default_aux_layer_ids
+from eagle_jax.config import (
+    ConfigError,
+    DrafterConfig,
+    MLAConfig,
+    MoEConfig,
+    RopeConfig,
+    TargetConfig,
+    aux_layer_ids_for,
+    check_pair,
+    default_aux_layer_ids,
+)
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 from eagle_jax.sharding import BATCH_AXES, logical_to_spec, make_mesh, put, tree_shardings
@@ -52,16 +63,21 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "target": {
         "path": None,  # HF checkpoint directory
-        "random": None,  # or TargetConfig fields of a randomly initialised llama (tiny recipes, tests)
+        # or TargetConfig fields of a randomly initialised target (tiny recipes, tests): a llama unless
+        # architecture: deepseek_v3, with mla / moe / rope given as dicts of MLAConfig / MoEConfig / RopeConfig fields
+        "random": None,
         "dtype": "float32",
     },
     "drafter": {
         "init": None,  # an EAGLE drafter checkpoint to start from; else fresh weights
         "aux_layer_ids": None,  # target layers read (entering layer i); None = EAGLE's (2, L//2, L-3)
+        # null = the target's kind: MLA (the target's MLA sizes and rope, YaRN included) for a DeepSeek-V3 /
+        # Kimi-K2 target, GQA otherwise; "gqa" = a Llama-layout drafter on any target; "mla" = MLA (needs an MLA target)
+        "attention": None,
         "hidden_size": None,  # None = the target's
         "num_heads": None,
-        "num_kv_heads": None,
-        "head_dim": None,
+        "num_kv_heads": None,  # GQA only
+        "head_dim": None,  # GQA only
         "intermediate_size": None,
         "draft_vocab_size": None,  # None = the target's vocabulary (identity map)
         "vocab_map": None,  # .npz from train.vocab_map; None with Vd < V = built from the training data
@@ -95,7 +111,9 @@ DEFAULTS: dict[str, Any] = {
         "normalize": "all",  # all: / B*T (EAGLE reference) | valid: / masked count (TorchSpec)
         "compute_dtype": "float32",  # float32 | bfloat16 (master weights stay fp32)
     },
-    "mesh": {"data": -1, "fsdp": 1, "model": 1},  # -1: all remaining devices
+    # -1: all remaining devices. expert > 1: the routed experts of an MoE target are sharded over it
+    # (the batch is split over data x fsdp only).
+    "mesh": {"data": -1, "fsdp": 1, "expert": 1, "model": 1},
     # coordinator: "host:port" (then num_processes, process_id per process) or "auto" (TPU pods, SLURM).
     "distributed": {"coordinator": None, "num_processes": 1, "process_id": None, "cpu_collectives": "gloo"},
     "checkpoint": {"every": 500, "keep": 3},
@@ -172,8 +190,8 @@ def maybe_initialize_distributed(cfg: dict) -> None:
 
 
 def mesh_from_config(m: dict) -> jax.sharding.Mesh:
-    """data / fsdp / model sizes; one of them may be -1 = all remaining devices."""
-    sizes = {k: int(m[k]) for k in ("data", "fsdp", "model")}
+    """data / fsdp / expert / model sizes; one of them may be -1 = all remaining devices."""
+    sizes = {k: int(m[k]) for k in ("data", "fsdp", "expert", "model")}
     n_dev = jax.device_count()
     free = [k for k, v in sizes.items() if v == -1]
     if len(free) > 1:
@@ -183,6 +201,8 @@ def mesh_from_config(m: dict) -> jax.sharding.Mesh:
         if n_dev % rest:
             raise TrainConfigError(f"config: mesh {sizes}: the fixed axes ({rest}) do not divide {n_dev} devices")
         sizes[free[0]] = n_dev // rest
+    if math.prod(sizes.values()) != n_dev:
+        raise TrainConfigError(f"config: mesh {sizes} needs {math.prod(sizes.values())} devices, {n_dev} are visible")
     return make_mesh(**sizes)
 
 
@@ -193,16 +213,35 @@ def build_target(cfg: dict) -> Target:
         return load_target(t["path"], dtype)
     if not t["random"]:
         raise TrainConfigError("config: set target.path (an HF checkpoint) or target.random (a TargetConfig dict)")
-    fields = {"architecture": "llama", **t["random"]}
+    target = Target(random_target_config(t["random"]), dtype=dtype, rngs=nnx.Rngs(int(cfg["seed"]) + 1000))
     # A random init has near-uniform next-token distributions; scaling the lm_head makes them as
     # peaked as a trained model's, so that there is something to learn.
-    logit_scale = float(fields.pop("logit_scale", 1.0))
-    if "rope_theta" in fields:
-        fields["rope"] = RopeConfig(theta=float(fields.pop("rope_theta")))
-    target = Target(TargetConfig(**fields), dtype=dtype, rngs=nnx.Rngs(int(cfg["seed"]) + 1000))
+    logit_scale = float(t["random"].get("logit_scale", 1.0))
     if target.lm_head is not None and logit_scale != 1.0:
         target.lm_head.kernel.set_value(target.lm_head.kernel[...] * logit_scale)
     return target
+
+
+def random_target_config(random: dict) -> TargetConfig:
+    """``target.random`` -> TargetConfig: its fields (``rope_theta`` short for ``rope: {theta}``), plus
+    for ``architecture: deepseek_v3`` the ``mla`` and ``moe`` dicts; num_kv_heads and head_dim follow
+    from them there, as in a DeepSeek-V3 config.json. ``logit_scale`` is build_target's."""
+    fields = {"architecture": "llama", **{k: v for k, v in random.items() if k != "logit_scale"}}
+    subconfigs = {"rope": RopeConfig, "mla": MLAConfig, "moe": MoEConfig}
+    try:
+        if "rope_theta" in fields:
+            fields["rope"] = {**fields.get("rope", {}), "theta": float(fields.pop("rope_theta"))}
+        for key, cls in subconfigs.items():
+            if isinstance(fields.get(key), dict):
+                fields[key] = cls(**fields[key])
+        if isinstance(fields.get("mla"), MLAConfig):
+            fields.setdefault("num_kv_heads", fields.get("num_heads"))
+            fields.setdefault("head_dim", fields["mla"].qk_head_dim)
+        return TargetConfig(**fields)
+    except TypeError as e:  # an unknown or missing field
+        raise TrainConfigError(f"config: target.random: {e}") from None
+    except ConfigError as e:
+        raise TrainConfigError(f"config: target.random: {e}") from None
 
 
 def build_samples(cfg: dict, target: Target) -> tuple[list[Sample], int, str]:
@@ -227,22 +266,49 @@ def build_samples(cfg: dict, target: Target) -> tuple[list[Sample], int, str]:
 
 
 def drafter_config_for(cfg: dict, target: Target) -> DrafterConfig:
+    """A fresh drafter's config from ``cfg["drafter"]`` and the target's sizes.
+
+    ``drafter.attention`` (null: the target's kind) picks GQA (the EAGLE authors' Llama layout) or MLA
+    (the layout of the Kimi-K2 / DeepSeek-V3 drafters of vLLM and SGLang), whose MLA sizes and RoPE
+    (YaRN and mscale included; ``rope_theta`` may override theta) are the target's, as in the released
+    Kimi-K2.x MLA drafters.
+    """
     d, tc = cfg["drafter"], target.config
+    kind = d["attention"] or ("mla" if tc.mla is not None else "gqa")
+    if kind not in ("gqa", "mla"):
+        raise TrainConfigError(f"config: drafter.attention={d['attention']!r}; expected null, 'gqa' or 'mla'")
+    if kind == "mla" and tc.mla is None:
+        raise TrainConfigError(
+            f"config: drafter.attention=mla needs an MLA target (DeepSeek-V3 / Kimi-K2); the target is {tc.architecture}"
+        )
+    if kind == "mla" and (d["num_kv_heads"] or d["head_dim"]):
+        raise TrainConfigError(
+            "config: drafter.num_kv_heads / drafter.head_dim do not apply to an MLA drafter (its sizes are the target's MLA sizes)"
+        )
     aux = tuple(d["aux_layer_ids"]) if d["aux_layer_ids"] else default_aux_layer_ids(tc.num_layers)
     h = d["hidden_size"] or tc.hidden_size
     heads = d["num_heads"] or tc.num_heads
+    theta = float(d["rope_theta"] or tc.rope.theta)
+    if kind == "mla":
+        attention = dict(
+            num_kv_heads=heads, head_dim=tc.mla.qk_head_dim, mla=tc.mla, rope=dataclasses.replace(tc.rope, theta=theta)
+        )
+    else:
+        attention = dict(
+            num_kv_heads=d["num_kv_heads"] or tc.num_kv_heads,
+            head_dim=d["head_dim"] or (tc.head_dim if h == tc.hidden_size else h // heads),
+            rope=RopeConfig(theta=theta),
+        )
     return DrafterConfig(
         hidden_size=h,
         num_heads=heads,
-        num_kv_heads=d["num_kv_heads"] or tc.num_kv_heads,
-        head_dim=d["head_dim"] or (tc.head_dim if h == tc.hidden_size else h // heads),
+        **attention,
         intermediate_size=d["intermediate_size"] or tc.intermediate_size,
         vocab_size=tc.vocab_size,
         draft_vocab_size=d["draft_vocab_size"] or tc.vocab_size,
         target_hidden_size=tc.hidden_size,
         num_aux_hidden_states=len(aux),
         rms_norm_eps=d["rms_norm_eps"] or tc.rms_norm_eps,
-        rope=RopeConfig(theta=float(d["rope_theta"] or tc.rope.theta)),
         max_position_embeddings=tc.max_position_embeddings,
         fc_norm=bool(d["fc_norm"]),
         norm_output=bool(d["norm_output"]),
@@ -293,28 +359,42 @@ def make_optimizer(cfg: dict) -> tuple[optax.GradientTransformation, Callable]:
 # ------------------------------------------------------------------------------------- throughput
 
 
-def _matmul_params(module: nnx.Module, skip: Callable[[str], bool] = lambda p: False) -> int:
-    n = 0
+def _matmul_params(module: nnx.Module) -> float:
+    """Weights one token multiplies with: every kernel, but of the routed experts of a mixture of experts
+    only the fraction a token activates (num_experts_per_tok of n_routed_experts; shared experts are
+    plain kernels), plus the router."""
+    moe = getattr(module.config, "moe", None)
+    n = 0.0
     for path, leaf in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        name = "/".join(map(str, path))
-        if path[-1] == "kernel" and not skip(name):
-            n += int(np.prod(leaf.get_value().shape))
+        size = float(np.prod(leaf.get_value().shape))
+        if path[-1] == "kernel" and "experts" in path:
+            n += size * moe.num_experts_per_tok / moe.n_routed_experts
+        elif path[-1] == "kernel" or path[-2:] == ("gate", "weight"):
+            n += size
     return n
+
+
+def _attention_flops(config: TargetConfig | DrafterConfig, keys: float) -> float:
+    """Score and value products of one query over ``keys`` keys: 2 x keys x heads x (qk + v head widths)."""
+    qk, v = (config.mla.qk_head_dim, config.mla.v_head_dim) if config.mla is not None else (config.head_dim, config.head_dim)
+    return 2 * keys * config.num_heads * (qk + v)
 
 
 def train_flops_per_token(target: Target, drafter: Drafter, seq_len: int, ttt_length: int) -> float:
     """Model FLOPs per token of one train step (matmuls only; norms, softmax, RoPE ignored).
 
-    Target: forward only, 2 x its matmul weights (+ lm_head, or the tied embedding as lm_head) plus
-    causal attention 2 x 2 x (T/2) x Hq x D per layer. Drafter: fc once, and per TTT step the layer
-    and lm_head, each forward + backward = 6 x weights, plus attention over T/2 + steps keys.
+    Target: forward only, 2 x the weights a token uses (MoE: its activated experts) (+ lm_head, or the
+    tied embedding as lm_head) plus causal attention over T/2 keys per layer. Drafter: fc once, and per
+    TTT step the layer and lm_head, each forward + backward = 6 x weights, plus attention over
+    T/2 + steps keys (forward + backward = 3 x). MLA attention is counted in the expanded per-head form
+    both compute here.
     """
     tc, dc = target.config, drafter.config
     t_params = _matmul_params(target) + (tc.vocab_size * tc.hidden_size if tc.tie_word_embeddings else 0)
-    t_attn = 4 * (seq_len / 2) * tc.num_heads * tc.head_dim * tc.num_layers
+    t_attn = _attention_flops(tc, seq_len / 2) * tc.num_layers
     fc = dc.fc_in_features * dc.hidden_size
     layer = _matmul_params(drafter) - fc
-    d_attn = 4 * (seq_len / 2 + ttt_length / 2) * dc.num_heads * dc.head_dim
+    d_attn = _attention_flops(dc, seq_len / 2 + ttt_length / 2)
     return 2 * t_params + t_attn + 6 * fc + ttt_length * (6 * layer + 3 * d_attn)
 
 

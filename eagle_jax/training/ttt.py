@@ -25,14 +25,12 @@ total = sum_i decay^i * l_i. Normalisation (``normalize``):
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from eagle_jax.modeling.drafter import Drafter
-from eagle_jax.modeling.layers import apply_rope, rope_cos_sin
 
 Array = jax.Array
 
@@ -61,37 +59,30 @@ def shift_left(x: Array, n: int = 1) -> Array:
 
 
 def _qkv(drafter: Drafter, g: Array, tokens: Array, positions: Array) -> tuple[Array, Array, Array]:
-    """The drafter layer's projections for pairs (g, token): q [B,T,Hq,D], k/v [B,T,Hkv,D], q/k rotated."""
-    c = drafter.config
-    attn = drafter.self_attn
-    b, t, _ = g.shape
-    e = jnp.take(drafter.embed_tokens[...], tokens, axis=0).astype(g.dtype)
-    u = jnp.concatenate([drafter.input_layernorm(e), drafter.hidden_norm(g)], axis=-1)  # embedding first
-    q = attn.q_proj(u).reshape(b, t, c.num_heads, c.head_dim)
-    k = attn.k_proj(u).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = attn.v_proj(u).reshape(b, t, c.num_kv_heads, c.head_dim)
-    cos, sin = rope_cos_sin(c.rope, c.head_dim, positions, g.dtype)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    """The drafter layer's per-head projections for pairs (g, token): q [B,T,Hq,Dqk], k [B,T,Hkv,Dqk],
+    v [B,T,Hkv,Dv], q and k rotated (MLA: keys and values expanded from the latents, Hkv = Hq)."""
+    u, cos, sin = drafter.attention_input(g, tokens, positions)
+    return drafter.self_attn.heads(u, cos, sin)
 
 
 def _finish(drafter: Drafter, g: Array, attn_out: Array) -> tuple[Array, Array]:
-    """attn_out [B,T,Hq*D] -> (draft logits [B,T,Vd], feature for the next step [B,T,H])."""
-    h1 = g + drafter.self_attn.o_proj(attn_out)  # residual is the un-normed feature
-    h2 = h1 + drafter.mlp(drafter.post_attention_layernorm(h1))
-    normed = drafter.norm(h2)
-    return drafter.lm_head(normed), (normed if drafter.config.norm_output else h2)
+    """attn_out [B,T,Hq*Dv] -> (draft logits [B,T,Vd], feature for the next step [B,T,H])."""
+    normed, nxt = drafter.finish(g, drafter.self_attn.o_proj(attn_out))
+    return drafter.lm_head(normed), nxt
 
 
-def _extended_attention(q: Array, k0: Array, v0: Array, diag_k: Array, diag_v: Array, n_diag: Array | int) -> Array:
+def _extended_attention(
+    q: Array, k0: Array, v0: Array, diag_k: Array, diag_v: Array, n_diag: Array | int, scale: float
+) -> Array:
     """Query j attends over step-0 keys 0..j and the diagonal keys (index j) of the later steps.
 
-    q: [B,T,Hq,D]; k0/v0: [B,T,Hkv,D]; diag_k/diag_v: [S,B,T,Hkv,D], the keys/values of steps 1..S, of
-    which the first ``n_diag`` are valid (the rest are masked out). Returns [B,T,Hq*D].
+    q: [B,T,Hq,D]; k0: [B,T,Hkv,D], v0: [B,T,Hkv,Dv]; diag_k/diag_v: [S,B,T,Hkv,D/Dv], the keys/values
+    of steps 1..S, of which the first ``n_diag`` are valid (the rest are masked out). Scores are q.k *
+    ``scale`` (1/sqrt(D) for GQA, MLA's softmax scale). Returns [B,T,Hq*Dv].
     """
     b, t, hq, d = q.shape
     hkv = k0.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
-    scale = 1.0 / math.sqrt(d)
     neg = jnp.finfo(jnp.float32).min
     s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
     s0 = jnp.where(jnp.arange(t)[None, :] <= jnp.arange(t)[:, None], s0, neg)  # [query, key]: causal
@@ -100,14 +91,15 @@ def _extended_attention(q: Array, k0: Array, v0: Array, diag_k: Array, diag_v: A
     probs = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1).astype(v0.dtype)  # [B,kv,g,T,T+S]
     out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t], v0)
     out = out + jnp.einsum("bkgtn,nbtkd->btkgd", probs[..., t:], diag_v)
-    return out.reshape(b, t, hq * d)
+    return out.reshape(b, t, hq * v0.shape[-1])
 
 
 def _unroll(drafter: Drafter, aux: Array, input_ids: Array, ttt_length: int, per_step: Callable[[Array, Array], Any]) -> Any:
     """Runs the unroll; returns ``per_step(i, logits_i)`` of every step, stacked on a leading axis.
 
     Steps 1.. run in a ``lax.scan`` (compile time independent of ttt_length); the diagonal keys live
-    in a fixed [ttt_length-1, B, T, Hkv, D] buffer filled one slot per step.
+    in a fixed [ttt_length-1, B, T, Hkv, D] buffer filled one slot per step. An MLA drafter's keys and
+    values are the expanded per-head ones (training has no latent cache to save).
     """
     b, t = input_ids.shape
     dtype = drafter.fc.kernel[...].dtype
@@ -115,10 +107,11 @@ def _unroll(drafter: Drafter, aux: Array, input_ids: Array, ttt_length: int, per
     tokens = shift_left(input_ids)  # pair feature_t with token_{t+1}
     g = drafter.fuse(aux.astype(dtype))
     q, k0, v0 = _qkv(drafter, g, tokens, positions)
+    scale = drafter.self_attn.scale
     n = max(ttt_length - 1, 1)
     diag_k = jnp.zeros((n,) + k0.shape, k0.dtype)
     diag_v = jnp.zeros((n,) + v0.shape, v0.dtype)
-    logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v, 0))
+    logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v, 0, scale))
     first = per_step(jnp.int32(0), logits)
     if ttt_length == 1:
         return jax.tree.map(lambda x: x[None], first)
@@ -129,7 +122,7 @@ def _unroll(drafter: Drafter, aux: Array, input_ids: Array, ttt_length: int, per
         q, k, v = _qkv(drafter, g, tokens, positions + i)  # step i sits i positions further along
         diag_k = jax.lax.dynamic_update_index_in_dim(diag_k, k, i - 1, 0)
         diag_v = jax.lax.dynamic_update_index_in_dim(diag_v, v, i - 1, 0)
-        logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v, i))
+        logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v, i, scale))
         return (g, tokens, diag_k, diag_v), per_step(i, logits)
 
     _, rest = jax.lax.scan(body, (g, tokens, diag_k, diag_v), jnp.arange(1, ttt_length, dtype=jnp.int32))

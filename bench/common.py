@@ -244,8 +244,10 @@ def parse_tree(text: str):
 def spec_name(spec) -> str:
     if spec is None:
         return "none"
+    if spec == "auto":
+        return "auto"
     if spec.method == "chain":
-        return f"chain K={spec.num_speculative_tokens}"
+        return f"{'adaptive ' if spec.adaptive else ''}chain K={spec.num_speculative_tokens}"
     return f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
 
 

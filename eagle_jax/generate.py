@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -12,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
+from eagle_jax.decoding import autospec
 from eagle_jax.decoding.engine import Plan, run_rounds, start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.modeling.drafter import Drafter
@@ -119,8 +121,18 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
         if bad:
             raise ConfigError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {target.config.vocab_size})")
         ids.append(p)
-    spec_cfg = None if drafter is None else SpecConfig.parse(spec)
+    longest = max(len(p) for p in ids)
+    limit = target.config.max_position_embeddings
+    if longest + max_new_tokens > limit:
+        raise ConfigError(
+            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the target's "
+            f"max_position_embeddings={limit}"
+        )
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
+    if isinstance(spec, str) and spec != "auto":
+        raise ConfigError(f"spec must be a SpecConfig, a dict, 'auto' or None, got {spec!r}")
+    auto = drafter is not None and (spec is None or spec == "auto")
+    spec_cfg = None if drafter is None else SpecConfig(num_speculative_tokens=autospec.MAX_DRAFTS, adaptive=True) if auto else SpecConfig.parse(spec)
     plan = Plan.one_shot(
         batch=len(ids),
         prompt_len=bucket(max(len(p) for p in ids)),
@@ -131,18 +143,19 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
         mesh=mesh,
         exact=bool(exact),
     )
-    longest = max(len(p) for p in ids)
-    limit = target.config.max_position_embeddings
-    if longest + max_new_tokens > limit:
-        raise ConfigError(
-            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the target's "
-            f"max_position_embeddings={limit}"
-        )
+    if auto:
+        chosen, costs = autospec.choose(target, drafter, plan)
+        if chosen is None:  # speculation cannot pay at this batch here: plain decoding, drafter unused
+            drafter, plan = None, dataclasses.replace(plan, spec=None)
+        else:
+            plan = dataclasses.replace(plan, spec=chosen, costs=costs)
+    elif spec_cfg is not None and spec_cfg.adaptive:
+        plan = dataclasses.replace(plan, costs=autospec.calibrate(target, drafter, plan, autospec.widths_for(spec_cfg.num_speculative_tokens)))
     prompt = np.zeros((plan.batch, bucket(longest)), np.int32)
     for i, p in enumerate(ids):
         prompt[i, : len(p)] = p
     lens = np.array([len(p) for p in ids], np.int32)
-    return plan, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch)
+    return plan, drafter, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch)
 
 
 def _split(module):
@@ -169,7 +182,7 @@ def _result(state, plan: Plan, compile_s: float, run_s: float, tokenizer) -> Gen
     text = None
     if tokenizer is not None:
         text = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
-    return GenerationResult(tokens, text, acc, al, pos, compile_s, run_s, int(rounds))
+    return GenerationResult(tokens, text, acc, al, pos, compile_s, run_s, int(rounds), {"spec": plan.spec})
 
 
 def generate(
@@ -181,7 +194,7 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    spec: SpecConfig | dict | None = None,
+    spec: SpecConfig | dict | str | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     seed: int = 0,
     tokenizer=None,
@@ -203,10 +216,14 @@ def generate(
     alike: the output is then the same for every batch size, drafter and speculation setting (cost:
     fp32 activations and caches; see BENCHMARKS.md).
 
+    ``spec``: with a drafter, None or "auto" (the default) measures this machine's round costs once
+    per pair and shape and runs an adaptive chain, or plain decoding where speculation cannot pay
+    (decoding/autospec.py; ``result.stats["spec"]`` says which); a SpecConfig or dict fixes it.
+
     ``eos_token_id``: None = the model's own (generation_config.json / config.json) and the
     tokenizer's; an id or a list; ``[]`` = never stop before ``max_new_tokens``.
     """
-    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
+    plan, drafter, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
     if mesh is not None:
@@ -242,7 +259,7 @@ def generate_stream(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    spec: SpecConfig | dict | None = None,
+    spec: SpecConfig | dict | str | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     seed: int = 0,
     tokenizer=None,
@@ -251,7 +268,7 @@ def generate_stream(
     """The same loop run in chunks of ``rounds_per_chunk`` rounds; yields each row's new tokens per chunk."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
-    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
+    plan, drafter, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
 

@@ -20,7 +20,8 @@ from flax import nnx
 import eagle_jax
 from eagle_jax import ConfigError, Drafter, SpecConfig
 from eagle_jax.config import aux_layer_ids_for
-from eagle_jax.decoding.engine import one_round, start
+from eagle_jax.decoding import autospec
+from eagle_jax.decoding.engine import RoundCosts, one_round, start
 from eagle_jax.generate import _prepare
 
 from engine_models import drafter_config, markov_drafter, markov_target, random_pair, target_config
@@ -256,7 +257,7 @@ def _check_invariant(recompute, prompts, st, atol=2e-5):
 def test_caches_equal_recompute_after_each_round(markov, recompute, spec, temperature):
     """prefill + 4 rounds by hand (jitted over nnx.split states); the invariant holds after each."""
     target, drafter = markov[0], markov[1]
-    plan, prompt, lens, rs = _prepare(target, drafter, PROMPTS, MAX_NEW, temperature, 0, 1.0, spec, None, None)
+    plan, drafter, prompt, lens, rs = _prepare(target, drafter, PROMPTS, MAX_NEW, temperature, 0, 1.0, spec, None, None)
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(drafter)
     pre = jax.jit(lambda ts, ds, prompt, lens, key: start(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, prompt, lens, rs, key, MAX_NEW))
@@ -414,6 +415,10 @@ SAMPLING_CASES = {
     "chain-topk": dict(spec=SpecConfig(num_speculative_tokens=2), top_k=3, top_p=1.0),
     "chain-topp": dict(spec=SpecConfig(num_speculative_tokens=2), top_k=0, top_p=0.8),
     "tree": dict(spec=SpecConfig(method="tree", tree_top_k=3, tree_depth=2, tree_total_tokens=7), top_k=0, top_p=1.0),
+    # An adaptive chain forced (costs of widths 1, 2, 3) to draft 2 and propose 1: accepting that one
+    # draws the bonus from p at position 1, past a draft that was made but not proposed.
+    "adaptive-cut": dict(spec=SpecConfig(num_speculative_tokens=2, adaptive=True), top_k=0, top_p=1.0,
+                         costs=RoundCosts((1, 2, 3), (1.0, 1.0, 50.0), 0.0, 1.0)),
 }
 
 
@@ -425,10 +430,13 @@ def sampled(sampling_pair):
         if name not in memo:
             case = SAMPLING_CASES[name]
             target, drafter = sampling_pair
-            res = eagle_jax.generate(
-                target, drafter, [SAMPLE_PROMPT] * N_SAMPLES, max_new_tokens=3, temperature=1.0,
-                top_k=case["top_k"], top_p=case["top_p"], spec=case["spec"], seed=42,
-            )
+            with pytest.MonkeyPatch.context() as mp:
+                if "costs" in case:
+                    mp.setattr(autospec, "calibrate", lambda *a, **k: case["costs"])
+                res = eagle_jax.generate(
+                    target, drafter, [SAMPLE_PROMPT] * N_SAMPLES, max_new_tokens=3, temperature=1.0,
+                    top_k=case["top_k"], top_p=case["top_p"], spec=case["spec"], seed=42,
+                )
             memo[name] = res
         return memo[name]
 

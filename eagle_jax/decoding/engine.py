@@ -35,6 +35,25 @@ def scratch_slots(spec: SpecConfig | None) -> int:
     return scratch
 
 
+def one_shot_cache_len(prompt_len: int, max_new: int, spec: SpecConfig | None) -> int:
+    return prompt_len + max_new + scratch_slots(spec) + 1
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """Measured costs of one round's parts at a plan's batch and cache length (seconds; autospec.py).
+
+    ``widths``: the static verification widths (1 + drafts) an adaptive round picks from, ascending;
+    ``verify_s[j]``: a target forward of ``widths[j]`` positions plus the drafter's extension over
+    them; ``draft_s``: one drafter step; ``plain_s``: one plain decoding step (target only).
+    """
+
+    widths: tuple[int, ...]
+    verify_s: tuple[float, ...]
+    draft_s: float
+    plain_s: float
+
+
 @dataclass(frozen=True)
 class Plan:
     """Static shape of one compiled program.
@@ -53,12 +72,13 @@ class Plan:
     span: int | None = None  # leading cache slots the rounds read and write (None: all of them)
     mesh: Any = None  # tensor parallel: caches are laid out by the sharding rules
     exact: bool = False  # the target computes in float32 whatever its weights' dtype (see ``target_dtype``)
+    costs: RoundCosts | None = None  # adaptive chains: what a round's parts cost here
 
     @classmethod
     def one_shot(cls, batch: int, prompt_len: int, max_new: int, spec: SpecConfig | None, greedy: bool,
                  eos_ids: tuple[int, ...], mesh: Any = None, exact: bool = False) -> "Plan":
         """The plan of ``generate``: prompts padded to ``prompt_len``, ``max_new`` tokens per row."""
-        return cls(batch, prompt_len + max_new + scratch_slots(spec) + 1, max_new, spec, greedy, eos_ids, None, mesh, exact)
+        return cls(batch, one_shot_cache_len(prompt_len, max_new, spec), max_new, spec, greedy, eos_ids, None, mesh, exact)
 
     @property
     def width(self) -> int:
@@ -260,6 +280,125 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     return t_cache, d_cache, n, emitted, d_logits, d_feat
 
 
+def draft_confidence(logits: Array) -> Array:
+    """The drafter's estimate that its top draft is accepted, from its logits [B, Vd]: the top-1
+    share of the top two probabilities, q1 / (q1 + q2). Not q1 itself: a drafter trained to match the
+    target's whole distribution is often right with q1 ~ 0.1 over a flat tail (held-out code, bundled
+    pair: greedy acceptance 0.58 at shares 0.50-0.56, 0.87 at 0.56-0.67, >= 0.97 above; by q1
+    quintile it varied only between 0.80 and 0.99)."""
+    top2 = jax.lax.top_k(logits.astype(jnp.float32), 2)[0]
+    return jax.nn.sigmoid(top2[:, 0] - top2[:, 1])  # q1 / (q1 + q2) = 1 / (1 + exp(l2 - l1))
+
+
+def _draft_adaptive(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int):
+    """Up to K chain drafts, stopping once every further one is worth less than it costs.
+
+    A draft's worth is its chance of acceptance, estimated by the drafter's cumulative confidence c_i
+    (the product of ``draft_confidence`` over drafts 0..i): drafting step i+1 goes on while the rows'
+    summed c_i, in tokens at the cost per token of a plain round, exceeds one drafter step. The rule
+    reads only the drafter, so speculative sampling stays lossless. Returns (draft target ids [B,K],
+    draft ids [B,K], q [B,K,Vd] or None, cumulative confidence [B,K] (0 past the drafts made),
+    number of drafts made [], drafter cache).
+    """
+    c = plan.costs
+    b = st.length.shape[0]
+    active = ~st.done
+    sub = None if plan.greedy else split_rows(keys, k)
+    token_s = c.verify_s[0] / b  # what one emitted token costs in a width-1 round
+
+    def pick_draft(logits, i):
+        if plan.greedy:
+            d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            q = None
+        else:
+            q = draft_probs(logits, st.sampling)
+            d = sample(sub[:, i], q)
+        return d, q, draft_confidence(logits)
+
+    d, q, conf = pick_draft(st.d_logits, 0)
+    ids, qs, confs = [d], [q], [jnp.where(active, conf, 0.0)]
+    logits, feat, cache, made = st.d_logits, st.d_feat, st.d_cache, jnp.int32(1)
+    for i in range(1, k):
+        go = (made == i) & (jnp.sum(confs[-1]) * token_s > c.draft_s)
+
+        def step(args, i=i):
+            feat, cache, d = args
+            pos = (st.length + i - 1)[:, None]
+            normed, feat3, cache = drafter.layer(
+                feat[:, None], drafter.draft_to_target(d)[:, None], pos, causal_cache_mask(pos, plan.attend_len, None), cache, st.length + i - 1
+            )
+            return drafter.lm_head(normed[:, 0]), feat3[:, 0], cache
+
+        def skip(args):
+            feat, cache, _ = args
+            return logits, feat, cache
+
+        logits, feat, cache = jax.lax.cond(go, step, skip, (feat, cache, ids[-1]))
+        d, q, conf = pick_draft(logits, i)
+        ids.append(jnp.where(go, d, 0))
+        qs.append(q)
+        confs.append(jnp.where(go, confs[-1] * conf, 0.0))
+        made = made + go.astype(jnp.int32)
+    draft_ids = jnp.stack(ids, axis=1)
+    q = None if plan.greedy else jnp.stack(qs, axis=1)
+    return drafter.draft_to_target(draft_ids), draft_ids, q, jnp.stack(confs, axis=1), made, cache
+
+
+def _round_adaptive(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None):
+    """An adaptive chain round: up to K drafts (``_draft_adaptive``), then verification at the static
+    width that maximises expected tokens per second, ``lax.switch`` over the precompiled widths (rows
+    share the widest); the drafter's extension runs at the same width."""
+    c = plan.costs
+    k = plan.spec.num_speculative_tokens
+    b = st.length.shape[0]
+    sub = None if plan.greedy else split_rows(keys, 2)
+    drafts, draft_ids, q, conf, made, d_cache = _draft_adaptive(drafter, plan, st, None if sub is None else sub[:, 0], k)
+    # Expected emitted tokens for each width: every active row gets 1, plus its drafts' confidences.
+    active = ~st.done
+    widths = jnp.asarray(c.widths)
+    gain = jnp.sum(jnp.where(active[:, None], jnp.cumsum(conf, axis=1), 0.0), axis=0)  # [K]: drafts 0..i
+    gain = jnp.concatenate([jnp.zeros((1,)), gain])[jnp.minimum(widths - 1, made)]
+    expected = jnp.sum(active) + gain
+    j = jnp.argmax(expected / (made * c.draft_s + jnp.asarray(c.verify_s)))
+    proposed = jnp.minimum(widths[j] - 1, made)
+    block = jnp.concatenate([st.pending[:, None], drafts], axis=1)
+    pos = st.length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+
+    def verify(w):
+        def run(t_cache):
+            hidden, aux, t_cache = _forward(
+                target, drafter, plan, block[:, :w], pos[:, :w], causal_cache_mask(pos[:, :w], plan.attend_len, target.config.sliding_window),
+                t_cache, st.length,
+            )
+            pad = ((0, 0), (0, k + 1 - w), (0, 0))
+            return jnp.pad(target.logits(hidden), pad), jnp.pad(aux, pad), t_cache
+
+        return run
+
+    logits, aux, t_cache = jax.lax.switch(j, [verify(w) for w in c.widths], st.t_cache)
+    if plan.greedy:
+        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        match = (drafts == pred[:, :k]) & (jnp.arange(k)[None, :] < proposed)
+        n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+        bonus = jnp.take_along_axis(pred, n[:, None], axis=1)[:, 0]
+    else:
+        t2d_index = drafter.draft_to_target(jnp.arange(drafter.config.draft_vocab_size))
+        n, bonus = accept_chain(
+            sub[:, 1], target_probs(logits, st.sampling), q, drafts, draft_ids, t2d_index, jnp.broadcast_to(proposed, (b,))
+        )
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], bonus[:, None], padded)
+
+    def extend(w):
+        def run(d_cache):
+            return _extend_drafter(drafter, plan, aux[:, :w], emitted[:, :w], n, st.length, d_cache)
+
+        return run
+
+    d_logits, d_feat, d_cache = jax.lax.switch(j, [extend(w) for w in c.widths], d_cache)
+    return t_cache, d_cache, n, emitted, d_logits, d_feat
+
+
 def _gather_path(cache: KVCache, path: Array, length: Array) -> KVCache:
     """Moves the accepted tree path's KV (slots length + path[j]) to contiguous slots length + j, in the
     leading ``len(length)`` rows of the cache."""
@@ -304,6 +443,8 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_plain(target, plan, st, k_round)
     elif plan.spec is None:
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round, 0)
+    elif plan.spec.adaptive:
+        t_cache, d_cache, n, emitted, d_logits, d_feat = _round_adaptive(target, drafter, plan, st, k_round)
     elif plan.spec.method == "chain":
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round, plan.spec.num_speculative_tokens)
     else:

@@ -143,19 +143,23 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
         mesh=mesh,
         exact=bool(exact),
     )
+    costs = None
     if auto:
         chosen, costs = autospec.choose(target, drafter, plan)
         if chosen is None:  # speculation cannot pay at this batch here: plain decoding, drafter unused
-            drafter, plan = None, dataclasses.replace(plan, spec=None)
+            drafter, plan, costs = None, dataclasses.replace(plan, spec=None), None
         else:
-            plan = dataclasses.replace(plan, spec=chosen, costs=costs)
+            plan = dataclasses.replace(plan, spec=chosen)
     elif spec_cfg is not None and spec_cfg.adaptive:
-        plan = dataclasses.replace(plan, costs=autospec.calibrate(target, drafter, plan, autospec.widths_for(spec_cfg.num_speculative_tokens)))
+        costs = autospec.calibrate(target, drafter, plan, autospec.widths_for(spec_cfg.num_speculative_tokens))
+    if costs is not None:
+        plan = dataclasses.replace(plan, widths=costs.widths)
     prompt = np.zeros((plan.batch, bucket(longest)), np.int32)
     for i, p in enumerate(ids):
         prompt[i, : len(p)] = p
     lens = np.array([len(p) for p in ids], np.int32)
-    return plan, drafter, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch)
+    rs = RowSampling.fill(sampling, plan.batch)
+    return plan, drafter, jnp.asarray(prompt), jnp.asarray(lens), rs, None if costs is None else costs.as_array()
 
 
 def _split(module):
@@ -223,7 +227,7 @@ def generate(
     ``eos_token_id``: None = the model's own (generation_config.json / config.json) and the
     tokenizer's; an id or a list; ``[]`` = never stop before ``max_new_tokens``.
     """
-    plan, drafter, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
+    plan, drafter, prompt, lens, rs, costs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
     if mesh is not None:
@@ -234,13 +238,13 @@ def generate(
         t_state = shard_tree(t_state, mesh)
         d_state = None if d_state is None else shard_tree(d_state, mesh)
 
-    def program(t_state, d_state, prompt, lens, rs, key):
+    def program(t_state, d_state, prompt, lens, rs, key, costs):
         tgt = nnx.merge(t_graph, t_state)
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
-        st = start(tgt, drf, plan, prompt, lens, rs, key, plan.max_rounds)
+        st = start(tgt, drf, plan, prompt, lens, rs, key, plan.max_rounds, costs)
         return run_rounds(tgt, drf, plan, st, jnp.int32(plan.max_rounds))
 
-    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed))
+    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), costs)
     compiled, compile_s = _PROGRAMS.get("generate", t_graph, d_graph, plan, args, program)
     t0 = time.perf_counter()
     state = compiled(*args)
@@ -268,19 +272,19 @@ def generate_stream(
     """The same loop run in chunks of ``rounds_per_chunk`` rounds; yields each row's new tokens per chunk."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
-    plan, drafter, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
+    plan, drafter, prompt, lens, rs, costs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
 
-    def begin(t_state, d_state, prompt, lens, rs, key):
+    def begin(t_state, d_state, prompt, lens, rs, key, costs):
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
-        return start(nnx.merge(t_graph, t_state), drf, plan, prompt, lens, rs, key, plan.max_rounds)
+        return start(nnx.merge(t_graph, t_state), drf, plan, prompt, lens, rs, key, plan.max_rounds, costs)
 
     def chunk(t_state, d_state, st, limit):
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
         return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit)
 
-    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed))
+    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), costs)
     start_c, _ = _PROGRAMS.get("stream_start", t_graph, d_graph, plan, args, begin)
     st = start_c(*args)
     chunk_args = (t_state, d_state, st, jnp.int32(0))

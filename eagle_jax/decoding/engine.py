@@ -53,6 +53,11 @@ class RoundCosts:
     draft_s: float
     plain_s: float
 
+    def as_array(self) -> Array:
+        """[W + 2] float32 (verify_s..., draft_s, plain_s): the loop reads the costs as data, so new
+        measurements reuse the compiled program; only ``widths`` is part of its shape."""
+        return jnp.asarray((*self.verify_s, self.draft_s, self.plain_s), jnp.float32)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -72,7 +77,7 @@ class Plan:
     span: int | None = None  # leading cache slots the rounds read and write (None: all of them)
     mesh: Any = None  # tensor parallel: caches are laid out by the sharding rules
     exact: bool = False  # the target computes in float32 whatever its weights' dtype (see ``target_dtype``)
-    costs: RoundCosts | None = None  # adaptive chains: what a round's parts cost here
+    widths: tuple[int, ...] | None = None  # adaptive chains: the verification widths compiled (RoundCosts.widths)
 
     @classmethod
     def one_shot(cls, batch: int, prompt_len: int, max_new: int, spec: SpecConfig | None, greedy: bool,
@@ -172,8 +177,10 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     return Prefilled(t_cache, d_cache, first, drafter.lm_head(normed_last), d_feat)
 
 
-def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array, max_new: int) -> LoopState:
-    """Prefill, then the loop state of ``generate``: the first token emitted, ``max_new`` tokens per row."""
+def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array, max_new: int,
+          costs: Array | None = None) -> LoopState:
+    """Prefill, then the loop state of ``generate``: the first token emitted, ``max_new`` tokens per row.
+    ``costs``: ``RoundCosts.as_array()`` of an adaptive plan."""
     b = prompt.shape[0]
     keys = jax.random.split(key, b)  # one stream per row: a row's draws do not depend on the others
     sub = split_rows(keys, 2)
@@ -194,6 +201,8 @@ def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, le
         rounds=jnp.int32(0),
         sampling=rs,
         key=sub[:, 0],
+        worth=None if costs is None else jnp.float32(WORTH_START),
+        costs=costs,
     )
     state.out, state.n_out, state.done = emit(state, pre.first[:, None], jnp.ones((b,), jnp.int32), plan.eos_ids)
     return state
@@ -280,6 +289,12 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     return t_cache, d_cache, n, emitted, d_logits, d_feat
 
 
+def _costs(plan: Plan, st: LoopState) -> tuple[Array, Array, Array]:
+    """(verify_s [W], draft_s, plain_s) from the state's ``RoundCosts.as_array``."""
+    w = len(plan.widths)
+    return st.costs[:w], st.costs[w], st.costs[w + 1]
+
+
 def draft_confidence(logits: Array) -> Array:
     """The drafter's estimate that its top draft is accepted, from its logits [B, Vd]: the top-1
     share of the top two probabilities, q1 / (q1 + q2). Not q1 itself: a drafter trained to match the
@@ -300,11 +315,11 @@ def _draft_adaptive(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | N
     draft ids [B,K], q [B,K,Vd] or None, cumulative confidence [B,K] (0 past the drafts made),
     number of drafts made [], drafter cache).
     """
-    c = plan.costs
+    verify_s, draft_s, _ = _costs(plan, st)
     b = st.length.shape[0]
     active = ~st.done
     sub = None if plan.greedy else split_rows(keys, k)
-    token_s = c.verify_s[0] / b  # what one emitted token costs in a width-1 round
+    token_s = verify_s[0] / b  # what one emitted token costs in a width-1 round
 
     def pick_draft(logits, i):
         if plan.greedy:
@@ -319,7 +334,7 @@ def _draft_adaptive(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | N
     ids, qs, confs = [d], [q], [jnp.where(active, conf, 0.0)]
     logits, feat, cache, made = st.d_logits, st.d_feat, st.d_cache, jnp.int32(1)
     for i in range(1, k):
-        go = (made == i) & (jnp.sum(confs[-1]) * token_s > c.draft_s)
+        go = (made == i) & (jnp.sum(confs[-1]) * token_s > draft_s)
 
         def step(args, i=i):
             feat, cache, d = args
@@ -348,18 +363,18 @@ def _round_adaptive(target: Target, drafter: Drafter, plan: Plan, st: LoopState,
     """An adaptive chain round: up to K drafts (``_draft_adaptive``), then verification at the static
     width that maximises expected tokens per second, ``lax.switch`` over the precompiled widths (rows
     share the widest); the drafter's extension runs at the same width."""
-    c = plan.costs
+    verify_s, draft_s, _ = _costs(plan, st)
     k = plan.spec.num_speculative_tokens
     b = st.length.shape[0]
     sub = None if plan.greedy else split_rows(keys, 2)
     drafts, draft_ids, q, conf, made, d_cache = _draft_adaptive(drafter, plan, st, None if sub is None else sub[:, 0], k)
     # Expected emitted tokens for each width: every active row gets 1, plus its drafts' confidences.
     active = ~st.done
-    widths = jnp.asarray(c.widths)
+    widths = jnp.asarray(plan.widths)
     gain = jnp.sum(jnp.where(active[:, None], jnp.cumsum(conf, axis=1), 0.0), axis=0)  # [K]: drafts 0..i
     gain = jnp.concatenate([jnp.zeros((1,)), gain])[jnp.minimum(widths - 1, made)]
     expected = jnp.sum(active) + gain
-    j = jnp.argmax(expected / (made * c.draft_s + jnp.asarray(c.verify_s)))
+    j = jnp.argmax(expected / (made * draft_s + verify_s))
     proposed = jnp.minimum(widths[j] - 1, made)
     block = jnp.concatenate([st.pending[:, None], drafts], axis=1)
     pos = st.length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
@@ -375,7 +390,7 @@ def _round_adaptive(target: Target, drafter: Drafter, plan: Plan, st: LoopState,
 
         return run
 
-    logits, aux, t_cache = jax.lax.switch(j, [verify(w) for w in c.widths], st.t_cache)
+    logits, aux, t_cache = jax.lax.switch(j, [verify(w) for w in plan.widths], st.t_cache)
     if plan.greedy:
         pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         match = (drafts == pred[:, :k]) & (jnp.arange(k)[None, :] < proposed)
@@ -395,8 +410,37 @@ def _round_adaptive(target: Target, drafter: Drafter, plan: Plan, st: LoopState,
 
         return run
 
-    d_logits, d_feat, d_cache = jax.lax.switch(j, [extend(w) for w in c.widths], d_cache)
-    return t_cache, d_cache, n, emitted, d_logits, d_feat
+    d_logits, d_feat, d_cache = jax.lax.switch(j, [extend(w) for w in plan.widths], d_cache)
+    return t_cache, d_cache, n, emitted, d_logits, d_feat, made * draft_s + verify_s[j]
+
+
+WORTH_START = 2.0  # optimistic: about five poor rounds in a row, not one, end speculation
+WORTH_KEEP = 0.8  # weight of the past in the running average of worth
+
+
+def _round_auto(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None):
+    """An adaptive round while speculation has paid (``st.worth`` >= 1), else a plain target step.
+
+    Worth compares this round's emitted tokens per modelled second with plain decoding's (the
+    calibrated ``plain_s`` per step), averaged over rounds. Once it falls below 1 the rest of the run
+    decodes plainly: the drafter's cache then falls behind, so there is no way back within a run,
+    and a prompt the drafter cannot follow costs a few rounds more than plain decoding, not the run.
+    """
+    _, _, plain_s = _costs(plan, st)
+    k = plan.spec.num_speculative_tokens
+    active = ~st.done
+
+    def speculate(st):
+        t_cache, d_cache, n, emitted, d_logits, d_feat, round_s = _round_adaptive(target, drafter, plan, st, keys)
+        tokens = jnp.sum(jnp.where(active, n + 1, 0))
+        ratio = (tokens / round_s) / (jnp.maximum(jnp.sum(active), 1) / plain_s)
+        return t_cache, d_cache, n, emitted, d_logits, d_feat, WORTH_KEEP * st.worth + (1 - WORTH_KEEP) * ratio
+
+    def plain(st):
+        t_cache, _, n, emitted, _, _ = _round_plain(target, plan, st, keys)
+        return t_cache, st.d_cache, n, jnp.pad(emitted, ((0, 0), (0, k))), st.d_logits, st.d_feat, st.worth
+
+    return jax.lax.cond(st.worth >= 1.0, speculate, plain, st)
 
 
 def _gather_path(cache: KVCache, path: Array, length: Array) -> KVCache:
@@ -439,12 +483,13 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
     else:
         sub = split_rows(st.key, 2)
         key, k_round = sub[:, 0], sub[:, 1]
+    worth = st.worth
     if drafter is None:
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_plain(target, plan, st, k_round)
     elif plan.spec is None:
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round, 0)
     elif plan.spec.adaptive:
-        t_cache, d_cache, n, emitted, d_logits, d_feat = _round_adaptive(target, drafter, plan, st, k_round)
+        t_cache, d_cache, n, emitted, d_logits, d_feat, worth = _round_auto(target, drafter, plan, st, k_round)
     elif plan.spec.method == "chain":
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round, plan.spec.num_speculative_tokens)
     else:
@@ -474,6 +519,8 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         rounds=st.rounds + 1,
         sampling=st.sampling,
         key=key,
+        worth=worth,
+        costs=st.costs,
     )
 
 

@@ -38,6 +38,10 @@ class LoopState:
     rounds: Array  # [] int32
     sampling: RowSampling  # per-row temperature / top_k / top_p (unused by greedy programs)
     key: Array  # [B] one PRNG key per row
+    # Adaptive chains only: speculation's measured worth, an average over rounds of (its tokens per
+    # second by the calibrated costs) / (plain decoding's); below 1 the run goes on without drafts.
+    worth: Array | None = None  # [] float32
+    costs: Array | None = None  # RoundCosts.as_array() of the plan's pair and shape
 
 
 def emit(state: LoopState, tokens: Array, count: Array, eos_ids: tuple[int, ...]) -> tuple[Array, Array, Array]:

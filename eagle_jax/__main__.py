@@ -3,8 +3,6 @@ speculation, and print the text, the acceptance length and tokens/s of both.
 
     python -m eagle_jax [--target DIR|ORG/NAME --drafter DIR|ORG/NAME] [--prompt TEXT] [--max-new-tokens N] [--k K | --tree]
 
-Speculation is chosen by measured cost (``spec="auto"``) unless ``--k`` or ``--tree`` fixes it.
-
 (also installed as ``eagle-jax``). The bundled pair is found beside the package (``eagle_jax.bundled``),
 from any working directory. Only when the bundle is absent and no pair is given does it build a tiny
 RANDOM Llama in HF format, import it through the real checkpoint path, check it against transformers,
@@ -69,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id (default: the bundled EAGLE-3.1 drafter)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, help="a fixed chain of K drafts (default: chosen by measured cost)")
+    ap.add_argument("--k", type=int, default=5, help="chain speculation depth")
     ap.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree (top_k 8, depth 5, 48 nodes)")
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
@@ -97,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         drafter = eagle_jax.load_drafter(drafter_dir, target, dtype="float32")
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         prompts = [tokenizer.encode(args.prompt, add_special_tokens=False)]
-    spec = SpecConfig(method="tree") if args.tree else SpecConfig(num_speculative_tokens=args.k) if args.k else "auto"
+    spec = SpecConfig(method="tree") if args.tree else SpecConfig(num_speculative_tokens=args.k)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, tokenizer=tokenizer)
     runs = {}
     for name, d in (("plain", None), ("speculative", drafter)):
@@ -111,8 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("tokens:", spec_run.tokens[0][:32], "...")
     same = "identical" if spec_run.tokens == plain.tokens else "DIFFERENT"
-    ran = spec_run.stats["spec"]
-    method = "no speculation" if ran is None else "tree" if args.tree else f"{'adaptive ' if ran.adaptive else ''}chain K={ran.num_speculative_tokens}"
+    method = "tree" if args.tree else f"chain K={args.k}"
     note = f"  [{RANDOM_NOTE}]" if random_model else ""
     print(f"speculative ({method}) output vs plain output: {same}")
     print(f"acceptance length: {spec_run.acceptance_length:.2f} tokens per target forward{note}")

@@ -131,8 +131,8 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     if isinstance(spec, str) and spec != "auto":
         raise ConfigError(f"spec must be a SpecConfig, a dict, 'auto' or None, got {spec!r}")
-    auto = drafter is not None and (spec is None or spec == "auto")
-    spec_cfg = None if drafter is None else SpecConfig(num_speculative_tokens=autospec.MAX_DRAFTS, adaptive=True) if auto else SpecConfig.parse(spec)
+    auto = drafter is not None and spec == "auto"
+    spec_cfg = None if drafter is None else autospec.spec() if auto else SpecConfig.parse(spec)
     plan = Plan.one_shot(
         batch=len(ids),
         prompt_len=bucket(max(len(p) for p in ids)),
@@ -143,23 +143,26 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
         mesh=mesh,
         exact=bool(exact),
     )
-    costs = None
-    if auto:
-        chosen, costs = autospec.choose(target, drafter, plan)
-        if chosen is None:  # speculation cannot pay at this batch here: plain decoding, drafter unused
-            drafter, plan, costs = None, dataclasses.replace(plan, spec=None), None
-        else:
-            plan = dataclasses.replace(plan, spec=chosen)
-    elif spec_cfg is not None and spec_cfg.adaptive:
-        costs = autospec.calibrate(target, drafter, plan, autospec.widths_for(spec_cfg.num_speculative_tokens))
-    if costs is not None:
-        plan = dataclasses.replace(plan, widths=costs.widths)
+    if spec_cfg is not None and spec_cfg.adaptive:
+        plan = dataclasses.replace(plan, widths=autospec.widths_for(spec_cfg.num_speculative_tokens))
     prompt = np.zeros((plan.batch, bucket(longest)), np.int32)
     for i, p in enumerate(ids):
         prompt[i, : len(p)] = p
     lens = np.array([len(p) for p in ids], np.int32)
-    rs = RowSampling.fill(sampling, plan.batch)
-    return plan, drafter, jnp.asarray(prompt), jnp.asarray(lens), rs, None if costs is None else costs.as_array()
+    return plan, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch), auto
+
+
+def _placeholder_costs(plan: Plan):
+    """The costs argument of a program: shaped like ``RoundCosts.as_array()`` for adaptive plans."""
+    return None if plan.widths is None else jnp.zeros((len(plan.widths) + 3,), jnp.float32)
+
+
+def _calibrated(t_graph, d_graph, plan: Plan, run: autospec.Runner, auto: bool):
+    """(the costs array for an adaptive plan, or None; False when ``auto`` finds speculation cannot pay)."""
+    if plan.widths is None:
+        return None, True
+    costs = autospec.calibrate((t_graph, d_graph, plan), run, plan.widths, plan.spec.num_speculative_tokens)
+    return costs.as_array(), not auto or autospec.worth_speculating(costs)
 
 
 def _split(module):
@@ -220,14 +223,14 @@ def generate(
     alike: the output is then the same for every batch size, drafter and speculation setting (cost:
     fp32 activations and caches; see BENCHMARKS.md).
 
-    ``spec``: with a drafter, None or "auto" (the default) measures this machine's round costs once
+    ``spec``: a SpecConfig or dict (None: chain K=5); "auto" measures this machine's round costs once
     per pair and shape and runs an adaptive chain, or plain decoding where speculation cannot pay
-    (decoding/autospec.py; ``result.stats["spec"]`` says which); a SpecConfig or dict fixes it.
+    (decoding/autospec.py; ``result.stats["spec"]`` says which ran).
 
     ``eos_token_id``: None = the model's own (generation_config.json / config.json) and the
     tokenizer's; an id or a list; ``[]`` = never stop before ``max_new_tokens``.
     """
-    plan, drafter, prompt, lens, rs, costs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
+    plan, prompt, lens, rs, auto = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
     if mesh is not None:
@@ -238,16 +241,21 @@ def generate(
         t_state = shard_tree(t_state, mesh)
         d_state = None if d_state is None else shard_tree(d_state, mesh)
 
-    def program(t_state, d_state, prompt, lens, rs, key, costs):
+    def program(t_state, d_state, prompt, lens, rs, key, costs, limit):
         tgt = nnx.merge(t_graph, t_state)
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
         st = start(tgt, drf, plan, prompt, lens, rs, key, plan.max_rounds, costs)
-        return run_rounds(tgt, drf, plan, st, jnp.int32(plan.max_rounds))
+        return run_rounds(tgt, drf, plan, st, limit)
 
-    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), costs)
+    key, limit = jax.random.key(seed), jnp.int32(plan.max_rounds)
+    args = (t_state, d_state, prompt, lens, rs, key, _placeholder_costs(plan), limit)
     compiled, compile_s = _PROGRAMS.get("generate", t_graph, d_graph, plan, args, program)
+    costs, speculate = _calibrated(t_graph, d_graph, plan, lambda c, n: compiled(*args[:6], c, jnp.int32(n)), auto)
+    if not speculate:  # auto: even always-accepted drafts could not beat plain decoding here
+        return generate(target, None, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=mesh, exact=exact)
     t0 = time.perf_counter()
-    state = compiled(*args)
+    state = compiled(*args[:6], costs, limit)
     jax.block_until_ready(state.out)
     run_s = time.perf_counter() - t0
     return _result(state, plan, compile_s, run_s, tokenizer)
@@ -272,7 +280,7 @@ def generate_stream(
     """The same loop run in chunks of ``rounds_per_chunk`` rounds; yields each row's new tokens per chunk."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
-    plan, drafter, prompt, lens, rs, costs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
+    plan, prompt, lens, rs, auto = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
 
@@ -284,11 +292,19 @@ def generate_stream(
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
         return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit)
 
-    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), costs)
+    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), _placeholder_costs(plan))
     start_c, _ = _PROGRAMS.get("stream_start", t_graph, d_graph, plan, args, begin)
     st = start_c(*args)
     chunk_args = (t_state, d_state, st, jnp.int32(0))
     chunk_c, _ = _PROGRAMS.get("stream_chunk", t_graph, d_graph, plan, chunk_args, chunk)
+    costs, speculate = _calibrated(t_graph, d_graph, plan, lambda c, n: chunk_c(t_state, d_state, start_c(*args[:6], c), jnp.int32(n)), auto)
+    if not speculate:
+        yield from generate_stream(target, None, prompts, max_new_tokens=max_new_tokens, rounds_per_chunk=rounds_per_chunk,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed,
+                                   tokenizer=tokenizer, exact=exact)
+        return
+    if costs is not None:
+        st = start_c(*args[:6], costs)
     sent = [0] * plan.batch
     while True:
         n_out, out, done, rounds = jax.device_get((st.n_out, st.out, st.done, st.rounds))

@@ -75,8 +75,8 @@ def test_costly_drafter_steps_stop_drafting(monkeypatch, pair, plain):
     assert max(a for row in out.accepted for a in row) == 1
 
 
-def test_auto_is_the_default_and_measures_this_machine(pair, plain):
-    out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[])
+def test_auto_measures_this_machine(pair, plain):
+    out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec="auto", eos_token_id=[])
     assert out.tokens == plain.tokens
     spec = out.stats["spec"]
     assert spec is None or (spec.adaptive and spec.num_speculative_tokens == autospec.MAX_DRAFTS)
@@ -88,7 +88,9 @@ def test_auto_declines_when_speculation_cannot_pay(monkeypatch, pair, plain):
     """Verification cost growing with width like a compute-bound batch: even always-accepted drafts lose."""
     widths = autospec.widths_for(autospec.MAX_DRAFTS)
     monkeypatch.setattr(autospec, "calibrate", lambda *a, **k: RoundCosts(widths, tuple(float(w) for w in widths), 0.1, 1.0))
-    out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[])
+    default = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[])
+    assert default.stats["spec"] == SpecConfig()  # auto is opt-in
+    out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec="auto", eos_token_id=[])
     assert out.stats["spec"] is None and out.tokens == plain.tokens and out.acceptance_length == 1.0
 
 
@@ -108,3 +110,11 @@ def test_spec_errors(pair):
         SpecConfig(method="tree", adaptive=True)
     with pytest.raises(ConfigError, match="'auto' or None"):
         eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=4, spec="fast")
+
+
+def test_stream_with_auto_and_with_adaptive(monkeypatch, pair, plain):
+    chunks = list(eagle_jax.generate_stream(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec="auto", eos_token_id=[]))
+    assert [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))] == plain.tokens
+    monkeypatch.setattr(autospec, "calibrate", lambda *a, **k: costs([1.0, 1.0, 50.0, 50.0]))
+    chunks = list(eagle_jax.generate_stream(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec=ADAPTIVE, eos_token_id=[]))
+    assert [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))] == plain.tokens

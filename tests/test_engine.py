@@ -257,7 +257,7 @@ def _check_invariant(recompute, prompts, st, atol=2e-5):
 def test_caches_equal_recompute_after_each_round(markov, recompute, spec, temperature):
     """prefill + 4 rounds by hand (jitted over nnx.split states); the invariant holds after each."""
     target, drafter = markov[0], markov[1]
-    plan, drafter, prompt, lens, rs, _ = _prepare(target, drafter, PROMPTS, MAX_NEW, temperature, 0, 1.0, spec, None, None)
+    plan, prompt, lens, rs, _ = _prepare(target, drafter, PROMPTS, MAX_NEW, temperature, 0, 1.0, spec, None, None)
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(drafter)
     pre = jax.jit(lambda ts, ds, prompt, lens, key: start(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, prompt, lens, rs, key, MAX_NEW))

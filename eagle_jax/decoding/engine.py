@@ -41,22 +41,23 @@ def one_shot_cache_len(prompt_len: int, max_new: int, spec: SpecConfig | None) -
 
 @dataclass(frozen=True)
 class RoundCosts:
-    """Measured costs of one round's parts at a plan's batch and cache length (seconds; autospec.py).
-
-    ``widths``: the static verification widths (1 + drafts) an adaptive round picks from, ascending;
-    ``verify_s[j]``: a target forward of ``widths[j]`` positions plus the drafter's extension over
-    them; ``draft_s``: one drafter step; ``plain_s``: one plain decoding step (target only).
+    """Costs of an adaptive round's parts at a plan's batch and cache length, in seconds, as measured
+    in the compiled loop itself (autospec.calibrate): a round costs ``made x draft_s + verify_s[j]``
+    when it makes ``made`` drafts and verifies ``widths[j]`` positions (the drafter's extension over
+    them included); ``plain_s`` is a plain round. ``worth_start``: the loop's initial ``worth``
+    (below 1: plain rounds from the start, which calibration uses to time them).
     """
 
     widths: tuple[int, ...]
     verify_s: tuple[float, ...]
     draft_s: float
     plain_s: float
+    worth_start: float = 2.0  # optimistic: about five poor rounds in a row, not one, end speculation
 
     def as_array(self) -> Array:
-        """[W + 2] float32 (verify_s..., draft_s, plain_s): the loop reads the costs as data, so new
-        measurements reuse the compiled program; only ``widths`` is part of its shape."""
-        return jnp.asarray((*self.verify_s, self.draft_s, self.plain_s), jnp.float32)
+        """[W + 3] float32: the loop reads the costs as data, so new measurements reuse the compiled
+        program; only ``widths`` is part of its shape."""
+        return jnp.asarray((*self.verify_s, self.draft_s, self.plain_s, self.worth_start), jnp.float32)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, le
         rounds=jnp.int32(0),
         sampling=rs,
         key=sub[:, 0],
-        worth=None if costs is None else jnp.float32(WORTH_START),
+        worth=None if costs is None else costs[-1],
         costs=costs,
     )
     state.out, state.n_out, state.done = emit(state, pre.first[:, None], jnp.ones((b,), jnp.int32), plan.eos_ids)
@@ -414,7 +415,6 @@ def _round_adaptive(target: Target, drafter: Drafter, plan: Plan, st: LoopState,
     return t_cache, d_cache, n, emitted, d_logits, d_feat, made * draft_s + verify_s[j]
 
 
-WORTH_START = 2.0  # optimistic: about five poor rounds in a row, not one, end speculation
 WORTH_KEEP = 0.8  # weight of the past in the running average of worth
 
 

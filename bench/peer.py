@@ -19,6 +19,13 @@ Prefill / decode split (``--no-split`` to skip): the same calls with max-new 1 g
 time per prompt (eagle_jax pads prompts to power-of-two buckets, HF does not); decode tok/s = the
 remaining tokens / (full time - that time).
 
+Roofline (bench/roofline.py; needs the split): per engine, model FLOPs and bytes per generated token of the
+decoding loop (weights and KV cache read by target forwards at the verification width and by drafter
+steps; each prompt's rounds over the tokens they emitted, batch 1) at the decode rate above, and per
+prompt token of the prefill (the prompts' real lengths: eagle_jax's bucket padding counts against it)
+at the prefill rate; achieved GFLOP/s and GB/s as fractions of a matmul peak and read bandwidth
+measured (with JAX) in the same run, the bound that applies and the fraction of the roofline reached.
+
 Agreement: a row agrees when its tokens equal HF's exactly; ``prefix`` is the mean over prompts of the
 length of the common prefix / HF's length. float32 near-ties in the argmax can legitimately flip a
 token between two implementations and everything after it, so agreement below 1.0 is not by itself a
@@ -40,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 import eagle_jax
+from bench import roofline as rl
 from bench.common import (
     BUNDLED_DRAFTERS,
     BUNDLED_TARGET,
@@ -138,6 +146,25 @@ def split_cells(run: dict) -> list[str]:
     return [f"{run['prefill_s_per_prompt'] * 1e3:.0f}", f"{run['decode_tokens_per_s']:.1f}"]
 
 
+def roofline_runs(target_config, drafter_config, spec, prompt_lens: list[int], new_tokens: list[int], rounds: list[int],
+                  decode_tps: float, prefill_s: float | None, peaks: dict) -> dict:
+    """Roofline columns of one engine's decode (each prompt's loop at batch 1: its own context, rounds
+    and emitted tokens, pooled over prompts) and prefill (the prompts' real lengths, their summed time)."""
+    kw = dict(weight_bytes=4, cache_bytes=4)
+    total = rl.Cost()
+    for plen, n, r in zip(prompt_lens, new_tokens, rounds):
+        if n > 0:
+            total = total + rl.per_generated_token(target_config, drafter_config, spec, 1, plen, n, r, **kw).scale(n)
+    out = {"decode": rl.roofline(total.scale(1 / max(sum(new_tokens), 1)), decode_tps, peaks)}
+    if prefill_s is not None:
+        cost = rl.Cost()
+        for plen in prompt_lens:
+            cost = cost + rl.prefill(target_config, drafter_config, 1, plen, **kw)
+        tps = sum(prompt_lens) / prefill_s
+        out["prefill"] = {"prefill_tokens_per_s": tps, **rl.roofline(cost.scale(1 / sum(prompt_lens)), tps, peaks)}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(BUNDLED_TARGET))
@@ -165,6 +192,8 @@ def main(argv=None) -> dict:
         print(f"WARNING: load average {load_before[0]:.1f} on {os.cpu_count()} cores: other processes compete for the CPU, "
               "timings (torch's OpenMP threads especially) will be noisy")
     transformers.logging.set_verbosity_error()
+    peaks = rl.measure_peaks("float32")
+    print(rl.format_peaks(peaks))
     tmp = None
     target_dir = args.target
     if Path(args.target).exists() and Path(args.drafter).exists():
@@ -209,6 +238,22 @@ def main(argv=None) -> dict:
                "prompt_tokens": [len(i) for i in ids], "runs": []}
     results["runs"].append({"engine": "transformers", "spec": None, "tokens": hf_n, "seconds": hf_s, "tokens_per_s": hf_n / hf_s,
                             **split(hf_prefill, hf_s, hf_n, len(ids))})
+    results["peaks"] = peaks
+    plens = [len(i) for i in ids]
+    roof_rows = []
+
+    def add_roofline(run: dict, label: list[str], spec, drafter_config, toks: list[list[int]], rounds: list[int]) -> None:
+        if "decode_tokens_per_s" not in run:
+            return
+        prefill_total = run["prefill_s_per_prompt"] * len(ids)
+        run["roofline"] = roofline_runs(target.config, drafter_config, spec, plens, [len(t) - 1 for t in toks], rounds,
+                                        run["decode_tokens_per_s"], prefill_total, peaks)
+        d, p = run["roofline"]["decode"], run["roofline"]["prefill"]
+        roof_rows.append([*label, f"{run['decode_tokens_per_s']:.1f}", *rl.roofline_cells(d),
+                          f"{p['prefill_tokens_per_s']:.0f}", f"{100 * p['flops_fraction']:.1f}", f"{100 * p['bytes_fraction']:.1f}",
+                          p["bound"], f"{100 * p['roofline_fraction']:.0f}"])
+
+    add_roofline(results["runs"][-1], ["transformers", "none"], None, None, hf_tokens, [len(t) - 1 for t in hf_tokens])
     rows = [[f"transformers {transformers.__version__} (torch {torch.__version__})", "none", f"{hf_n / hf_s:.1f}", "1.00x", "-", "-", "-", "-",
              *split_cells(results["runs"][-1])]]
 
@@ -232,6 +277,8 @@ def main(argv=None) -> dict:
                        speedup_vs_plain=tps / plain_tps, same_as_plain=agreement(toks, plain_tokens))
             al = f"{st['al_pooled']:.2f}"
         results["runs"].append(run)
+        add_roofline(run, ["eagle_jax", spec_name(spec)], spec, None if spec is None else drafter.config, toks,
+                     [len(t) - 1 for t in toks] if spec is None else [len(a) for a in accepted])
         rows.append(["eagle_jax" + ("" if spec is None else f" + {drafter_label(drafter)}"), spec_name(spec),
                      f"{tps:.1f}", f"{run['speedup_vs_hf']:.2f}x", "1.00x" if spec is None else f"{run['speedup_vs_plain']:.2f}x", al,
                      f"{agree['exact_rows']}/{agree['rows']}", f"{agree['prefix_fraction']:.3f}", *split_cells(run)])
@@ -241,6 +288,10 @@ def main(argv=None) -> dict:
         print("(random models: acceptance meaningless)")
     print(f"batch 1, {len(ids)} prompts, up to {args.max_new} new tokens, float32 on CPU, torch threads {torch.get_num_threads()}")
     print_table(["engine", "speculation", "tok/s", "vs HF", "vs plain", "AL", "rows = HF", "HF prefix agreement", "prefill ms", "decode tok/s"], rows)
+    if roof_rows:
+        print(f"\nAgainst the roofline ({rl.format_peaks(peaks)}): decode per generated token, prefill per prompt token")
+        print_table(["engine", "speculation", "decode tok/s", *rl.ROOFLINE_HEADER, "prefill tok/s", "% peak", "% BW", "bound",
+                     "% roofline"], roof_rows)
     results["load_average_before_after"] = [load_before, os.getloadavg()]
     results["cpu_count"] = os.cpu_count()
     write_json(args.out, results)

@@ -5,9 +5,14 @@
     python -m bench.speed --dtype bfloat16 --exact          # bf16 weights, every row also in exact mode
     python -m bench.speed --recipe configs/train/tiny_mla_moe.yaml --prompt-len 8   # the DeepSeek-V3-shaped tiny pair
 
-Writes JSON (``--out``) and prints a table. The round split times, inside jitted loops (no host
-dispatch, like the real loop): one drafter step (1 token), one target verification of the round's
-width, and one whole round; overhead = round / (K x drafter step + verify) (goal <= 1.15). Random
+Writes JSON (``--out``) and prints tables. Roofline columns (bench/roofline.py): per row, model FLOPs and
+bytes per generated token (weights and KV cache read by the target forwards at the verification width
+and by the drafter steps, per round divided by the tokens the rounds emitted), the decode rate they
+ran at (the row's time minus its prefill, timed in the same run with max-new 1), achieved GFLOP/s and
+GB/s, their fractions of the matmul peak and read bandwidth measured at start, which bound applies
+and the fraction of the roofline reached; the same for each batch's prefill. The round split times,
+inside jitted loops (no host dispatch, like the real loop): one drafter step (1 token), one target
+verification of the round's width, and one whole round; overhead = round / (K x drafter step + verify) (goal <= 1.15). Random
 weights make acceptance meaningless: use a trained pair for acceptance numbers.
 """
 
@@ -28,6 +33,7 @@ from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
 from eagle_jax.decoding.engine import Plan, causal_cache_mask, run_rounds, start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.generate import bucket
+from bench import roofline as rl
 from bench.common import load_pair_or_random, load_recipe_pair, print_table, spec_name, write_json
 
 
@@ -108,6 +114,45 @@ def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, 
     return {"round_s": t_round, "draft_step_s": t_draft, "verify_s": t_verify, "draft_steps": steps, "overhead": t_round / ideal, "rest_s": t_round - ideal}
 
 
+def dtype_bytes(target, exact: bool) -> tuple[float, int]:
+    """(weight bytes, cache bytes) per number: the weight matrices as stored (on CPU bf16 matrices may be
+    held widened to float32: ``layers.weight_matrix``), the caches in the target's dtype, or float32 in
+    exact mode."""
+    mats = [x for x in jax.tree.leaves(nnx.state(target, nnx.Param)) if getattr(x, "ndim", 0) >= 2]
+    wb = sum(x.nbytes for x in mats) / max(sum(x.size for x in mats), 1)
+    return wb, (4 if exact else jnp.dtype(target.dtype).itemsize)
+
+
+def time_prefill(target, drafter, prompts: list[list[int]], spec, exact: bool, repeats: int = 3) -> float:
+    """Seconds of ``generate`` with max-new 1 (prefill, the first token, no rounds): best of ``repeats``
+    after a compiling call. ``drafter`` None: the target's prefill alone; else ``spec`` must be set (None
+    with a drafter would pick the adaptive 'auto' mode)."""
+    kw = dict(max_new_tokens=1, eos_token_id=[], exact=exact, spec=spec)
+    eagle_jax.generate(target, drafter, prompts, **kw)
+    return min(eagle_jax.generate(target, drafter, prompts, **kw).run_s for _ in range(repeats))
+
+
+def roofline_row(target, drafter, spec, result, prompts: list[list[int]], prefill_s: float, peaks: dict, exact: bool = False) -> dict:
+    """The roofline columns of one ``generate`` result (``bench.roofline.decode_columns``): the loop's
+    time is the call's ``run_s`` minus ``prefill_s`` (the same prompts' prefill), its tokens all but the
+    first of each row, its rounds the result's."""
+    wb, cb = dtype_bytes(target, exact)
+    batch = len(prompts)
+    return rl.decode_columns(
+        target.config, None if (drafter is None or spec is None) else drafter.config, spec, batch=batch,
+        prompt_len=float(np.mean([len(p) for p in prompts])), new_tokens=result.num_generated - batch, rounds=result.rounds,
+        decode_s=result.run_s - prefill_s, acceptance_length=result.acceptance_length, peaks=peaks, weight_bytes=wb, cache_bytes=cb,
+    )
+
+
+def prefill_row(target, drafter, prompts: list[list[int]], prefill_s: float, peaks: dict, exact: bool = False) -> dict:
+    """The roofline columns of a prefill of ``prompts`` (padded to their bucket, as generate runs it)."""
+    wb, cb = dtype_bytes(target, exact)
+    return rl.prefill_columns(target.config, None if drafter is None else drafter.config, batch=len(prompts),
+                              prompt_len=bucket(max(len(p) for p in prompts)), prefill_s=prefill_s, peaks=peaks,
+                              weight_bytes=wb, cache_bytes=cb)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target")
@@ -135,13 +180,31 @@ def main(argv=None) -> dict:
     for t in args.trees:
         k, d, n = (int(x) for x in t.split(","))
         specs.append(SpecConfig(method="tree", tree_top_k=k, tree_depth=d, tree_total_tokens=n))
-    rows, results = [], {"models": source, "runs": [], "round_split": []}
+    peaks = rl.measure_peaks("float32")
+    print(rl.format_peaks(peaks))
+    peaks_by_mode = {"float32": peaks, "exact": peaks}
+    if args.dtype == "bfloat16":
+        peaks_by_mode["bfloat16"] = {**peaks, "matmul_flops": rl.measure_matmul_peak("bfloat16"), "matmul_dtype": "bfloat16"}
+        print(f"bf16 matmul peak {peaks_by_mode['bfloat16']['matmul_flops'] / 1e9:.1f} GFLOP/s (used for the bfloat16 rows)")
+    rows, roof_rows, pre_rows = [], [], []
+    results = {"models": source, "peaks": peaks_by_mode, "runs": [], "prefill": [], "round_split": []}
     modes = (False, True) if args.exact else (False,)
     for b in [] if args.split_only else args.batch:
         batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
         base_tps = None
         for exact in modes:
             mode = "exact" if exact else args.dtype
+            pk = peaks_by_mode[mode]
+            # The prefill of this batch, timed alone: the target's, and the target's + the drafter's.
+            prefill_s = {False: time_prefill(target, None, batch_prompts, None, exact)}
+            if specs:
+                prefill_s[True] = time_prefill(target, drafter, batch_prompts, specs[0], exact)
+            for with_drafter, secs in prefill_s.items():
+                pr = prefill_row(target, drafter if with_drafter else None, batch_prompts, secs, pk, exact)
+                who = "target + drafter" if with_drafter else "target"
+                pre_rows.append([b, mode, who, bucket(max(len(p) for p in batch_prompts)), f"{secs * 1e3:.1f}",
+                                 f"{pr['prefill_tokens_per_s']:.0f}", *rl.roofline_cells(pr)])
+                results["prefill"].append({"batch": b, "mode": mode, "models": who, **pr})
             kw = dict(max_new_tokens=args.max_new, temperature=args.temperature, eos_token_id=[], exact=exact)
             for spec in [None, *specs]:
                 d = None if spec is None else drafter
@@ -151,14 +214,20 @@ def main(argv=None) -> dict:
                 name = spec_name(spec)
                 speedup = r.tokens_per_s / base_tps
                 al = "-" if spec is None else f"{r.acceptance_length:.2f}"
+                roof = roofline_row(target, d, spec, r, batch_prompts, prefill_s[d is not None], pk, exact)
                 rows.append([b, mode, name, al, f"{r.tokens_per_s:.1f}", f"{speedup:.2f}x", f"{first.compile_s:.1f}"])
+                roof_rows.append([b, mode, name, al, f"{roof['decode_tokens_per_s']:.1f}", *rl.roofline_cells(roof)])
                 results["runs"].append(
                     {"batch": b, "mode": mode, "spec": None if spec is None else name, "acceptance_length": r.acceptance_length,
                      "position_acceptance": r.position_acceptance, "tokens_per_s": r.tokens_per_s, "speedup": speedup,
-                     "compile_s": first.compile_s}
+                     "compile_s": first.compile_s, "rounds": r.rounds, "run_s": r.run_s, "roofline": roof}
                 )
     if rows:
         print_table(["batch", "mode", "speculation", "AL", "tok/s", "speedup", "compile s"], rows)
+        print("\nDecoding loop against the roofline (per generated token, prefill excluded; model counts, bench/roofline.py):")
+        print_table(["batch", "mode", "speculation", "AL", "decode tok/s", *rl.ROOFLINE_HEADER], roof_rows)
+        print("\nPrefill (per prompt position, padded bucket):")
+        print_table(["batch", "mode", "prefill of", "positions", "ms", "tok/s", *rl.ROOFLINE_HEADER], pre_rows)
     split_rows = []
     for spec in specs:
         s = round_split(target, drafter, spec, 1, args.prompt_len)

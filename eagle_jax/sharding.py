@@ -65,7 +65,7 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"(^|/)lm_head/kernel$", ("embed", "vocab")),
     (r"(^|/)fc/kernel$", ("fused_in", "embed")),
 )
-KV_CACHE_AXES = ("batch", "seq", "kv_heads", "head_dim")
+KV_CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")  # head-major, as KVCache stores it
 BATCH_AXES = ("batch", "seq")
 
 
@@ -161,7 +161,7 @@ def shard_module(module: nnx.Module, mesh: Mesh) -> nnx.Module:
 
 
 def kv_cache_spec(mesh: Mesh | None = None, shape: Sequence[int] | None = None) -> PartitionSpec:
-    """KV cache [B, S, Hkv, D]: batch over (data, fsdp), kv heads over model."""
+    """KV cache [B, Hkv, S, D]: batch over (data, fsdp), kv heads over model."""
     return logical_to_spec(KV_CACHE_AXES, shape, mesh)
 
 

@@ -304,7 +304,7 @@ def test_latent_cache_holds_latent_and_rope_key_only(hf_models):
     cache = target.init_cache(b, s)
     numbers = sum(x.size for x in jax.tree.leaves(cache)) / (b * s * target.config.num_layers)
     assert numbers == BASE["kv_lora_rank"] + BASE["qk_rope_head_dim"] == 40
-    assert all(k.shape == (b, s, 1, 32) for k in cache.k) and all(v.shape == (b, s, 1, 8) for v in cache.v)
+    assert all(k.shape == (b, 1, s, 32) for k in cache.k) and all(v.shape == (b, 1, s, 8) for v in cache.v)
     per_head_kv = BASE["num_attention_heads"] * (BASE["qk_nope_head_dim"] + BASE["qk_rope_head_dim"] + BASE["v_head_dim"])
     assert per_head_kv == 160  # what the same model would cache per token and layer without the latent
 
@@ -359,7 +359,7 @@ def test_full_size_configs(name, raw, params, mla_bytes, mha_bytes):
         return nnx.merge(graph, state).forward(ids, ids, mask, cache, jnp.zeros(2, jnp.int32), (0, dense))
 
     hidden, aux, cache = jax.eval_shape(step, state, jax.eval_shape(lambda: KVCache.for_config(short, 2, 64, jnp.bfloat16)))
-    assert hidden.shape == (2, 4, 7168) and aux.shape == (2, 4, 2 * 7168) and cache.k[-1].shape == (2, 64, 1, 512)
+    assert hidden.shape == (2, 4, 7168) and aux.shape == (2, 4, 2 * 7168) and cache.k[-1].shape == (2, 1, 64, 512)
 
 
 # ------------------------------------------------------------------------------------ greedy decoding

@@ -272,7 +272,7 @@ def test_drafter_parity(case_name, dtype, device, hf_target, tmp_path, record_er
     pos = np.broadcast_to(np.arange(n), (B, n))
     pos_t = torch.from_numpy(pos.copy()).to(tdev)
     cache = drafter.init_cache(B, slots)
-    assert cache[0].shape == (B, slots, dc.num_kv_heads, dc.head_dim) and cache[0].dtype == jdt
+    assert cache[0].shape == (B, dc.num_kv_heads, slots, dc.head_dim) and cache[0].dtype == jdt
     r_lg, r_nx, kv = ref.step(g_t[:, :T], ids_t[:, :T], pos_t[:, :T])
     g_n = host(g_j)
     j_lg, j_nx, _, cache = drafter.step(
@@ -293,8 +293,8 @@ def test_drafter_parity(case_name, dtype, device, hf_target, tmp_path, record_er
     check("cached_logits", np.concatenate([np32(x) for x in jx_l], 1), torch.cat(ref_l, 1))
     check("cached_next_feature", np.concatenate([np32(x) for x in jx_n], 1), torch.cat(ref_n, 1))
     # the cache holds the reference's rotated keys and its values at slots 0..n-1
-    check("cache_k", np32(cache[0])[:, :n], kv[0].transpose(1, 2))
-    check("cache_v", np32(cache[1])[:, :n], kv[1].transpose(1, 2))
+    check("cache_k", np32(cache[0])[:, :, :n], kv[0])
+    check("cache_v", np32(cache[1])[:, :, :n], kv[1])
 
     # ---- chain: each model feeds its OWN width-H next feature back; the same tokens on both sides
     r_feat, j_feat = ref_n[-1], jx_n[-1]

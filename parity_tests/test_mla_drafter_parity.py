@@ -178,7 +178,7 @@ def test_mla_drafter_parity(case_name, device, hf_target, tmp_path, record_error
     check("fuse", g_j, g_t)
     g_n = host(g_j)
     cache = drafter.init_cache(B, slots)
-    assert cache[0].shape == (B, slots, 1, dc.mla.kv_lora_rank) and cache[1].shape == (B, slots, 1, dc.mla.qk_rope_head_dim)
+    assert cache[0].shape == (B, 1, slots, dc.mla.kv_lora_rank) and cache[1].shape == (B, 1, slots, dc.mla.qk_rope_head_dim)
     r_pre, r_pre_n, kv = ref.step(g_t[:, :T], ids_t[:, :T], pos_t[:, :T])
     block_mask = dev(np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T)))  # the block over itself
     j_pre, j_pre_n, _, cache = drafter.step(dev(g_n[:, :T]), dev(ids_n[:, :T]), dev(pos[:, :T], np.int32), block_mask, cache, dev(np.zeros(B, np.int32)))
@@ -189,8 +189,8 @@ def test_mla_drafter_parity(case_name, device, hf_target, tmp_path, record_error
     check("cached_logits", np.concatenate([np32(j_pre), np32(j_blk)], 1), torch.cat([r_pre, r_blk], 1))
     check("cached_next_feature", np.concatenate([np32(j_pre_n), np32(j_blk_n)], 1), torch.cat([r_pre_n, r_blk_n], 1))
     latents, rot_keys = ref.mla_latents(g_t, ids_t[:, :n], pos_t)
-    check("cache_latents", np32(cache[0])[:, :n, 0], latents)
-    check("cache_rope_keys", np32(cache[1])[:, :n, 0], rot_keys)
+    check("cache_latents", np32(cache[0])[:, 0, :n], latents)
+    check("cache_rope_keys", np32(cache[1])[:, 0, :n], rot_keys)
 
     r_lg, r_feat, j_feat = r_blk[:, -1:], r_blk_n[:, -1:], j_blk_n[:, -1:]
     chain_r, chain_j = [], []

@@ -25,7 +25,7 @@ from flax import nnx
 
 from eagle_jax import Drafter, DrafterConfig
 from eagle_jax.checkpoint.eagle_drafter import drafter_key
-from eagle_jax.modeling.layers import attend
+from eagle_jax.modeling.layers import attend, heads_first
 from eagle_jax.training import ttt
 from parity_tests.torch_reference import RefDrafter, RefDrafterConfig
 from parity_tests.torch_reference import ttt_loss as ref_ttt_loss
@@ -193,7 +193,7 @@ def test_extended_attention_equals_dense_mask_of_spec(steps):
     j = np.arange(t)[:, None]
     blocks = [j >= np.arange(t)[None, :]] + [j == np.arange(t)[None, :]] * (steps - 1)
     mask = jnp.broadcast_to(jnp.asarray(np.concatenate(blocks, axis=1)), (b, t, steps * t))
-    dense = attend(q, jnp.concatenate(list(k_all), axis=1), jnp.concatenate(list(v_all), axis=1), mask)
+    dense = attend(q, heads_first(jnp.concatenate(list(k_all), axis=1)), heads_first(jnp.concatenate(list(v_all), axis=1)), mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense), rtol=1e-5, atol=1e-6)
 
 

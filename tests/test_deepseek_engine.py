@@ -55,7 +55,7 @@ def test_greedy_speculative_equals_plain(pair, plain, spec):
 @pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain3", "tree8"])
 def test_mla_drafter_greedy_speculative_equals_plain(mla_pair, plain, spec):
     target, drafter = mla_pair
-    assert drafter.config.mla is not None and drafter.init_cache(1, 4)[0].shape == (1, 4, 1, 64)
+    assert drafter.config.mla is not None and drafter.init_cache(1, 4)[0].shape == (1, 1, 4, 64)
     out = eagle_jax.generate(target, drafter, PROMPTS, max_new_tokens=24, spec=spec, eos_token_id=[])
     assert out.tokens == plain.tokens
     assert out.acceptance_length > 2.0  # the drafter's latent cache is read right: it is often right

@@ -241,10 +241,10 @@ def _check_invariant(recompute, prompts, st, atol=2e-5):
     for i in range(b):
         n = int(length[i])
         for layer in range(len(t_cache.k)):
-            np.testing.assert_allclose(got_t.k[layer][i, :n], t_cache.k[layer][i, :n], atol=atol, err_msg=f"target K layer {layer} row {i}")
-            np.testing.assert_allclose(got_t.v[layer][i, :n], t_cache.v[layer][i, :n], atol=atol, err_msg=f"target V layer {layer} row {i}")
-        np.testing.assert_allclose(got_d[0][i, :n], d_cache[0][i, :n], atol=atol, err_msg=f"drafter K row {i}")
-        np.testing.assert_allclose(got_d[1][i, :n], d_cache[1][i, :n], atol=atol, err_msg=f"drafter V row {i}")
+            np.testing.assert_allclose(got_t.k[layer][i, :, :n], t_cache.k[layer][i, :, :n], atol=atol, err_msg=f"target K layer {layer} row {i}")
+            np.testing.assert_allclose(got_t.v[layer][i, :, :n], t_cache.v[layer][i, :, :n], atol=atol, err_msg=f"target V layer {layer} row {i}")
+        np.testing.assert_allclose(got_d[0][i, :, :n], d_cache[0][i, :, :n], atol=atol, err_msg=f"drafter K row {i}")
+        np.testing.assert_allclose(got_d[1][i, :, :n], d_cache[1][i, :, :n], atol=atol, err_msg=f"drafter V row {i}")
         np.testing.assert_allclose(got_feat[i], feat[i, n - 1], atol=atol, err_msg=f"d_feat row {i}")
         np.testing.assert_allclose(got_logits[i], d_logits[i, n - 1], atol=10 * atol, err_msg=f"d_logits row {i}")
 

@@ -54,7 +54,7 @@ def test_expert_rules():
     assert param_partition_spec(down, (8, 32, 64), EP_MESH) == P("expert", "model", "fsdp")
     assert param_partition_spec(gate, (8, 64, 32), MESH) == P(None, "fsdp", "model")
     assert param_partition_spec(gate, (7, 64, 32), EP_MESH) == P(None, "fsdp", "model")  # 7 experts do not split in 2
-    assert kv_cache_spec(EP_MESH, (8, 128, 1, 512)) == P(("data", "fsdp"), None, None, None)  # the MLA latent cache
+    assert kv_cache_spec(EP_MESH, (8, 1, 128, 512)) == P(("data", "fsdp"), None, None, None)  # the MLA latent cache
 
 
 def test_non_dividing_dims_fall_back_to_replication():
@@ -84,10 +84,10 @@ def test_optimizer_state_paths_follow_the_parameter_rules():
 
 
 def test_cache_and_batch_specs():
-    assert kv_cache_spec() == P(("data", "fsdp"), None, "model", None)
+    assert kv_cache_spec() == P(("data", "fsdp"), "model", None, None)  # head-major [B, Hkv, S, D]
     assert batch_spec() == P(("data", "fsdp"), None)
-    assert kv_cache_spec(MESH, (8, 128, 2, 16)) == P(("data", "fsdp"), None, "model", None)
-    assert kv_cache_spec(MESH, (2, 128, 1, 16)) == P(None, None, None, None)
+    assert kv_cache_spec(MESH, (8, 2, 128, 16)) == P(("data", "fsdp"), "model", None, None)
+    assert kv_cache_spec(MESH, (2, 1, 128, 16)) == P(None, None, None, None)
     assert batch_spec(AbstractMesh((1, 1, 2), ("data", "fsdp", "model")), (4, 16)) == P(None, None)
 
 

@@ -85,7 +85,9 @@ def load_target(path: str | Path, dtype=None, *, revision: str | None = None) ->
     dtype: None keeps the checkpoint's (config ``torch_dtype``/``dtype``, else the tensors'); or
     "float32"/"bfloat16"/"float16" or a jnp dtype. The EOS ids are generation_config.json's when it
     names them (as HF ``generate`` reads them), else config.json's. Block-quantized FP8 weights
-    (``quantization_config`` quant_method fp8) are dequantized into that dtype.
+    (``quantization_config`` quant_method fp8) are dequantized into that dtype. On the CPU backend
+    bf16/f16 weight matrices are held as float32 with the bf16/f16 values (``layers.weight_matrix``):
+    ``target.dtype``, the activations and the caches are still the requested dtype.
     """
     path = resolve_checkpoint(path, revision=revision)
     raw, where = read_config_json(path)

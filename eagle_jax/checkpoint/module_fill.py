@@ -3,6 +3,10 @@
 Each model family supplies one function mapping an NNX state path to its checkpoint key; torch Linear
 weights are [out, in] and our kernels [in, out], so every path ending in ``kernel`` has its last two
 axes swapped (stacked per-expert kernels [E, in, out] included).
+
+A variable with ``value_dtype`` metadata is a half-precision weight stored widened to float32 (on the
+CPU backend, ``eagle_jax.modeling.layers.weight_matrix``): tensors are rounded to ``value_dtype`` before
+the widening, and exported in it when no dtype is asked for.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ def _torch_layout(shape: tuple) -> tuple:
     return (*shape[:-2], shape[-1], shape[-2])
 
 
-def _convert(arr: np.ndarray, path: Path, expected_shape: tuple, dtype, key: str, source: TensorSource) -> jax.Array:
+def value_dtype(leaf) -> np.dtype | None:
+    """The dtype a widened variable's values are rounded to (None: its own dtype is the values')."""
+    name = leaf.get_metadata().get("value_dtype")
+    return None if name is None else jnp.dtype(name)
+
+
+def _convert(arr: np.ndarray, path: Path, expected_shape: tuple, dtype, key: str, source: TensorSource, rounded=None) -> jax.Array:
     kernel = path[-1] == "kernel" and arr.ndim >= 2
     if kernel:
         arr = np.swapaxes(arr, -1, -2)
@@ -39,7 +49,10 @@ def _convert(arr: np.ndarray, path: Path, expected_shape: tuple, dtype, key: str
         # Report in the checkpoint's own (torch) layout.
         got, want = (_torch_layout(arr.shape), _torch_layout(expected_shape)) if kernel else (arr.shape, expected_shape)
         raise CheckpointError(f"{source.file_of(key)}: tensor '{key}' has shape {list(got)}, expected {list(want)}")
-    return jnp.asarray(np.asarray(arr).astype(dtype, copy=False))
+    arr = np.asarray(arr)
+    if rounded is not None:
+        arr = arr.astype(rounded, copy=False)
+    return jnp.asarray(arr.astype(dtype, copy=False))
 
 
 def fill_module(
@@ -75,11 +88,13 @@ def fill_module(
         path = tuple(path)
         key = key_of(path)
         spec = leaf.get_value()
+        rounded = value_dtype(leaf)
         if key in stored:
             arr = source.get(stored[key])
-            leaf.set_value(_convert(arr, path, spec.shape, spec.dtype, stored[key], source))
+            leaf.set_value(_convert(arr, path, spec.shape, spec.dtype, stored[key], source, rounded))
         elif path in provided:
-            leaf.set_value(jnp.asarray(provided[path]))
+            value = jnp.asarray(provided[path])
+            leaf.set_value(value if rounded is None else value.astype(rounded).astype(spec.dtype))
         else:
             raise CheckpointError(f"{source.directory}: missing tensor '{key}' (needed for {'.'.join(map(str, path))})")
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
@@ -100,6 +115,8 @@ def export_tensors(
         arr = np.asarray(jax.device_get(leaf.get_value()))
         if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating) and not keep_dtype(path):
             arr = arr.astype(dtype)
+        elif dtype is None and value_dtype(leaf) is not None:
+            arr = arr.astype(value_dtype(leaf))
         if path[-1] == "kernel" and arr.ndim >= 2:
             arr = np.ascontiguousarray(np.swapaxes(arr, -1, -2))
         yield key_of(path), arr

@@ -447,10 +447,10 @@ def _gather_path(cache: KVCache, path: Array, length: Array) -> KVCache:
     """Moves the accepted tree path's KV (slots length + path[j]) to contiguous slots length + j, in the
     leading ``len(length)`` rows of the cache."""
     src = length[:, None] + path  # path[j] >= j: a source is never overwritten before it is read
-    rows = jnp.arange(length.shape[0])[:, None]
+    b = length.shape[0]
 
-    def move(c):
-        return write_kv(c, c[rows, src], length)
+    def move(c):  # c: [B, H, S, D]; the path's entries gathered to [b, T, H, D], as write_kv takes them
+        return write_kv(c, jnp.take_along_axis(c[:b], src[:, None, :, None], axis=2).transpose(0, 2, 1, 3), length)
 
     return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v))
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import DrafterConfig
-from eagle_jax.modeling.layers import MLP, Attention, Frozen, Linear, RMSNorm, causal_mask, rope_cos_sin
+from eagle_jax.modeling.layers import MLP, Attention, Frozen, Linear, RMSNorm, causal_mask, rope_cos_sin, weight_matrix
 from eagle_jax.modeling.mla import MLAttention
 
 Array = jax.Array
@@ -36,7 +36,7 @@ class Drafter(nnx.Module):
         if embed is None:
             embed = jax.random.normal(rngs.params(), (c.vocab_size, h)) * 0.02
         # The target's embedding, frozen: absent from EAGLE checkpoints.
-        self.embed_tokens = Frozen(jnp.asarray(embed, dtype))
+        self.embed_tokens = weight_matrix(embed, dtype, Frozen)  # float32-stored on CPU for bf16, as the target's
         self.fc = Linear(c.fc_in_features, h, dtype=dtype, rngs=rngs)
         if c.fc_norm:
             self.fc_norm = nnx.List([RMSNorm(c.target_hidden_size, c.rms_norm_eps, dtype=dtype) for _ in range(c.num_aux_hidden_states)])
@@ -145,11 +145,11 @@ class Drafter(nnx.Module):
         return logits, nxt
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[Array, Array]:
-        """Zeroed (k, v) caches [B, S, kv_heads, head_dim]; MLA: (latents [B, S, 1, kv_lora_rank], shared
-        rope keys [B, S, 1, qk_rope_head_dim]), the target's latent cache layout."""
+        """Zeroed head-major (k, v) caches [B, kv_heads, S, head_dim]; MLA: (latents [B, 1, S, kv_lora_rank],
+        shared rope keys [B, 1, S, qk_rope_head_dim]), the target's latent cache layout."""
         c = self.config
         dtype = dtype or self.dtype
         if c.mla is not None:
-            return jnp.zeros((batch, max_len, 1, c.mla.kv_lora_rank), dtype), jnp.zeros((batch, max_len, 1, c.mla.qk_rope_head_dim), dtype)
-        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+            return jnp.zeros((batch, 1, max_len, c.mla.kv_lora_rank), dtype), jnp.zeros((batch, 1, max_len, c.mla.qk_rope_head_dim), dtype)
+        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -7,7 +7,9 @@ built in fp32 and cast to the activation dtype; residual adds in the model dtype
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -33,19 +35,84 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed.astype(x.dtype)
 
 
+# ------------------------------------------------------------------------------- weight storage dtype
+#
+# XLA's CPU backend has no half-precision arithmetic: it widens the operands of every bf16/f16 dot
+# (and elementwise op, and a gather's table) to float32. Inside the decoding while_loop a weight's
+# widening is loop-invariant, so XLA hoists it out of the loop: the program holds a float32 copy of
+# every weight as temporaries (Llama-3.1-8B, bench.scale: 33.5 GiB next to 16.7 GiB of bf16 weights)
+# and re-widens them on every call. So, on the CPU backend only, weight matrices (Linear kernels, the
+# target's embedding) requested in bf16/f16 are stored as float32 holding exactly the bf16/f16 values
+# (rounded first, at init and at load): XLA runs the same float32 dots over the same numbers, while
+# activations, caches, ``module.dtype`` and saved checkpoints stay in the requested dtype. GPU/TPU
+# keep half-precision weights (native matmuls; traced programs unchanged). Override:
+# ``EAGLE_JAX_WIDEN_HALF_WEIGHTS=0|1``, or ``with half_weights_widened(False|True):`` around building
+# or loading the model.
+
+_WIDEN: bool | None = None
+
+
+def widen_half_weights() -> bool:
+    """Whether half-precision weight matrices are stored as float32 (default: on the CPU backend)."""
+    if _WIDEN is not None:
+        return _WIDEN
+    env = os.environ.get("EAGLE_JAX_WIDEN_HALF_WEIGHTS", "")
+    if env:
+        return env.lower() not in ("0", "false", "no", "off")
+    return jax.default_backend() == "cpu"
+
+
+@contextlib.contextmanager
+def half_weights_widened(widen: bool | None):
+    """Builds and loads inside the block store half-precision weight matrices widened (True), as they
+    are (False) or by the default rule (None)."""
+    global _WIDEN
+    before, _WIDEN = _WIDEN, widen
+    try:
+        yield
+    finally:
+        _WIDEN = before
+
+
+def weight_matrix(value: Array, dtype, kind=nnx.Param) -> nnx.Variable:
+    """A weight matrix of the requested ``dtype``: its values rounded to ``dtype``, stored widened to
+    float32 when ``widen_half_weights()`` and ``dtype`` is half precision. A widened variable carries
+    ``value_dtype`` (the requested dtype's name): loaders round checkpoint tensors to it first."""
+    value = jnp.asarray(value).astype(dtype)
+    if jnp.dtype(dtype).itemsize >= 4 or not jnp.issubdtype(dtype, jnp.floating) or not widen_half_weights():
+        return kind(value)
+    return kind(value.astype(jnp.float32), value_dtype=jnp.dtype(dtype).name)
+
+
+def project(spec: str, x: Array, w: Array, accumulate_f32: bool = False) -> Array:
+    """``einsum(spec, x, w)`` in the wider of x's and w's dtypes, returned in x's dtype (float32 when
+    ``accumulate_f32``). Same dtypes: a plain matmul. Float32 x over bf16 w (exact mode): float32.
+    Bf16 x over a widened float32 w (CPU): the float32 dot XLA's CPU backend runs for a bf16 one;
+    ``reduce_precision`` keeps x rounded to bf16 as that dot's input is (XLA would otherwise drop the
+    f32 -> bf16 -> f32 convert pair of an x computed in float32, as allowed excess precision)."""
+    wide = jnp.promote_types(x.dtype, w.dtype)
+    xw = x.astype(wide)
+    if wide != x.dtype:
+        f = jnp.finfo(x.dtype)
+        xw = jax.lax.reduce_precision(xw, exponent_bits=f.nexp, mantissa_bits=f.nmant)
+    y = jnp.einsum(spec, xw, w.astype(wide), preferred_element_type=jnp.float32 if accumulate_f32 else None)
+    return y if accumulate_f32 else y.astype(x.dtype)
+
+
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias). The kernel is stored [in, out]: the transpose of a torch Linear weight."""
+    """y = x @ kernel (+ bias). The kernel is stored [in, out]: the transpose of a torch Linear weight,
+    in ``weight_matrix``'s storage dtype."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         std = 1.0 / math.sqrt(d_in)
-        self.kernel = nnx.Param((jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32) * std).astype(dtype))
+        self.kernel = weight_matrix(jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32) * std, dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: Array) -> Array:
         if self.bias is None:
-            return jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
+            return project("...i,io->...o", x, self.kernel[...])
         # Bias added to the fp32 accumulator and rounded once, as torch's addmm does in half precision.
-        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        y = project("...i,io->...o", x, self.kernel[...], accumulate_f32=True)
         return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
@@ -149,18 +216,19 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """Grouped-query attention with an explicit boolean mask.
 
-    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, T, S] (True = may attend). As the reference (EAGLE
-    code, HF eager attention): scores q.k / sqrt(D) in the activation dtype, softmax in fp32, probabilities
-    cast back to the activation dtype before the value product.
+    q: [B, T, Hq, D]; k, v: head-major [B, Hkv, S, D], the cache's layout; mask: [B, T, S] (True = may
+    attend). As the reference (EAGLE code, HF eager attention): scores q.k / sqrt(D) in the activation
+    dtype, softmax in fp32, probabilities cast back to the activation dtype before the value product.
     Returns [B, T, Hq * D].
     """
     b, t, hq, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
+    hkv, s = k.shape[1], k.shape[2]
     g = hq // hkv
     # Head-major operands and the query group folded into the row axis: two plain batched matmuls
     # ([B*Hkv] x [g*T, D] x [D, S]), which XLA's CPU backend runs ~3x faster than the 5-d einsums.
+    # Only the query block is transposed: the cache is stored head-major, so reading it copies nothing.
     qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    kh, vh = k, v
     scores = (jnp.einsum("bkqd,bksd->bkqs", qh, kh) / math.sqrt(d)).astype(jnp.float32).reshape(b, hkv, g, t, s)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hkv, g * t, s)
@@ -173,20 +241,27 @@ def causal_mask(batch: int, length: int) -> Array:
     return jnp.broadcast_to(m, (batch, length, length))
 
 
+def heads_first(x: Array) -> Array:
+    """[B, T, H, D] -> head-major [B, H, T, D], the cache layout."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def write_kv(cache: Array, new: Array, start: Array) -> Array:
-    """Writes new [b, T, Hkv, D] into the first b rows of cache [B, S, Hkv, D] at per-row slot ``start`` [b].
+    """Writes new [b, T, Hkv, D] into the first b rows of the head-major cache [B, Hkv, S, D] at per-row
+    slot ``start`` [b].
 
     b < B: a program over the leading rows of a larger cache (the serving engine's occupied slots),
     updated in place without copying the other rows.
     """
-    b, t = new.shape[:2]
+    b, t, h = new.shape[:3]
+    new = heads_first(new).astype(cache.dtype)
     if b < cache.shape[0]:
-        rows = jnp.arange(b)[:, None]
-        cols = start[:, None] + jnp.arange(t)[None, :]
-        return cache.at[rows, cols].set(new.astype(cache.dtype))
+        rows = jnp.arange(b)[:, None, None]
+        cols = (start[:, None] + jnp.arange(t)[None, :])[:, None, :]
+        return cache.at[rows, jnp.arange(h)[None, :, None], cols].set(new)
 
     def one(c, n, s):
-        return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
+        return jax.lax.dynamic_update_slice(c, n, (0, s, 0))
 
     return jax.vmap(one)(cache, new, start)
 
@@ -242,19 +317,19 @@ class Attention(nnx.Module):
         write_index: Array | None = None,
     ) -> tuple[Array, tuple[Array, Array] | None]:
         """x: [B, T, d_in]. Without a cache, attends over the block itself; with ``kv`` = (k, v) caches
-        [B, S, Hkv, D], writes this block's keys/values at slots ``write_index`` [B] first, then attends over
+        [B, Hkv, S, D] (head-major), writes this block's keys/values at slots ``write_index`` [B] first, then attends over
         the first S' cache slots under ``mask`` [B, T, S'] (S' <= S; the cache may have more rows than x,
         whose leading rows are then used) — or, when ``mask`` is [B, T, T] with T < S (a prefill from
         an empty cache), over the block itself, which costs T x T instead of T x S."""
         b, t, _ = x.shape
         q, k, v = self.heads(x, cos, sin)
         if kv is None:
-            return self.o_proj(attend(q, k, v, mask)), None
+            return self.o_proj(attend(q, heads_first(k), heads_first(v), mask)), None
         k_cache = write_kv(kv[0], k, write_index)
         v_cache = write_kv(kv[1], v, write_index)
         span = mask.shape[-1]
-        if span == t and t < k_cache.shape[1]:
-            return self.o_proj(attend(q, k, v, mask)), (k_cache, v_cache)
+        if span == t and t < k_cache.shape[2]:
+            return self.o_proj(attend(q, heads_first(k), heads_first(v), mask)), (k_cache, v_cache)
         # Only the leading ``span`` slots are read: a program sized for short rows skips the unused tail.
-        k_read, v_read = k_cache[:b, :span].astype(q.dtype), v_cache[:b, :span].astype(q.dtype)
+        k_read, v_read = k_cache[:b, :, :span].astype(q.dtype), v_cache[:b, :, :span].astype(q.dtype)
         return self.o_proj(attend(q, k_read, v_read, mask)), (k_cache, v_cache)

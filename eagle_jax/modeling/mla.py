@@ -4,7 +4,7 @@ Per token, ``kv_a_proj_with_mqa`` gives a latent ``c`` of ``kv_lora_rank`` numbe
 ``kv_a_layernorm``) and one rope key ``k_rot`` of ``qk_rope_head_dim`` numbers shared by every head.
 Head h's key is ``[W_UK[h] c, k_rot]`` and its value ``W_UV[h] c``, with W_UK / W_UV the two halves of
 ``kv_b_proj``. The cache therefore holds only ``c`` and ``k_rot`` (``KVCache.k`` = latents
-[B, S, 1, kv_lora_rank], ``KVCache.v`` = rope keys [B, S, 1, qk_rope_head_dim]), and attention over
+[B, 1, S, kv_lora_rank], ``KVCache.v`` = rope keys [B, 1, S, qk_rope_head_dim]), and attention over
 it uses the absorbed form: W_UK is folded into the query, so scores are taken against the latents
 directly,
 
@@ -189,7 +189,7 @@ class MLAttention(nnx.Module):
         write_index: Array | None = None,
     ) -> tuple[Array, tuple[Array, Array] | None]:
         """x: [B, T, d_in]; cos/sin: [B, T, qk_rope_head_dim]. The cache contract of ``layers.Attention``
-        with ``kv`` = (latents [B, S, 1, kv_lora_rank], rope keys [B, S, 1, qk_rope_head_dim]): this
+        with ``kv`` = (latents [B, 1, S, kv_lora_rank], rope keys [B, 1, S, qk_rope_head_dim]): this
         block's entries are written at slots ``write_index`` [B], then the block attends over the first
         ``mask.shape[-1]`` slots of the leading B rows (absorbed), or, when ``mask`` is [B, T, T] with
         T < S, over itself (expanded)."""
@@ -205,7 +205,7 @@ class MLAttention(nnx.Module):
             out = self._expanded(q_nope, q_rot, latent, k_rot, mask)
         else:
             # Only the leading ``span`` slots are read: a program sized for short rows skips the unused tail.
-            lat_read = latents[:b, :span, 0].astype(q_nope.dtype)
-            rot_read = rot_keys[:b, :span, 0].astype(q_nope.dtype)
+            lat_read = latents[:b, 0, :span].astype(q_nope.dtype)
+            rot_read = rot_keys[:b, 0, :span].astype(q_nope.dtype)
             out = self._absorbed(q_nope, q_rot, lat_read, rot_read, mask)
         return self.o_proj(out.reshape(b, t, -1)), (latents, rot_keys)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import TargetConfig, default_aux_layer_ids
-from eagle_jax.modeling.layers import MLP, Attention, Linear, RMSNorm, causal_mask, rope_cos_sin
+from eagle_jax.modeling.layers import MLP, Attention, Linear, RMSNorm, causal_mask, project, rope_cos_sin, weight_matrix
 from eagle_jax.modeling.mla import MLAttention
 from eagle_jax.modeling.moe import MoE
 
@@ -21,9 +21,9 @@ Array = jax.Array
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """Per-layer caches ``k`` [B, S, Hkv, Dk] and ``v`` [B, S, Hkv, Dv]. Slot s of a row holds position s
-    of that row. GQA: keys and values. MLA: ``k`` the latents [B, S, 1, kv_lora_rank], ``v`` the
-    shared rope keys [B, S, 1, qk_rope_head_dim]."""
+    """Per-layer caches ``k`` [B, Hkv, S, Dk] and ``v`` [B, Hkv, S, Dv], head-major (attention reads
+    them without a transpose). Slot s of a row holds position s of that row. GQA: keys and values.
+    MLA: ``k`` the latents [B, 1, S, kv_lora_rank], ``v`` the shared rope keys [B, 1, S, qk_rope_head_dim]."""
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
@@ -32,8 +32,8 @@ class KVCache:
     def zeros(
         cls, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype, v_head_dim: int | None = None
     ) -> "KVCache":
-        k_shape = (batch, length, kv_heads, head_dim)
-        v_shape = (batch, length, kv_heads, head_dim if v_head_dim is None else v_head_dim)
+        k_shape = (batch, kv_heads, length, head_dim)
+        v_shape = (batch, kv_heads, length, head_dim if v_head_dim is None else v_head_dim)
         return cls(tuple(jnp.zeros(k_shape, dtype) for _ in range(layers)), tuple(jnp.zeros(v_shape, dtype) for _ in range(layers)))
 
     @classmethod
@@ -45,7 +45,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
 
 def window_mask(q_pos: Array, k_pos: Array, window: int | None) -> Array:
@@ -103,18 +103,19 @@ class Target(nnx.Module):
         self.config = config
         self.dtype = dtype
         c = config
-        self.embed_tokens = nnx.Param((jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size)) * 0.02).astype(dtype))
+        # A weight matrix (gathered, and the lm_head when tied): float32-stored on CPU for bf16 (layers.weight_matrix).
+        self.embed_tokens = weight_matrix(jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size)) * 0.02, dtype)
         self.layers = nnx.List([DecoderLayer(c, i, dtype=dtype, rngs=rngs) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
 
     def embed(self, input_ids: Array) -> Array:
-        return jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
 
     def logits(self, hidden: Array) -> Array:
         """Final-normed hidden [..., H] -> logits [..., V] (fp32 accumulation, model dtype out)."""
         if self.lm_head is None:
-            return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens[...].astype(hidden.dtype))
+            return project("...h,vh->...v", hidden, self.embed_tokens[...])
         return self.lm_head(hidden)
 
     def forward(

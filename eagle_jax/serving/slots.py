@@ -39,8 +39,9 @@ from eagle_jax.modeling.target import KVCache, Target
 
 Array = jax.Array
 SPAN_STEP = 128
-# LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar).
-_PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds"))
+# LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar, and
+# adaptive chains' ``worth`` / ``costs``, unused here, are per program).
+_PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds", "worth", "costs"))
 
 
 @dataclass

@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -100,15 +102,18 @@ def parity_errors():
     yield collected
     if not collected:
         return
-    try:
-        out = json.loads(ERRORS_FILE.read_text())
-    except (OSError, ValueError):
-        out = {}
-    for name, d in collected.items():
-        out[name] = {"max_rel_err": max(d.values()), "details": dict(sorted(d.items()))}
-    tmp = ERRORS_FILE.with_name(ERRORS_FILE.name + ".tmp")
-    tmp.write_text(json.dumps(dict(sorted(out.items())), indent=2) + "\n")
-    tmp.replace(ERRORS_FILE)
+    # Test workers (pytest-xdist) finish at the same time: read-merge-write under an exclusive lock.
+    with open(ERRORS_FILE.with_name(ERRORS_FILE.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            out = json.loads(ERRORS_FILE.read_text())
+        except (OSError, ValueError):
+            out = {}
+        for name, d in collected.items():
+            out[name] = {"max_rel_err": max(d.values()), "details": dict(sorted(d.items()))}
+        tmp = ERRORS_FILE.with_name(f"{ERRORS_FILE.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dict(sorted(out.items())), indent=2) + "\n")
+        tmp.replace(ERRORS_FILE)
 
 
 @pytest.fixture

@@ -149,6 +149,13 @@ def markov_target(
     return t, succ
 
 
+def markov_pair(vocab: int = 32, hidden: int = 64, seed: int = 0):
+    """(target, drafter): the near-bigram target and a drafter that disagrees with it a quarter of the time."""
+    target, succ = markov_target(vocab=vocab, hidden=hidden, seed=seed, eps=0.1)
+    drafter, _ = markov_drafter(target, succ, seed=seed, disagree=0.25)
+    return target, drafter
+
+
 def markov_drafter(
     target: Target,
     succ: np.ndarray,

@@ -16,7 +16,7 @@ from eagle_jax import SpecConfig
 from eagle_jax.config import ConfigError
 from eagle_jax.decoding import autospec
 from eagle_jax.decoding.engine import RoundCosts, draft_confidence
-from engine_models import markov_drafter, markov_target
+from engine_models import markov_pair
 
 PROMPTS = [list(np.random.default_rng(7).integers(0, 32, n)) for n in (4, 11, 19)]
 K = 4
@@ -29,9 +29,7 @@ def costs(verify_s, draft_s=0.0, plain_s=1.0):
 
 @pytest.fixture(scope="module")
 def pair():
-    target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1)
-    drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.25)
-    return target, drafter
+    return markov_pair()
 
 
 @pytest.fixture(scope="module")

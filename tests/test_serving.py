@@ -11,7 +11,7 @@ import eagle_jax
 from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
-from engine_models import markov_drafter, markov_target
+from engine_models import markov_pair
 from eagle_jax.serving.text import TextStream
 from serving_models import build_tokenizer
 
@@ -20,9 +20,7 @@ SCHEDULE = SpecSchedule.parse("1:3,2:2,3:0")
 
 @pytest.fixture(scope="module")
 def pair():
-    target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1)
-    drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.25)
-    return target, drafter
+    return markov_pair()
 
 
 @pytest.fixture(scope="module")

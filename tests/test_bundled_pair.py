@@ -80,14 +80,3 @@ def test_tree_greedy_equals_plain_and_a_one_wide_tree_is_the_chain(pair):
     runs = {n: eagle_jax.generate(target, drafter, rows, spec=s, max_new_tokens=MAX_NEW) for n, s in spec_of.items()}
     assert runs["tree"].accepted == runs["chain"].accepted
     assert runs["tree"].tokens == plain.tokens[:3]
-
-
-def test_main_job_runs_on_the_bundled_pair(capsys, monkeypatch):
-    from eagle_jax.__main__ import main
-
-    monkeypatch.chdir(ROOT)
-    main(["--max-new-tokens", "24"])
-    out = capsys.readouterr().out
-    assert "class Tokenizer:" in out  # the prompt and its completion are printed
-    assert "output vs plain output: identical" in out
-    assert "acceptance length:" in out and "tokens/s" in out

@@ -27,9 +27,11 @@ def run_all(commands: list[list[str]], cwd: Path, timeout: float = 120) -> list[
 
 @pytest.mark.skipif(not bundled.available(), reason="bundled pair not built (python -m train.pretrain_target && python -m train.bundle)")
 def test_main_job_uses_the_bundled_pair_from_any_directory(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "eagle_jax", "--max-new-tokens", "8", "--k", "2"], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-m", "eagle_jax", "--max-new-tokens", "24"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "class Tokenizer:" in out.stdout  # the prompt and its completion are printed
+    assert "acceptance length:" in out.stdout and "tokens/s" in out.stdout
     assert f"bundled target {bundled.ASSETS / 'target'}" in out.stdout
     assert f"bundled EAGLE-3.1 drafter {bundled.ASSETS / 'drafter-eagle3.1'}" in out.stdout
     assert "RANDOM" not in out.stdout and "meaningless" not in out.stdout

@@ -43,9 +43,10 @@ SCRIPT = textwrap.dedent(
     # Tensor parallelism alone (the "model" axis) is covered by test_tensor_parallel.py.
     meshes = {"expert4 x model2": make_mesh(1, 1, 2, expert=4), "expert8": make_mesh(expert=8)}
     for name, mesh in meshes.items():
-        r = ej.generate(t, d, prompts, max_new_tokens=10, spec=spec, eos_token_id=[], mesh=mesh)
-        assert r.tokens == ref.tokens, (name, r.tokens, ref.tokens)
-        assert r.accepted == ref.accepted, name
+        if name == "expert4 x model2":  # the loop on both axes at once (compiling it is most of this test)
+            r = ej.generate(t, d, prompts, max_new_tokens=10, spec=spec, eos_token_id=[], mesh=mesh)
+            assert r.tokens == ref.tokens, (name, r.tokens, ref.tokens)
+            assert r.accepted == ref.accepted, name
         sharded = shard_tree(state, mesh)
         logits, aux = forward(sharded, ids)
         for got, want in ((logits, ref_logits), (aux, ref_aux)):

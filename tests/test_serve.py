@@ -25,6 +25,7 @@ from serving_models import save_pair
 MODEL = "target"
 SCHEDULE = "1:3,3:1,4:0"
 MAX_LEN = 256
+SOLO_NEW = 60  # the longest max_tokens the tests ask for
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +49,22 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def solo(server):
-    """Greedy output of ``eagle_jax.generate`` for one prompt alone, memoised: (token ids, text)."""
+    """Greedy output of ``eagle_jax.generate`` for one prompt alone, memoised: (token ids, text).
+
+    One run of SOLO_NEW tokens per prompt serves every max_tokens up to it (a greedy output's first n
+    tokens are its output for n), so the references compile one program per prompt length bucket."""
     svc = server.service
     engine = svc.scheduler.engine
     memo = {}
 
     def get(ids: list[int], max_tokens: int):
-        key = (tuple(ids), max_tokens)
-        if key not in memo:
-            res = eagle_jax.generate(engine.target, engine.drafter, [ids], max_new_tokens=max_tokens,
+        assert max_tokens <= SOLO_NEW
+        if tuple(ids) not in memo:
+            res = eagle_jax.generate(engine.target, engine.drafter, [ids], max_new_tokens=SOLO_NEW,
                                      spec=SpecConfig(num_speculative_tokens=3), eos_token_id=list(engine.eos_ids))
-            memo[key] = (res.tokens[0], svc.tokenizer.decode(res.tokens[0], skip_special_tokens=True))
-        return memo[key]
+            memo[tuple(ids)] = res.tokens[0]
+        tokens = memo[tuple(ids)][:max_tokens]
+        return tokens, svc.tokenizer.decode(tokens, skip_special_tokens=True)
 
     return get
 

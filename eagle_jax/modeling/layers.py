@@ -241,6 +241,22 @@ def causal_mask(batch: int, length: int) -> Array:
     return jnp.broadcast_to(m, (batch, length, length))
 
 
+def window_mask(q_pos: Array, k_pos: Array, window: int | None) -> Array:
+    """Causal mask by positions: q_pos [B, T], k_pos [B, S] -> [B, T, S], limited to a sliding window."""
+    m = k_pos[:, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        m &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
+    return m
+
+
+def document_mask(positions: Array, segment_ids: Array, window: int | None = None) -> Array:
+    """Causal within each document of packed rows: positions, segment_ids [B, T] -> [B, T, T].
+
+    Positions restart at 0 in every document, so they order keys only inside one; the segment test
+    keeps documents (and the padding, segment 0) apart. One document per row: ``window_mask``."""
+    return window_mask(positions, positions, window) & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
 def heads_first(x: Array) -> Array:
     """[B, T, H, D] -> head-major [B, H, T, D], the cache layout."""
     return x.transpose(0, 2, 1, 3)

@@ -11,7 +11,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import TargetConfig, default_aux_layer_ids
-from eagle_jax.modeling.layers import MLP, Attention, Linear, RMSNorm, causal_mask, project, rope_cos_sin, weight_matrix
+from eagle_jax.modeling.layers import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    causal_mask,
+    document_mask,
+    project,
+    rope_cos_sin,
+    weight_matrix,
+    window_mask,
+)
 from eagle_jax.modeling.mla import MLAttention
 from eagle_jax.modeling.moe import MoE
 
@@ -46,14 +57,6 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k[0].shape[2]
-
-
-def window_mask(q_pos: Array, k_pos: Array, window: int | None) -> Array:
-    """Causal mask by positions: q_pos [B, T], k_pos [B, S] -> [B, T, S], limited to a sliding window."""
-    m = k_pos[:, None, :] <= q_pos[:, :, None]
-    if window is not None:
-        m &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
-    return m
 
 
 class DecoderLayer(nnx.Module):
@@ -155,15 +158,32 @@ class Target(nnx.Module):
         new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs))
         return self.norm(h), (jnp.concatenate(aux, axis=-1) if aux else None), new_cache
 
-    def __call__(self, input_ids: Array, aux_layer_ids: tuple[int, ...] | None = None) -> tuple[Array, Array]:
-        """Whole sequences from position 0; ``aux_layer_ids`` None = EAGLE's default (2, L/2, L-3)."""
+    def __call__(
+        self,
+        input_ids: Array,
+        aux_layer_ids: tuple[int, ...] | None = None,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+    ) -> tuple[Array, Array]:
+        """Whole sequences from position 0; ``aux_layer_ids`` None = EAGLE's default (2, L/2, L-3).
+
+        Packed training rows (several documents per row): ``positions`` [B, T] restart at 0 at each
+        document and ``segment_ids`` [B, T] number the documents (0 = padding); a token then attends
+        only within its own document, causally, at its restarted RoPE position. None = one sequence
+        per row at positions 0..T-1.
+        """
         if aux_layer_ids is None:
             aux_layer_ids = default_aux_layer_ids(self.config.num_layers)
         b, t = input_ids.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = causal_mask(b, t)
-        if self.config.sliding_window is not None:
-            mask = window_mask(positions, positions, self.config.sliding_window)
+        window = self.config.sliding_window
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids is not None:
+            mask = document_mask(positions, segment_ids, window)
+        elif window is not None:
+            mask = window_mask(positions, positions, window)
+        else:
+            mask = causal_mask(b, t)
         hidden, aux, _ = self.forward(input_ids, positions, mask, aux_layer_ids=tuple(aux_layer_ids))
         return self.logits(hidden), aux
 

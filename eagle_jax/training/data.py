@@ -201,6 +201,9 @@ class DataPosition:
         return cls(int(d["epoch"]), int(d["index"]))
 
 
+BATCHING_MODES = ("pad", "bucket", "pack")
+
+
 def default_buckets(max_length: int, count: int = 4, multiple: int = 16) -> tuple[int, ...]:
     """``count`` lengths halving down from max_length, rounded up to ``multiple`` (few shapes to compile)."""
     out = {max_length}
@@ -209,14 +212,69 @@ def default_buckets(max_length: int, count: int = 4, multiple: int = 16) -> tupl
     return tuple(sorted(out))
 
 
+def first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Item indices packed into bins of ``capacity``: each item, in order, into the first bin with room.
+
+    A max-tree over the bins' free space finds that bin in O(log n) (a linear scan over the open bins
+    is quadratic on a large data set). Bins not yet opened are full-capacity leaves to the right of
+    the open ones, so the leftmost fit is an open bin or the next new one. Every length <= capacity.
+    """
+    size = 1
+    while size < max(len(lengths), 1):
+        size *= 2
+    free = [capacity] * (2 * size)  # node k: the most free space of any bin below it; leaves size..2*size-1
+    bins: list[list[int]] = []
+    for item, need in enumerate(lengths.tolist()):
+        node = 1
+        while node < size:
+            node = 2 * node if free[2 * node] >= need else 2 * node + 1
+        if node - size == len(bins):
+            bins.append([])
+        bins[node - size].append(item)
+        free[node] -= need
+        while node > 1:
+            node //= 2
+            free[node] = max(free[2 * node], free[2 * node + 1])
+    return bins
+
+
+def collate(samples: list[Sample], rows: list[np.ndarray], length: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Rows of ``length`` tokens, row r holding the samples ``rows[r]`` back to back, then padding.
+
+    Returns input_ids (``pad_id`` after the samples), loss_mask (0 on padding), positions (0, 1, ...
+    restarting at each sample; the row index on the padding) and segment_ids (1, 2, ... for the row's
+    samples, 0 = padding), all [rows, length]. One sample per row: positions = arange, segment 1.
+    """
+    ids = np.full((len(rows), length), pad_id, np.int32)
+    mask = np.zeros((len(rows), length), np.float32)
+    positions = np.tile(np.arange(length, dtype=np.int32), (len(rows), 1))
+    segments = np.zeros((len(rows), length), np.int32)
+    for r, row in enumerate(rows):
+        start = 0
+        for seg, i in enumerate(row, 1):
+            s = samples[i]
+            end = start + len(s)
+            ids[r, start:end] = s.input_ids
+            mask[r, start:end] = s.loss_mask
+            positions[r, start:end] = np.arange(len(s), dtype=np.int32)
+            segments[r, start:end] = seg
+            start = end
+    return {"input_ids": ids, "loss_mask": mask, "positions": positions, "segment_ids": segments}
+
+
 @dataclass
 class Batcher:
-    """Deterministic batches of ``batch_size`` samples.
+    """Deterministic batches of ``batch_size`` rows.
 
-    mode "pad": every batch padded to ``max_length`` (one shape). mode "bucket": each sample goes to the
-    smallest bucket length that holds it, batches are drawn within a bucket and padded to its length,
-    and the batch order is shuffled across buckets. Incomplete batches are dropped (fixed shapes), so
-    a few samples per epoch are skipped; the epoch's order is reshuffled with (seed, epoch).
+    mode "pad": one sample per row, every batch padded to ``max_length`` (one shape). mode "bucket":
+    each sample goes to the smallest bucket length that holds it, batches are drawn within a bucket
+    and padded to its length, and the batch order is shuffled across buckets. mode "pack": several
+    samples (documents) per row of ``max_length``, first-fit over the epoch's shuffled order, rows
+    shuffled again before they are cut into batches; positions restart and segment ids count up at
+    each document (``collate``), so the train step keeps documents apart. Incomplete batches are
+    dropped (fixed shapes), so a few samples per epoch are skipped (pack: those of the last fewer
+    than ``batch_size`` rows); the epoch's order is reshuffled with (seed, epoch). Pack mode's batch
+    count depends on the epoch's packing: ``num_batches(epoch)``.
     """
 
     samples: list[Sample]
@@ -226,64 +284,79 @@ class Batcher:
     buckets: tuple[int, ...] | None = None
     seed: int = 0
     pad_id: int = 0
-    _plans: dict[int, list[tuple[int, np.ndarray]]] = field(default_factory=dict, repr=False)
+    _plans: dict[int, list[tuple[int, list[np.ndarray]]]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("pad", "bucket"):
-            raise DataError(f"batching mode must be 'pad' or 'bucket', got {self.mode!r}")
+        if self.mode not in BATCHING_MODES:
+            raise DataError(
+                f"batching mode must be 'pad' or 'bucket' (one sample per row) or 'pack' (several per row), got {self.mode!r}"
+            )
         if self.mode == "bucket":
             self.buckets = tuple(sorted(self.buckets or default_buckets(self.max_length)))
             if self.buckets[-1] < self.max_length:
                 raise DataError(f"largest bucket {self.buckets[-1]} < max_length {self.max_length}")
         else:
             self.buckets = (self.max_length,)
-        lengths = np.array([len(s) for s in self.samples], np.int64)
-        if lengths.size and lengths.max() > self.max_length:
-            i = int(np.argmax(lengths))
-            raise DataError(f"sample {i} has {lengths[i]} tokens > max_length {self.max_length}")
-        self._which = np.searchsorted(np.asarray(self.buckets), lengths, side="left")
-        counts = np.bincount(self._which, minlength=len(self.buckets))
-        self._num_batches = int(sum(c // self.batch_size for c in counts))
+        self._lengths = np.array([len(s) for s in self.samples], np.int64)
+        if self._lengths.size and self._lengths.max() > self.max_length:
+            i = int(np.argmax(self._lengths))
+            raise DataError(f"sample {i} has {self._lengths[i]} tokens > max_length {self.max_length}")
+        self._which = np.searchsorted(np.asarray(self.buckets), self._lengths, side="left")
+        if self.mode == "pack":
+            self._num_batches = len(self.plan(0))
+        else:
+            counts = np.bincount(self._which, minlength=len(self.buckets))
+            self._num_batches = int(sum(c // self.batch_size for c in counts))
         if self._num_batches == 0:
-            raise DataError(f"{len(self.samples)} samples do not fill one batch of {self.batch_size}")
+            rows = "rows" if self.mode == "pack" else "samples"
+            raise DataError(f"{len(self.samples)} samples do not fill one batch of {self.batch_size} {rows}")
 
     @property
     def batches_per_epoch(self) -> int:
+        """Batches of every epoch; pack mode: of epoch 0 (``num_batches`` for another epoch)."""
         return self._num_batches
 
-    def plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
-        """[(padded length, sample indices)] for every batch of ``epoch``."""
+    def num_batches(self, epoch: int) -> int:
+        return len(self.plan(epoch)) if self.mode == "pack" else self._num_batches
+
+    def plan(self, epoch: int) -> list[tuple[int, list[np.ndarray]]]:
+        """[(padded length, the sample indices of each row)] for every batch of ``epoch``."""
         if epoch not in self._plans:
             rng = np.random.default_rng([self.seed, epoch])
-            which = self._which
-            batches = []
-            for b, length in enumerate(self.buckets):
-                idx = rng.permutation(np.nonzero(which == b)[0])
-                n = len(idx) // self.batch_size
-                batches += [(length, idx[k * self.batch_size : (k + 1) * self.batch_size]) for k in range(n)]
+            if self.mode == "pack":
+                batches = self._pack(rng)
+            else:
+                batches = []
+                for b, length in enumerate(self.buckets):
+                    idx = rng.permutation(np.nonzero(self._which == b)[0])
+                    n = len(idx) // self.batch_size
+                    batches += [(length, list(idx[k * self.batch_size : (k + 1) * self.batch_size, None])) for k in range(n)]
             order = rng.permutation(len(batches))
             self._plans = {epoch: [batches[k] for k in order]}  # keep one epoch: the plan is cheap to redo
         return self._plans[epoch]
 
+    def _pack(self, rng: np.random.Generator) -> list[tuple[int, list[np.ndarray]]]:
+        """Batches of packed rows: first-fit over a shuffled order, rows shuffled (the dropped tail too)."""
+        order = rng.permutation(len(self.samples))
+        rows = [order[np.asarray(b)] for b in first_fit(self._lengths[order], self.max_length)]
+        rows = [rows[k] for k in rng.permutation(len(rows))]
+        n = len(rows) // self.batch_size
+        return [(self.max_length, rows[k * self.batch_size : (k + 1) * self.batch_size]) for k in range(n)]
+
     def batch(self, pos: DataPosition) -> dict[str, np.ndarray]:
-        length, idx = self.plan(pos.epoch)[pos.index]
-        ids = np.full((len(idx), length), self.pad_id, np.int32)
-        mask = np.zeros((len(idx), length), np.float32)
-        for r, i in enumerate(idx):
-            s = self.samples[i]
-            ids[r, : len(s)] = s.input_ids
-            mask[r, : len(s)] = s.loss_mask
-        return {"input_ids": ids, "loss_mask": mask}
+        """input_ids, loss_mask, positions, segment_ids [batch_size, length] (``collate``)."""
+        length, rows = self.plan(pos.epoch)[pos.index]
+        return collate(self.samples, rows, length, self.pad_id)
 
     def next_position(self, pos: DataPosition) -> DataPosition:
-        if pos.index + 1 < self.batches_per_epoch:
+        if pos.index + 1 < self.num_batches(pos.epoch):
             return DataPosition(pos.epoch, pos.index + 1)
         return DataPosition(pos.epoch + 1, 0)
 
     def iterate(self, start: DataPosition = DataPosition()) -> Iterator[tuple[DataPosition, dict[str, np.ndarray]]]:
         """Endless (position of this batch, batch) from ``start`` on, across epochs."""
         pos = start
-        if pos.index >= self.batches_per_epoch:
+        if pos.index >= self.num_batches(pos.epoch):
             pos = DataPosition(pos.epoch + 1, 0)
         while True:
             yield pos, self.batch(pos)

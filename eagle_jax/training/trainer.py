@@ -7,7 +7,10 @@ embedding and d2t/t2d are ``Frozen``). Master weights stay fp32; ``compute_dtype
 a copy for the forward/backward. Gradient accumulation is a ``lax.scan`` over micro-batches inside the
 step, so one step = one optimiser update whatever the accumulation (with ``normalize: valid`` each
 micro-batch is normalised by its own count before averaging). Batches are sharded over
-(data, fsdp), parameters and optimiser state by the rules of ``eagle_jax.sharding``.
+(data, fsdp), parameters and optimiser state by the rules of ``eagle_jax.sharding``. Batches carry
+positions and segment ids (``data.batching: pack`` puts several documents in a row): the target and
+the drafter attend within a document only. Each log record lists every step's padded length and
+tokens/s; the run's summary has tokens/s per padded length (compiling steps left out).
 
 Checkpoints (orbax, every ``checkpoint.every`` steps, last ``checkpoint.keep`` kept) hold the params,
 the optimiser state, the step, the data position (epoch, next batch) and the seed, plus the drafter
@@ -54,8 +57,8 @@ from eagle_jax.config import (
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 from eagle_jax.sharding import BATCH_AXES, logical_to_spec, make_mesh, put, tree_shardings
-from eagle_jax.training.data import Batcher, DataPosition, Sample, greedy_samples, load_samples
-from eagle_jax.training.ttt import ttt_loss, simulated_acceptance_length
+from eagle_jax.training.data import BATCHING_MODES, Batcher, DataPosition, Sample, greedy_samples, load_samples
+from eagle_jax.training.ttt import NORMALIZATIONS, simulated_acceptance_length, ttt_loss
 from eagle_jax.training.vocab_map import build_vocab_map, coverage, load_vocab_map, token_counts
 
 DEFAULTS: dict[str, Any] = {
@@ -90,8 +93,11 @@ DEFAULTS: dict[str, Any] = {
         "path": None,  # JSONL file(s): chat / ShareGPT / text records
         "tokenizer": None,  # None = target.path
         "max_length": 2048,
-        "batching": "pad",  # pad | bucket
-        "buckets": None,
+        # pad: one sample per row, padded to max_length | bucket: one per row, padded to the smallest of
+        # `buckets` holding it | pack: several samples per row of max_length (first-fit), each attending
+        # only within itself (compare losses across modes with normalize: valid)
+        "batching": "pad",
+        "buckets": None,  # bucket lengths (batching: bucket); None = max_length halved 3 times
         "synthetic": None,  # {num_samples, prompt_length}: random prompts + the target's greedy continuations
     },
     "train": {
@@ -110,6 +116,9 @@ DEFAULTS: dict[str, Any] = {
         "decay": 0.8,
         "normalize": "all",  # all: / B*T (EAGLE reference) | valid: / masked count (TorchSpec)
         "compute_dtype": "float32",  # float32 | bfloat16 (master weights stay fp32)
+        # true: every drafter TTT step recomputed in the backward pass instead of stored (memory of long
+        # sequences; same loss and gradients). The target runs without gradient: nothing to remat there.
+        "remat": False,
     },
     # -1: all remaining devices. expert > 1: the routed experts of an MoE target are sharded over it
     # (the batch is split over data x fsdp only).
@@ -153,6 +162,16 @@ def parse_override(item: str) -> dict:
     for part in reversed(key.strip().split(".")):
         value = {part: value}
     return value
+
+
+def check_config(cfg: dict) -> None:
+    """Values the run would otherwise reject late (after building the target) or not at all."""
+    for key, allowed in (("data.batching", BATCHING_MODES), ("train.normalize", NORMALIZATIONS)):
+        section, name = key.split(".")
+        if cfg[section][name] not in allowed:
+            raise TrainConfigError(f"config: {key}={cfg[section][name]!r}; expected one of: {', '.join(allowed)}")
+    if not isinstance(cfg["train"]["remat"], bool):
+        raise TrainConfigError(f"config: train.remat={cfg['train']['remat']!r}; expected true or false")
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> dict:
@@ -415,6 +434,15 @@ def measure_matmul_peak(dtype=jnp.float32) -> float:
 # ------------------------------------------------------------------------------------------ the step
 
 
+def _with_segments(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """input_ids / loss_mask [..., T] with positions and segment ids; absent: one sequence per row."""
+    ids = batch["input_ids"]
+    if "positions" in batch:
+        return batch
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[-1], dtype=jnp.int32), ids.shape)
+    return {**batch, "positions": positions, "segment_ids": jnp.ones(ids.shape, jnp.int32)}
+
+
 def make_train_step(
     graphdef_d: nnx.GraphDef,
     graphdef_t: nnx.GraphDef,
@@ -425,43 +453,48 @@ def make_train_step(
     decay: float,
     normalize: str,
     compute_dtype,
+    remat: bool = False,
 ) -> Callable:
     """The pure train step: (params, opt_state, frozen, target_state, batch) -> (params, opt_state, metrics).
 
-    batch: input_ids / loss_mask [grad_accum, micro_batch, T]. ``aux_layer_ids``: the target layers the
-    drafter reads.
+    batch: input_ids / loss_mask / positions / segment_ids [grad_accum, micro_batch, T] (``data.collate``;
+    without positions and segment_ids: one sequence per row at positions 0..T-1). The target and the
+    drafter attend within each segment (packed documents). ``aux_layer_ids``: the target layers the
+    drafter reads. ``remat``: the drafter's TTT steps recomputed in the backward pass (ttt_loss).
     """
 
     def cast(tree):
         return jax.tree.map(lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
-    def loss_fn(params, frozen, aux, ids, t_logits, mask):
+    def loss_fn(params, frozen, aux, t_logits, mb):
         drafter = nnx.merge(graphdef_d, cast(params), frozen)
-        out = ttt_loss(drafter, aux, ids, t_logits, mask, ttt_length=ttt_length, decay=decay, normalize=normalize)
+        out = ttt_loss(drafter, aux, mb["input_ids"], t_logits, mb["loss_mask"], ttt_length=ttt_length, decay=decay,
+                       normalize=normalize, positions=mb["positions"], segment_ids=mb["segment_ids"], remat=remat)
         return out.total, out
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def micro(params, frozen, target_state, ids, mask):
-        t_logits, aux = nnx.merge(graphdef_t, target_state)(ids, aux_layer_ids)  # the frozen target, no gradient
+    def micro(params, frozen, target_state, mb):
+        target = nnx.merge(graphdef_t, target_state)  # the frozen target, no gradient
+        t_logits, aux = target(mb["input_ids"], aux_layer_ids, mb["positions"], mb["segment_ids"])
         t_logits, aux = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(aux.astype(compute_dtype))
-        (_, out), grads = grad_fn(params, frozen, aux, ids, t_logits, mask)
+        (_, out), grads = grad_fn(params, frozen, aux, t_logits, mb)
         return grads, out
 
     def step(params, opt_state, frozen, target_state, batch):
-        ids, mask = batch["input_ids"], batch["loss_mask"]
-        accum = ids.shape[0]
+        batch = _with_segments(batch)
+        accum = batch["input_ids"].shape[0]
         if accum == 1:
-            grads, out = micro(params, frozen, target_state, ids[0], mask[0])
+            grads, out = micro(params, frozen, target_state, jax.tree.map(lambda x: x[0], batch))
             outs = jax.tree.map(lambda x: x[None], out)
         else:
 
             def body(acc, mb):
-                g, out = micro(params, frozen, target_state, *mb)
+                g, out = micro(params, frozen, target_state, mb)
                 return jax.tree.map(jnp.add, acc, g), out
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            grads, outs = jax.lax.scan(body, zeros, (ids, mask))
+            grads, outs = jax.lax.scan(body, zeros, batch)
             grads = jax.tree.map(lambda g: g / accum, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         metrics = {
@@ -544,24 +577,99 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype=None) -
 # ------------------------------------------------------------------------------------------ the loop
 
 
-def _record(pending: list, seconds: float, step: int, pos: DataPosition, lr: float, flop_fraction: float,
+@dataclasses.dataclass
+class _Step:
+    """A dispatched train step: its device metrics, padded length, tokens (padding included) and loss
+    tokens; ``seconds`` once done, None when it compiled (kept out of the throughput)."""
+
+    metrics: dict
+    length: int
+    tokens: int
+    loss_tokens: int
+    seconds: float | None = None
+
+
+class _StepTimer:
+    """Device time per step, keeping one step in flight: after dispatching step k it waits for step
+    k-1, so the device never idles on the host, and the gap between two completions is a step's time.
+    A step of a new batch shape compiles inside the call: the step before it is waited for first, and
+    it is not timed. Tokens and seconds add up per padded length (``tokens_per_s_by_length``)."""
+
+    def __init__(self) -> None:
+        self.inflight: list[_Step] = []
+        self.done: list[_Step] = []
+        self.last = time.perf_counter()  # completion of the last finished step
+        self.compile_s: float | None = None  # of the first step
+        self.by_length: dict[int, list[float]] = {}  # length -> [tokens, seconds]
+
+    def run(self, fn: Callable[[], tuple], length: int, tokens: int, loss_tokens: int) -> tuple:
+        """``fn()`` (the jitted step, returning (..., metrics)) for a batch of ``length``."""
+        compiles = length not in self.by_length
+        if compiles:
+            self.flush()
+            self.by_length[length] = [0, 0.0]
+        t0 = time.perf_counter()
+        out = fn()
+        step = _Step(out[-1], length, tokens, loss_tokens)
+        if compiles:
+            jax.block_until_ready(step.metrics)
+            self.last = time.perf_counter()
+            self.compile_s = self.last - t0 if self.compile_s is None else self.compile_s
+            self.done.append(step)
+        else:
+            self.inflight.append(step)
+            while len(self.inflight) > 1:
+                self._finish(self.inflight.pop(0))
+        return out
+
+    def _finish(self, step: _Step) -> None:
+        jax.block_until_ready(step.metrics)
+        now = time.perf_counter()
+        step.seconds, self.last = now - self.last, now
+        self.by_length[step.length][0] += step.tokens
+        self.by_length[step.length][1] += step.seconds
+        self.done.append(step)
+
+    def flush(self) -> None:
+        while self.inflight:
+            self._finish(self.inflight.pop(0))
+
+    def take(self) -> list[_Step]:
+        """Every step run since the last call, all finished."""
+        self.flush()
+        out, self.done = self.done, []
+        return out
+
+    def untimed(self) -> None:
+        """Host work that is not training (a checkpoint save) ends here: the next step is timed from now."""
+        self.last = time.perf_counter()
+
+    def tokens_per_s_by_length(self) -> dict[int, float]:
+        return {length: tok / sec for length, (tok, sec) in sorted(self.by_length.items()) if sec > 0}
+
+
+def _record(steps: list[_Step], step: int, pos: DataPosition, lr: float, flop_fraction: float,
             compile_s: float | None) -> dict[str, Any]:
-    """One log record from the steps since the last one: means of their metrics, throughput."""
-    host = [(jax.tree.map(_host, mt), n, nl) for mt, n, nl in pending]
-    tokens = sum(n for _, n, _ in host)
-    tok_s = tokens / seconds if tokens else None  # None: only the compiling step
-    accs = np.mean([h["accuracies"] for h, _, _ in host], axis=0)
+    """One log record from the steps since the last one: means of their metrics, throughput, and each
+    step's padded length and tokens/s (None: it compiled)."""
+    host = [jax.tree.map(_host, s.metrics) for s in steps]
+    timed = [s for s in steps if s.seconds is not None]
+    seconds = sum(s.seconds for s in timed)
+    tok_s = sum(s.tokens for s in timed) / seconds if seconds > 0 else None  # None: only compiling steps
+    accs = np.mean([h["accuracies"] for h in host], axis=0)
     return {
         "step": step,
-        "loss": float(np.mean([h["loss"] for h, _, _ in host])),
-        "loss_per_position": np.mean([h["losses"] for h, _, _ in host], axis=0).round(6).tolist(),
+        "loss": float(np.mean([h["loss"] for h in host])),
+        "loss_per_position": np.mean([h["losses"] for h in host], axis=0).round(6).tolist(),
         "acc_per_position": accs.round(6).tolist(),
         "simulated_al": float(simulated_acceptance_length(accs)),
-        "grad_norm": float(host[-1][0]["grad_norm"]),
+        "grad_norm": float(host[-1]["grad_norm"]),
         "lr": lr,
         "tokens_per_s": tok_s,
-        "loss_tokens": sum(nl for _, _, nl in host),
+        "loss_tokens": sum(s.loss_tokens for s in steps),
         "mfu": None if tok_s is None else tok_s * flop_fraction,  # fraction of the measured matmul peak
+        "lengths": [s.length for s in steps],
+        "step_tokens_per_s": [None if s.seconds is None else s.tokens / s.seconds for s in steps],
         "epoch": pos.epoch,
         "next_batch": pos.index,
         "compile_s": compile_s,
@@ -574,6 +682,7 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     ``stop_after``: stop once this step is done (after its checkpoint), as if the job were killed; the
     next call with the same config resumes from the latest checkpoint.
     """
+    check_config(cfg)
     maybe_initialize_distributed(cfg)
     t_cfg = cfg["train"]
     run_dir = Path(cfg["run_dir"])
@@ -613,7 +722,7 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     step_fn = make_train_step(
         graphdef_d, graphdef_t, tx, aux_layer_ids=aux_layer_ids_for(drafter.config, target.config),
         ttt_length=int(t_cfg["ttt_length"]), decay=float(t_cfg["decay"]),
-        normalize=t_cfg["normalize"], compute_dtype=compute_dtype,
+        normalize=t_cfg["normalize"], compute_dtype=compute_dtype, remat=t_cfg["remat"],
     )
     jitted = jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, replicated))
 
@@ -657,47 +766,42 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     log_every = max(1, int(cfg["log"]["every"]))
     records: list[dict] = []
-    pending: list[tuple[dict, int, int]] = []  # (device metrics, tokens, loss tokens) since the last log
+    timer = _StepTimer()
     bar = tqdm(total=total_steps, initial=step, desc="ttt", unit="step", disable=not (is_main and cfg["log"]["progress"]))
-    t_last = time.perf_counter()
-    compile_s = None
     while step < total_steps:
         host_batch = batcher.batch(pos)
         length = host_batch["input_ids"].shape[1]
         batch = {k: put(v.reshape(accum, batch_size // accum, length), batch_sh) for k, v in host_batch.items()}
-        t0 = time.perf_counter()
-        params, opt_state, metrics = jitted(params, opt_state, frozen, target_state, batch)
-        timed_tokens = host_batch["input_ids"].size
-        if compile_s is None:
-            jax.block_until_ready(metrics)
-            compile_s = time.perf_counter() - t0
-            t_last, timed_tokens = time.perf_counter(), 0  # throughput excludes the compiling step
+        params, opt_state, _ = timer.run(lambda: jitted(params, opt_state, frozen, target_state, batch), length,
+                                         host_batch["input_ids"].size, int(host_batch["loss_mask"].sum()))
         step += 1
         pos = batcher.next_position(pos)
-        pending.append((metrics, timed_tokens, int(host_batch["loss_mask"].sum())))
         bar.update(1)
         if step % log_every == 0 or step == total_steps or step == stop_after:
-            now = time.perf_counter()
-            rec = _record(pending, now - t_last, step, pos, float(schedule(step - 1)), flops_tok / peak, compile_s)
+            rec = _record(timer.take(), step, pos, float(schedule(step - 1)), flops_tok / peak, timer.compile_s)
             records.append(rec)
-            pending, t_last = [], now
             bar.set_postfix(loss=f"{rec['loss']:.4f}", acc0=f"{rec['acc_per_position'][0]:.3f}",
                             al=f"{rec['simulated_al']:.2f}", tok_s=f"{rec['tokens_per_s'] or 0:.0f}")
             if is_main:
                 with log_path.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
         if mngr is not None and (step % every == 0 or step == total_steps or step == stop_after):
+            timer.flush()
             meta = {**meta_base, "step": step, "data": pos.to_dict()}
             mngr.save(step, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta)
             ), force=True)
+            timer.untimed()
         if stop_after is not None and step >= stop_after:
             break
     bar.close()
     if mngr is not None:
         mngr.wait_until_finished()
         mngr.close()
-    summary = {"step": step, "records": records, "run_dir": str(run_dir), "compile_s": compile_s}
+    by_length = timer.tokens_per_s_by_length()
+    log("tokens/s by padded length: " + (", ".join(f"{n}: {v:.0f}" for n, v in by_length.items()) or "none timed"))
+    summary = {"step": step, "records": records, "run_dir": str(run_dir), "compile_s": timer.compile_s,
+               "tokens_per_s_by_length": by_length}
     if step >= total_steps:
         out = Path(cfg["export"]["dir"] or run_dir / "export")
         export_drafter(graphdef_d, params, _gather(frozen), out, cfg["export"]["dtype"])

@@ -15,12 +15,29 @@ t+2, i.e. ``target_logits[t+1]``. Step i of the unroll moves everything i positi
 The attention never builds anything larger than [B, heads, T, T + ttt_length] (step-0 scores plus one
 column per diagonal key), so memory grows as T x (T + steps), not T x (T * steps).
 
+Packed rows (several documents per row, ``data.batching: pack``): ``positions`` restart at 0 at each
+document and ``segment_ids`` number them (0 = padding). Step-0 keys are then those of the query's own
+document (causal by position, same segment); the diagonal keys share the query's index, hence its
+document; RoPE positions are the restarted ones (+ i at step i); and a (step, index) whose target
+position j+1+i lies in another document is out of the loss, so the last tokens of a document are
+never supervised by the next one's first tokens. Every supervised number then equals the one of the
+document alone in its own row. Without them: one sequence per row at positions 0..T-1.
+
+``remat``: each TTT step (its layer, lm_head and loss) runs under ``jax.checkpoint``, so the backward
+pass recomputes a step instead of keeping its activations (attention probabilities, [B,T,Vd] logits)
+for all steps at once: memory for long sequences, same loss and gradients, ~1 more forward of compute.
+
 Loss of step i (SPEC 7): p = softmax(target_logits restricted to the draft vocabulary) in fp32,
 mask = loss_mask * [target's argmax is a draft token], l_i = -sum(mask * p . log_softmax(draft_logits)),
 total = sum_i decay^i * l_i. Normalisation (``normalize``):
 
 - "all": each l_i is divided by B*T, every position counted, padded or not (the EAGLE reference);
 - "valid": by the number of positions with mask == 1 at that step (TorchSpec); independent of padding.
+
+"valid" is a per-token mean over the batch, so packing leaves it unchanged. "all" is that mean times the
+fraction of the batch's B*T positions that are supervised, which packing raises (less padding): the
+same documents give a larger "all" loss packed than padded one per row, and only loss * B*T (the
+per-step sum) is unchanged. Compare losses across batching modes with "valid".
 """
 
 from __future__ import annotations
@@ -31,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.layers import causal_mask, document_mask
 
 Array = jax.Array
 
@@ -72,20 +90,22 @@ def _finish(drafter: Drafter, g: Array, attn_out: Array) -> tuple[Array, Array]:
 
 
 def _extended_attention(
-    q: Array, k0: Array, v0: Array, diag_k: Array, diag_v: Array, n_diag: Array | int, scale: float
+    q: Array, k0: Array, v0: Array, diag_k: Array, diag_v: Array, n_diag: Array | int, scale: float, mask: Array | None = None
 ) -> Array:
     """Query j attends over step-0 keys 0..j and the diagonal keys (index j) of the later steps.
 
     q: [B,T,Hq,D]; k0: [B,T,Hkv,D], v0: [B,T,Hkv,Dv]; diag_k/diag_v: [S,B,T,Hkv,D/Dv], the keys/values
     of steps 1..S, of which the first ``n_diag`` are valid (the rest are masked out). Scores are q.k *
-    ``scale`` (1/sqrt(D) for GQA, MLA's softmax scale). Returns [B,T,Hq*Dv].
+    ``scale`` (1/sqrt(D) for GQA, MLA's softmax scale). ``mask`` [B,T,T] (query, step-0 key): None =
+    causal; ``document_mask`` for packed rows. Returns [B,T,Hq*Dv].
     """
     b, t, hq, d = q.shape
     hkv = k0.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     neg = jnp.finfo(jnp.float32).min
+    mask = causal_mask(b, t) if mask is None else mask
     s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
-    s0 = jnp.where(jnp.arange(t)[None, :] <= jnp.arange(t)[:, None], s0, neg)  # [query, key]: causal
+    s0 = jnp.where(mask[:, None, None], s0, neg)
     sd = jnp.einsum("btkgd,nbtkd->bkgtn", qg, diag_k, preferred_element_type=jnp.float32) * scale
     sd = jnp.where(jnp.arange(diag_k.shape[0]) < n_diag, sd, neg)
     probs = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1).astype(v0.dtype)  # [B,kv,g,T,T+S]
@@ -94,27 +114,43 @@ def _extended_attention(
     return out.reshape(b, t, hq * v0.shape[-1])
 
 
-def _unroll(drafter: Drafter, aux: Array, input_ids: Array, ttt_length: int, per_step: Callable[[Array, Array], Any]) -> Any:
+def _unroll(
+    drafter: Drafter,
+    aux: Array,
+    input_ids: Array,
+    ttt_length: int,
+    per_step: Callable[[Array, Array], Any],
+    positions: Array | None = None,
+    segment_ids: Array | None = None,
+    remat: bool = False,
+) -> Any:
     """Runs the unroll; returns ``per_step(i, logits_i)`` of every step, stacked on a leading axis.
 
     Steps 1.. run in a ``lax.scan`` (compile time independent of ttt_length); the diagonal keys live
     in a fixed [ttt_length-1, B, T, Hkv, D] buffer filled one slot per step. An MLA drafter's keys and
-    values are the expanded per-head ones (training has no latent cache to save).
+    values are the expanded per-head ones (training has no latent cache to save). ``positions`` /
+    ``segment_ids`` [B,T]: packed rows (module docstring); ``remat``: every step under jax.checkpoint.
     """
     b, t = input_ids.shape
     dtype = drafter.fc.kernel[...].dtype
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    tokens = shift_left(input_ids)  # pair feature_t with token_{t+1}
-    g = drafter.fuse(aux.astype(dtype))
-    q, k0, v0 = _qkv(drafter, g, tokens, positions)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = causal_mask(b, t) if segment_ids is None else document_mask(positions, segment_ids)
     scale = drafter.self_attn.scale
     n = max(ttt_length - 1, 1)
-    diag_k = jnp.zeros((n,) + k0.shape, k0.dtype)
-    diag_v = jnp.zeros((n,) + v0.shape, v0.dtype)
-    logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v, 0, scale))
-    first = per_step(jnp.int32(0), logits)
+
+    def first(aux, tokens):
+        g = drafter.fuse(aux.astype(dtype))
+        q, k0, v0 = _qkv(drafter, g, tokens, positions)
+        diag_k = jnp.zeros((n,) + k0.shape, k0.dtype)
+        diag_v = jnp.zeros((n,) + v0.shape, v0.dtype)
+        logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v, 0, scale, mask))
+        return (g, k0, v0, diag_k, diag_v), per_step(jnp.int32(0), logits)
+
+    tokens = shift_left(input_ids)  # pair feature_t with token_{t+1}
+    (g, k0, v0, diag_k, diag_v), out0 = (jax.checkpoint(first) if remat else first)(aux, tokens)
     if ttt_length == 1:
-        return jax.tree.map(lambda x: x[None], first)
+        return jax.tree.map(lambda x: x[None], out0)
 
     def body(carry, i):
         g, tokens, diag_k, diag_v = carry
@@ -122,16 +158,26 @@ def _unroll(drafter: Drafter, aux: Array, input_ids: Array, ttt_length: int, per
         q, k, v = _qkv(drafter, g, tokens, positions + i)  # step i sits i positions further along
         diag_k = jax.lax.dynamic_update_index_in_dim(diag_k, k, i - 1, 0)
         diag_v = jax.lax.dynamic_update_index_in_dim(diag_v, v, i - 1, 0)
-        logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v, i, scale))
+        logits, g = _finish(drafter, g, _extended_attention(q, k0, v0, diag_k, diag_v, i, scale, mask))
         return (g, tokens, diag_k, diag_v), per_step(i, logits)
 
+    if remat:  # inside a scan, CSE cannot merge the recomputation away: no need to prevent it
+        body = jax.checkpoint(body, prevent_cse=False)
     _, rest = jax.lax.scan(body, (g, tokens, diag_k, diag_v), jnp.arange(1, ttt_length, dtype=jnp.int32))
-    return jax.tree.map(lambda a, r: jnp.concatenate([a[None], r], axis=0), first, rest)
+    return jax.tree.map(lambda a, r: jnp.concatenate([a[None], r], axis=0), out0, rest)
 
 
-def ttt_unroll(drafter: Drafter, aux: Array, input_ids: Array, ttt_length: int = 7) -> Array:
-    """Draft logits [ttt_length, B, T, Vd]; index j of step i predicts token j+i+2."""
-    return _unroll(drafter, aux, input_ids, ttt_length, lambda i, logits: logits)
+def ttt_unroll(
+    drafter: Drafter,
+    aux: Array,
+    input_ids: Array,
+    ttt_length: int = 7,
+    *,
+    positions: Array | None = None,
+    segment_ids: Array | None = None,
+) -> Array:
+    """Draft logits [ttt_length, B, T, Vd]; index j of step i predicts token j+i+2 (of its document)."""
+    return _unroll(drafter, aux, input_ids, ttt_length, lambda i, logits: logits, positions, segment_ids)
 
 
 def _shift_dynamic(x: Array, n: Array) -> Array:
@@ -150,11 +196,17 @@ def ttt_loss(
     decay: float = 0.8,
     normalize: str = "all",
     acc_denominator: str = "mask",
+    positions: Array | None = None,
+    segment_ids: Array | None = None,
+    remat: bool = False,
 ) -> TTTOutput:
     """TTT loss of SPEC 7 (see the module docstring for the alignment).
 
     aux [B,T,N*Ht] and target_logits [B,T,V] from the frozen target on ``input_ids`` [B,T];
     loss_mask [B,T] is 1 on tokens to learn (assistant tokens), aligned with input_ids.
+    ``positions`` / ``segment_ids`` [B,T]: packed rows, several documents per row (the target's
+    outputs must come from the same document-aware forward); None = one sequence per row.
+    ``remat``: recompute each step in the backward pass instead of storing it (same numbers).
     ``normalize``: "all" (divide by B*T, EAGLE reference) or "valid" (by the step's masked count,
     TorchSpec). Accuracy of step i = draft argmax == target argmax (in draft-id space) over positions
     with mask == 1, divided by their count ("mask") or by the shifted loss_mask count ("loss_mask",
@@ -176,10 +228,12 @@ def ttt_loss(
     p_arg = jnp.argmax(p_all, axis=-1)
     lmask_all = loss_mask.astype(jnp.float32)
     mask_all = lmask_all * drafter.t2d[...][jnp.argmax(tl, axis=-1)].astype(jnp.float32)
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids
 
     def per_step(i, logits):
         o = i + 1  # index j of step i is supervised by target position j + 1 + i
-        valid = (jnp.arange(t) < t - o).astype(jnp.float32)[None, :]  # zero past the end
+        # Zero past the end of the row and where j + 1 + i is in the next document.
+        valid = ((jnp.arange(t) < t - o)[None, :] & (_shift_dynamic(seg, o) == seg)).astype(jnp.float32)
         lmask = _shift_dynamic(lmask_all, o) * valid
         mask = _shift_dynamic(mask_all, o) * valid
         logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -192,7 +246,7 @@ def ttt_loss(
         acc = jax.lax.stop_gradient(jnp.sum(correct * mask) / jnp.maximum(acc_den, 1.0))
         return loss, acc, count
 
-    losses, accs, counts = _unroll(drafter, aux, input_ids, ttt_length, per_step)
+    losses, accs, counts = _unroll(drafter, aux, input_ids, ttt_length, per_step, positions, segment_ids, remat)
     total = jnp.sum(losses * decay ** jnp.arange(ttt_length, dtype=jnp.float32))
     return TTTOutput(total, losses, accs, counts)
 

@@ -126,7 +126,7 @@ def dtype_bytes(target, exact: bool) -> tuple[float, int]:
 def time_prefill(target, drafter, prompts: list[list[int]], spec, exact: bool, repeats: int = 3) -> float:
     """Seconds of ``generate`` with max-new 1 (prefill, the first token, no rounds): best of ``repeats``
     after a compiling call. ``drafter`` None: the target's prefill alone; else ``spec`` must be set (None
-    with a drafter would pick the adaptive 'auto' mode)."""
+    with a drafter would measure and pick one, 'auto')."""
     kw = dict(max_new_tokens=1, eos_token_id=[], exact=exact, spec=spec)
     eagle_jax.generate(target, drafter, prompts, **kw)
     return min(eagle_jax.generate(target, drafter, prompts, **kw).run_s for _ in range(repeats))

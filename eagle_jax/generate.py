@@ -131,8 +131,7 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     if isinstance(spec, str) and spec != "auto":
         raise ConfigError(f"spec must be a SpecConfig, a dict, 'auto' or None, got {spec!r}")
-    auto = drafter is not None and spec == "auto"
-    spec_cfg = None if drafter is None else autospec.spec() if auto else SpecConfig.parse(spec)
+    spec_cfg = None if drafter is None else SpecConfig.parse(spec)  # "auto" is resolved before this
     plan = Plan.one_shot(
         batch=len(ids),
         prompt_len=bucket(max(len(p) for p in ids)),
@@ -149,7 +148,7 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
     for i, p in enumerate(ids):
         prompt[i, : len(p)] = p
     lens = np.array([len(p) for p in ids], np.int32)
-    return plan, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch), auto
+    return plan, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch)
 
 
 def _placeholder_costs(plan: Plan):
@@ -157,12 +156,11 @@ def _placeholder_costs(plan: Plan):
     return None if plan.widths is None else jnp.zeros((len(plan.widths) + 3,), jnp.float32)
 
 
-def _calibrated(t_graph, d_graph, plan: Plan, run: autospec.Runner, auto: bool):
-    """(the costs array for an adaptive plan, or None; False when ``auto`` finds speculation cannot pay)."""
+def _calibrated(t_graph, d_graph, plan: Plan, run: autospec.Runner):
+    """The costs array of an adaptive plan (measured once per pair and plan), None for other plans."""
     if plan.widths is None:
-        return None, True
-    costs = autospec.calibrate((t_graph, d_graph, plan), run, plan.widths, plan.spec.num_speculative_tokens)
-    return costs.as_array(), not auto or autospec.worth_speculating(costs)
+        return None
+    return autospec.calibrate((t_graph, d_graph, plan), run, plan.widths, plan.spec.num_speculative_tokens).as_array()
 
 
 def _split(module):
@@ -190,6 +188,56 @@ def _result(state, plan: Plan, compile_s: float, run_s: float, tokenizer) -> Gen
     if tokenizer is not None:
         text = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
     return GenerationResult(tokens, text, acc, al, pos, compile_s, run_s, int(rounds), {"spec": plan.spec})
+
+
+def _program(target: Target, drafter: Drafter | None, plan: Plan, prompt, lens, rs, seed: int, mesh):
+    """(generate's compiled program for ``plan``, its arguments, compile seconds). The program takes
+    ``(t_state, d_state, prompt, lens, rs, key, costs, limit)`` and returns the loop state after
+    the prefill and at most ``limit`` rounds."""
+    t_graph, t_state = _split(target)
+    d_graph, d_state = _split(drafter)
+    if mesh is not None:
+        # Tensor parallel: heads / MLP / vocabulary over the mesh's "model" axis by the one rule table;
+        # the compiled program follows the placement of its inputs. The caller's modules are untouched.
+        from eagle_jax.sharding import shard_tree
+
+        t_state = shard_tree(t_state, mesh)
+        d_state = None if d_state is None else shard_tree(d_state, mesh)
+
+    def program(t_state, d_state, prompt, lens, rs, key, costs, limit):
+        tgt = nnx.merge(t_graph, t_state)
+        drf = None if d_graph is None else nnx.merge(d_graph, d_state)
+        st = start(tgt, drf, plan, prompt, lens, rs, key, plan.max_rounds, costs)
+        return run_rounds(tgt, drf, plan, st, limit)
+
+    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), _placeholder_costs(plan), jnp.int32(plan.max_rounds))
+    compiled, compile_s = _PROGRAMS.get("generate", t_graph, d_graph, plan, args, program)
+    if plan.widths is not None:  # adaptive: the measured round costs replace the placeholder
+        costs = _calibrated(t_graph, d_graph, plan, lambda c, n: compiled(*args[:6], c, jnp.int32(n)))
+        args = (*args[:6], costs, args[7])
+    return compiled, args, compile_s
+
+
+def _auto_spec(target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict) -> tuple[SpecConfig | None, dict]:
+    """The candidate (``autospec.candidates``: plain decoding or a chain) with the most decode
+    tokens/s on these prompts, measured once per model pair, batch size and sampling mode
+    (``autospec.choose``); returns (its spec, None for plain decoding; the measured rates)."""
+    key = (nnx.graphdef(target), nnx.graphdef(drafter), id(target), id(drafter), len(prompts), kw["temperature"] == 0.0, kw["exact"], kw["mesh"])
+    measures = {}
+    if not autospec.chosen(key):
+        for i, spec in enumerate(autospec.candidates()):
+            d = None if spec is None else drafter
+            plan, prompt, lens, rs = _prepare(target, d, prompts, max_new_tokens, kw["temperature"], kw["top_k"], kw["top_p"], spec,
+                                              kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
+            compiled, args, _ = _program(target, d, plan, prompt, lens, rs, kw["seed"], kw["mesh"])
+
+            def measure(limit: int, compiled=compiled, args=args) -> tuple[int, float]:
+                t0 = time.perf_counter()
+                n_out = jax.block_until_ready(compiled(*args[:7], jnp.int32(limit)).n_out)
+                return int(jnp.sum(n_out)), time.perf_counter() - t0
+
+            measures[i] = (measure, autospec.calibration_rounds(plan.width, plan.max_rounds))
+    return autospec.choose(key, measures)
 
 
 def generate(
@@ -223,39 +271,27 @@ def generate(
     alike: the output is then the same for every batch size, drafter and speculation setting (cost:
     fp32 activations and caches; see BENCHMARKS.md).
 
-    ``spec``: a SpecConfig or dict (None: chain K=5); "auto" measures this machine's round costs once
-    per pair and shape and runs an adaptive chain, or plain decoding where speculation cannot pay
-    (decoding/autospec.py; ``result.stats["spec"]`` says which ran).
+    ``spec``: a SpecConfig or dict, or "auto" (the default, None, with a drafter): the first call
+    for a model pair, batch size and sampling mode times plain decoding and chains of
+    ``autospec.AUTO_CHAINS`` drafts on its own prompts for a few rounds each and keeps the fastest
+    (plain decoding where speculation does not pay: at large batches on a compute-bound device);
+    later calls reuse the choice. ``result.stats["spec"]`` says what ran (None: plain decoding).
 
     ``eos_token_id``: None = the model's own (generation_config.json / config.json) and the
     tokenizer's; an id or a list; ``[]`` = never stop before ``max_new_tokens``.
     """
-    plan, prompt, lens, rs, auto = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
-    t_graph, t_state = _split(target)
-    d_graph, d_state = _split(drafter)
-    if mesh is not None:
-        # Tensor parallel: heads / MLP / vocabulary over the mesh's "model" axis by the one rule table;
-        # the compiled program follows the placement of its inputs. The caller's modules are untouched.
-        from eagle_jax.sharding import shard_tree
-
-        t_state = shard_tree(t_state, mesh)
-        d_state = None if d_state is None else shard_tree(d_state, mesh)
-
-    def program(t_state, d_state, prompt, lens, rs, key, costs, limit):
-        tgt = nnx.merge(t_graph, t_state)
-        drf = None if d_graph is None else nnx.merge(d_graph, d_state)
-        st = start(tgt, drf, plan, prompt, lens, rs, key, plan.max_rounds, costs)
-        return run_rounds(tgt, drf, plan, st, limit)
-
-    key, limit = jax.random.key(seed), jnp.int32(plan.max_rounds)
-    args = (t_state, d_state, prompt, lens, rs, key, _placeholder_costs(plan), limit)
-    compiled, compile_s = _PROGRAMS.get("generate", t_graph, d_graph, plan, args, program)
-    costs, speculate = _calibrated(t_graph, d_graph, plan, lambda c, n: compiled(*args[:6], c, jnp.int32(n)), auto)
-    if not speculate:  # auto: even always-accepted drafts could not beat plain decoding here
-        return generate(target, None, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=mesh, exact=exact)
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer,
+              mesh=mesh, exact=exact)
+    if drafter is not None and (spec is None or (isinstance(spec, str) and spec == "auto")):
+        check_pair(target.config, drafter.config)
+        chosen, rates = _auto_spec(target, drafter, prompts, max_new_tokens, kw)
+        res = generate(target, drafter if chosen is not None else None, prompts, max_new_tokens=max_new_tokens, spec=chosen, **kw)
+        res.stats.update(spec=chosen, auto_rates=rates)
+        return res
+    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
+    compiled, args, compile_s = _program(target, drafter, plan, prompt, lens, rs, seed, mesh)
     t0 = time.perf_counter()
-    state = compiled(*args[:6], costs, limit)
+    state = compiled(*args)
     jax.block_until_ready(state.out)
     run_s = time.perf_counter() - t0
     return _result(state, plan, compile_s, run_s, tokenizer)
@@ -277,10 +313,17 @@ def generate_stream(
     tokenizer=None,
     exact: bool = False,
 ) -> Iterator[list[list[int]]]:
-    """The same loop run in chunks of ``rounds_per_chunk`` rounds; yields each row's new tokens per chunk."""
+    """The same loop run in chunks of ``rounds_per_chunk`` rounds; yields each row's new tokens per chunk.
+    ``spec`` as in ``generate`` ("auto" chooses with generate's programs, then streams the choice)."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
-    plan, prompt, lens, rs, auto = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
+    if drafter is not None and (spec is None or (isinstance(spec, str) and spec == "auto")):
+        check_pair(target.config, drafter.config)
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer,
+                  mesh=None, exact=exact)
+        spec, _ = _auto_spec(target, drafter, prompts, max_new_tokens, kw)
+        drafter = None if spec is None else drafter
+    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
 
@@ -297,12 +340,7 @@ def generate_stream(
     st = start_c(*args)
     chunk_args = (t_state, d_state, st, jnp.int32(0))
     chunk_c, _ = _PROGRAMS.get("stream_chunk", t_graph, d_graph, plan, chunk_args, chunk)
-    costs, speculate = _calibrated(t_graph, d_graph, plan, lambda c, n: chunk_c(t_state, d_state, start_c(*args[:6], c), jnp.int32(n)), auto)
-    if not speculate:
-        yield from generate_stream(target, None, prompts, max_new_tokens=max_new_tokens, rounds_per_chunk=rounds_per_chunk,
-                                   temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed,
-                                   tokenizer=tokenizer, exact=exact)
-        return
+    costs = _calibrated(t_graph, d_graph, plan, lambda c, n: chunk_c(t_state, d_state, start_c(*args[:6], c), jnp.int32(n)))
     if costs is not None:
         st = start_c(*args[:6], costs)
     sent = [0] * plan.batch

@@ -1,6 +1,7 @@
-"""Speculation chosen by measured cost (decoding/autospec.py) and adaptive chains (engine._round_adaptive).
+"""Speculation chosen by measurement (decoding/autospec.py: ``spec="auto"``, the default) and adaptive
+chains (engine._round_adaptive).
 
-Greedy output is plain decoding's whatever the costs make a round choose: the costs are forced here
+Greedy output is plain decoding's whatever auto or the costs make a round choose: the costs are forced here
 (``autospec.calibrate`` patched) to make rounds verify everything, nothing, or a width below the
 drafts made, and then left to this machine's measurement. The sampling law under adaptive rounds is
 checked in test_engine.py (SAMPLING_CASES "adaptive-*").
@@ -74,28 +75,42 @@ def test_costly_drafter_steps_stop_drafting(monkeypatch, pair, plain):
 
 
 def test_auto_measures_this_machine(pair, plain):
-    out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec="auto", eos_token_id=[])
+    """The default with a drafter: every candidate timed on these prompts, the fastest kept, and the
+    choice reused by the next call of that pair and batch size (other prompts and lengths too)."""
+    out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[])
     assert out.tokens == plain.tokens
-    spec = out.stats["spec"]
-    assert spec is None or (spec.adaptive and spec.num_speculative_tokens == autospec.MAX_DRAFTS)
-    again = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec="auto", eos_token_id=[])
-    assert again.stats["spec"] == spec  # the calibration is cached per pair and shape
+    rates = out.stats["auto_rates"]
+    assert set(rates) == {autospec.candidate_name(s) for s in autospec.candidates()} and min(rates.values()) > 0
+    assert autospec.candidate_name(out.stats["spec"]) == max(rates, key=rates.get)
+    again = eagle_jax.generate(pair[0], pair[1], [p[:3] for p in PROMPTS], max_new_tokens=9, spec="auto", eos_token_id=[])
+    assert again.stats["spec"] == out.stats["spec"] and again.stats["auto_rates"] is rates  # not measured again
+    assert again.tokens == [t[:9] for t in eagle_jax.generate(pair[0], None, [p[:3] for p in PROMPTS], max_new_tokens=9, eos_token_id=[]).tokens]
+    streamed = list(eagle_jax.generate_stream(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[]))
+    assert [sum((c[b] for c in streamed), []) for b in range(len(PROMPTS))] == plain.tokens
 
 
-def test_auto_declines_when_speculation_cannot_pay(monkeypatch, pair, plain):
-    """Verification cost growing with width like a compute-bound batch: even always-accepted drafts lose."""
-    widths = autospec.widths_for(autospec.MAX_DRAFTS)
-    monkeypatch.setattr(autospec, "calibrate", lambda *a, **k: RoundCosts(widths, tuple(float(w) for w in widths), 0.1, 1.0))
-    default = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[])
-    assert default.stats["spec"] == SpecConfig()  # auto is opt-in
+def test_choose_keeps_the_most_decode_tokens_per_second():
+    """Rates exclude the prefill (the run stopped after it is subtracted): candidate i emits
+    tokens[i] per round at seconds[i] per round after a prefill of 5 s."""
+
+    def fake(tokens_per_round, seconds_per_round):
+        return lambda rounds: (3 + tokens_per_round * rounds, 5.0 + seconds_per_round * rounds)
+
+    specs = autospec.candidates()
+    fast_k3 = {0: (fake(1, 1.0), 8), 1: (fake(2, 1.5), 8), 2: (fake(4, 2.0), 8), 3: (fake(5, 3.0), 8)}
+    chosen, rates = autospec.choose(("test", "k3"), fast_k3)
+    assert chosen == specs[2] and rates["chain K=3"] == pytest.approx(2.0) and rates["plain"] == pytest.approx(1.0)
+    plain_wins = {0: (fake(4, 1.0), 8), 1: (fake(2, 1.0), 8), 2: (fake(4, 2.0), 8), 3: (fake(5, 3.0), 8)}
+    assert autospec.choose(("test", "plain"), plain_wins)[0] is None
+    assert autospec.choose(("test", "k3"), {})[0] == specs[2]  # cached: nothing measured
+    assert autospec.calibration_rounds(1, 100) == 32 and autospec.calibration_rounds(6, 100) == 10
+    assert autospec.calibration_rounds(6, 4) == 4 and autospec.widths_for(6) == (1, 2, 4, 7) and autospec.widths_for(1) == (1, 2)
+
+
+def test_auto_runs_plain_decoding_when_it_is_faster(monkeypatch, pair, plain):
+    monkeypatch.setattr(autospec, "choose", lambda key, measures: (None, {"plain": 2.0, "chain K=5": 1.0}))
     out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec="auto", eos_token_id=[])
     assert out.stats["spec"] is None and out.tokens == plain.tokens and out.acceptance_length == 1.0
-
-
-def test_best_case_speedup_rule():
-    assert autospec.best_case_speedup(RoundCosts((1, 2, 4), (1.0, 1.0, 1.2), 0.1, 1.0)) == pytest.approx(4 / 1.5)
-    assert autospec.best_case_speedup(RoundCosts((1, 2, 4), (1.1, 2.2, 4.4), 0.1, 1.0)) < 1
-    assert autospec.widths_for(6) == (1, 2, 4, 7) and autospec.widths_for(1) == (1, 2)
 
 
 def test_draft_confidence_is_the_top2_share():

@@ -1,21 +1,23 @@
-"""Speculation chosen by measured cost: ``spec="auto"``, the default of ``generate`` with a drafter.
+"""Speculation chosen by measurement: ``spec="auto"``, the default of ``generate`` with a drafter;
+and the cost calibration of adaptive chains (``SpecConfig(adaptive=True)``).
 
-A round of K chain drafts costs K drafter steps plus one target forward of K+1 positions (and the
-drafter's extension over them), and emits 1 + (accepted drafts) tokens; plain decoding costs one
-target step per token. How those costs relate depends on the machine and the batch: with few rows a
-step reads weights and K+1 positions cost about as much as one (speculation pays); with many rows it
-is compute-bound and each verified position costs nearly a full step (it does not). So the first
-call for a pair and shape times the compiled loop itself (``calibrate``: a few rounds forced to each
-verification width, to one draft, and to plain rounds, on the caller's own prompts; results
-discarded), and
+**auto.** Whether speculation pays, and how deep, depends on the machine, the batch and the drafter's
+acceptance on the traffic: with few rows a target step reads weights, so K+1 positions cost about
+one and deep chains win; with many rows the step is compute-bound, each verified position costs
+nearly a step, and plain decoding can win (what vLLM's ``disable_by_batch_size`` sets by hand). A
+model of it, ``speedup ~ AL / (1 + K x t_draft / t_verify)``, needs AL, which only the traffic
+tells. So the first call for a model pair, batch size and sampling mode runs each candidate
+(``candidates``: plain decoding and chains of ``AUTO_CHAINS`` drafts), compiled at the call's own
+shapes, on the call's own prompts for ``calibration_rounds`` rounds, and keeps the one with the most
+decode tokens per second (prefill excluded: a run stopped after the prefill is subtracted; the
+fastest of ``AUTO_REPEATS`` interleaved passes). Later calls with that pair, batch size and mode
+reuse the choice (``choose``). The cost: compiling the candidates once, and about a second of runs.
 
-- ``choose`` keeps the adaptive chain (``SpecConfig(adaptive=True)``): each round drafts while the
-  drafter's cumulative confidence, in tokens, is worth a drafter step, verifies the static width with
-  the most expected tokens per second (engine ``_round_adaptive``), and the run falls back to plain
-  rounds once speculation stops paying (``_round_auto``); or
-- declines, when even drafts that are always accepted could not beat plain decoding:
-  ``max_w w x plain_s / (verify_s(w) + (w-1) x draft_s) < 1 + MARGIN`` (what vLLM's
-  ``disable_by_batch_size`` does by hand); the caller then decodes without the drafter.
+**adaptive chains.** ``calibrate`` times an adaptive program's parts (drafter step, each
+verification width, a plain round) in the compiled loop itself; the rounds then draft while the
+drafter's confidence is worth a step and verify the width with the most expected tokens per second
+(engine ``_round_adaptive``). Measured on this project's CPU it runs 10-15% slower than the fixed
+chain doing the same work (BENCHMARKS.md), so auto does not pick it; it stays opt-in.
 """
 
 from __future__ import annotations
@@ -28,14 +30,21 @@ import jax
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding.engine import RoundCosts
 
+AUTO_CHAINS = (1, 3, 5)  # auto's chain candidates (drafts per round), besides plain decoding
+CAL_TOKENS = 32  # tokens per row a calibration run of a candidate emits at about AL = (width + 1) / 2
+AUTO_REPEATS = 2
+
 MAX_DRAFTS = 6  # an adaptive round's deepest chain
 WIDTHS = (1, 2, 4)  # its verification widths (1 + drafts), and MAX_DRAFTS + 1: a compiled branch each
-MARGIN = 0.05  # speculation must promise at least this much to be chosen at all
 ROUNDS = 12  # rounds timed per forced configuration
 REPEATS = 2
 _BIG = 1e6  # a cost that is never chosen / a plain rate that never ends speculation
 
 _COSTS: dict[Any, RoundCosts] = {}
+_CHOICES: dict[Any, tuple[int, dict[str, float]]] = {}
+
+# rounds limit -> (tokens emitted so far over all rows, seconds): one run of a compiled candidate.
+Measure = Callable[[int], tuple[int, float]]
 
 # (costs array, rounds limit) -> (state after the run, blocked on); the compiled generate program.
 Runner = Callable[[jax.Array, int], Any]
@@ -44,10 +53,6 @@ Runner = Callable[[jax.Array, int], Any]
 def widths_for(k: int) -> tuple[int, ...]:
     """Verification widths of an adaptive chain of at most ``k`` drafts: WIDTHS up to k + 1, and k + 1."""
     return tuple(sorted({w for w in WIDTHS if w <= k} | {k + 1}))
-
-
-def spec(max_drafts: int = MAX_DRAFTS) -> SpecConfig:
-    return SpecConfig(num_speculative_tokens=max_drafts, adaptive=True)
 
 
 def _forced(widths: tuple[int, ...], j: int, draft_s: float = 0.0, worth_start: float = 2.0) -> RoundCosts:
@@ -89,10 +94,42 @@ def calibrate(key: Any, run: Runner, widths: tuple[int, ...], max_drafts: int) -
     return costs
 
 
-def best_case_speedup(costs: RoundCosts) -> float:
-    """Speedup over plain decoding if every draft were accepted, at the best width."""
-    return max(w * costs.plain_s / (v + (w - 1) * costs.draft_s) for w, v in zip(costs.widths, costs.verify_s))
+def candidates() -> list[SpecConfig | None]:
+    """What auto chooses among: plain decoding (None) and chains of AUTO_CHAINS drafts."""
+    return [None, *(SpecConfig(num_speculative_tokens=k) for k in AUTO_CHAINS)]
 
 
-def worth_speculating(costs: RoundCosts) -> bool:
-    return best_case_speedup(costs) >= 1 + MARGIN
+def candidate_name(spec: SpecConfig | None) -> str:
+    return "plain" if spec is None else f"chain K={spec.num_speculative_tokens}"
+
+
+def calibration_rounds(width: int, max_rounds: int) -> int:
+    """Rounds of a calibration run for a candidate emitting up to ``width`` tokens per round."""
+    return max(1, min(max_rounds, -(-2 * CAL_TOKENS // (width + 1))))
+
+
+def chosen(key: Any) -> bool:
+    return key in _CHOICES
+
+
+def choose(key: Any, measures: dict[int, tuple[Measure, int]]) -> tuple[SpecConfig | None, dict[str, float]]:
+    """The candidate with the most decode tokens/s and every candidate's rate, measured once per
+    ``key``. ``measures[i]``: (a run of candidate i, its calibration rounds); each candidate's rate
+    is (tokens after the rounds - tokens after the prefill) / (the difference in seconds)."""
+    if key not in _CHOICES:
+        for run, rounds in measures.values():  # warm: first runs pay one-time costs
+            run(0), run(rounds)
+        first = {i: float("inf") for i in measures}
+        full = dict(first)
+        emitted = {}
+        for _ in range(AUTO_REPEATS):  # interleaved, so that a machine whose speed drifts biases none
+            for i, (run, rounds) in measures.items():
+                n0, s0 = run(0)
+                n1, s1 = run(rounds)
+                first[i], full[i], emitted[i] = min(first[i], s0), min(full[i], s1), n1 - n0
+        rates = {i: emitted[i] / max(full[i] - first[i], 1e-9) for i in measures}
+        best = max(rates, key=rates.get)
+        specs = candidates()
+        _CHOICES[key] = (best, {candidate_name(specs[i]): r for i, r in rates.items()})
+    best, rates = _CHOICES[key]
+    return candidates()[best], rates

@@ -418,7 +418,7 @@ def _round_adaptive(target: Target, drafter: Drafter, plan: Plan, st: LoopState,
 WORTH_KEEP = 0.8  # weight of the past in the running average of worth
 
 
-def _round_auto(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None):
+def _round_adaptive_or_plain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None):
     """An adaptive round while speculation has paid (``st.worth`` >= 1), else a plain target step.
 
     Worth compares this round's emitted tokens per modelled second with plain decoding's (the
@@ -489,7 +489,7 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
     elif plan.spec is None:
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round, 0)
     elif plan.spec.adaptive:
-        t_cache, d_cache, n, emitted, d_logits, d_feat, worth = _round_auto(target, drafter, plan, st, k_round)
+        t_cache, d_cache, n, emitted, d_logits, d_feat, worth = _round_adaptive_or_plain(target, drafter, plan, st, k_round)
     elif plan.spec.method == "chain":
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round, plan.spec.num_speculative_tokens)
     else:

@@ -9,6 +9,7 @@ output so that some rows stop mid-way and others run to max_new_tokens: every ru
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import jax
@@ -20,9 +21,11 @@ from flax import nnx
 import eagle_jax
 from eagle_jax import ConfigError, Drafter, SpecConfig
 from eagle_jax.config import aux_layer_ids_for
-from eagle_jax.decoding import autospec
+from eagle_jax.decoding import autospec, engine
 from eagle_jax.decoding.engine import RoundCosts, one_round, start
 from eagle_jax.generate import _prepare
+
+generate_module = importlib.import_module("eagle_jax.generate")  # the module (eagle_jax.generate is the function)
 
 from engine_models import drafter_config, markov_drafter, markov_target, random_pair, target_config
 
@@ -194,6 +197,23 @@ def test_row_alone_equals_row_in_batch(markov, runs, name, row):
     assert alone.accepted[0] == batch.accepted[row]
 
 
+@pytest.mark.parametrize("name,temperature", [("chain3", 0.0), ("tree3x3x8", 0.0), ("chain3", 1.0)])
+def test_growing_spans_change_nothing(monkeypatch, markov, name, temperature):
+    """The loop's first phases over the leading cache slots only (engine.growing_spans, switched on
+    here for a small cache) give the tokens and accepted drafts of one loop over the whole cache,
+    sampled runs (the same keys) included."""
+    prompts, new = PROMPTS[:2], 64  # short prompts, long continuations: the rows cross the span
+    kw = dict(max_new_tokens=new, spec=SPECS[name], temperature=temperature, seed=5, eos_token_id=[])
+    whole = eagle_jax.generate(markov[0], markov[1], prompts, **kw)
+    monkeypatch.setattr(engine, "SPAN_MIN_CACHE", 0)
+    monkeypatch.setattr(engine, "SPAN_ALIGN", 8)
+    monkeypatch.setattr(generate_module, "_PROGRAMS", generate_module._Programs())  # trace again, with the phases
+    plan = _prepare(markov[0], markov[1], prompts, new, temperature, 0, 1.0, SPECS[name], [], None)[0]
+    assert engine.growing_spans(plan), plan
+    phased = eagle_jax.generate(markov[0], markov[1], prompts, **kw)
+    assert phased.tokens == whole.tokens and phased.accepted == whole.accepted
+
+
 # ------------------------------------------------------------------------------- 3. cache invariants
 
 
@@ -257,7 +277,7 @@ def _check_invariant(recompute, prompts, st, atol=2e-5):
 def test_caches_equal_recompute_after_each_round(markov, recompute, spec, temperature):
     """prefill + 4 rounds by hand (jitted over nnx.split states); the invariant holds after each."""
     target, drafter = markov[0], markov[1]
-    plan, prompt, lens, rs, _ = _prepare(target, drafter, PROMPTS, MAX_NEW, temperature, 0, 1.0, spec, None, None)
+    plan, prompt, lens, rs = _prepare(target, drafter, PROMPTS, MAX_NEW, temperature, 0, 1.0, spec, None, None)
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(drafter)
     pre = jax.jit(lambda ts, ds, prompt, lens, key: start(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, prompt, lens, rs, key, MAX_NEW))

@@ -8,6 +8,8 @@ path into contiguous slots.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -524,10 +526,41 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
     )
 
 
+SPAN_MIN_CACHE = 1024  # caches from this many slots decode in growing spans (``growing_spans``)
+SPAN_ALIGN = 128
+
+
+def growing_spans(plan: Plan) -> tuple[int, ...]:
+    """Spans (leading cache slots read) of the loop's first phases, before the whole cache.
+
+    Attention reads every slot it is given, used or not (about 2 us per slot and step for the bundled
+    target on a CPU core), so a one-shot cache sized for prompt + max_new costs a short row as much as
+    a full one. From SPAN_MIN_CACHE slots the rounds run in phases: while every active row fits in a
+    quarter, then a half of the cache, they read only that; then all of it. Each phase is a copy of
+    the round in the program (compile time), hence only for large caches. Spans the prompts already
+    fill are skipped (the prompt length is the plan's cache length less max_new and the scratch)."""
+    if plan.span is not None or plan.cache_len < SPAN_MIN_CACHE:
+        return ()
+    prompt_len = plan.cache_len - plan.max_rounds - scratch_slots(plan.spec) - 1
+    spans = {-(-plan.cache_len // (4 // f) // SPAN_ALIGN) * SPAN_ALIGN for f in (1, 2)}
+    return tuple(sorted(s for s in spans if prompt_len + 2 * (scratch_slots(plan.spec) + 1) <= s < plan.cache_len))
+
+
 def run_rounds(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, limit: Array) -> LoopState:
-    """Rounds until every row is done or ``limit`` rounds have run in total (at most ``plan.max_rounds``)."""
+    """Rounds until every row is done or ``limit`` rounds have run in total (at most ``plan.max_rounds``);
+    for large caches, the first ones over the leading slots only (``growing_spans``). A round's span
+    changes what attention reads, never the tokens: slots past a row's length are masked either way."""
+    stop = jnp.minimum(limit, plan.max_rounds)
+    scratch = scratch_slots(plan.spec) + 1
+    for span in growing_spans(plan):
+        phase = dataclasses.replace(plan, span=span)
+
+        def fits(s: LoopState, span=span):  # every active row's writes this round stay below the span
+            return jnp.any(~s.done) & (s.rounds < stop) & (jnp.max(jnp.where(s.done, 0, s.length)) + scratch <= span)
+
+        st = jax.lax.while_loop(fits, lambda s, phase=phase: one_round(target, drafter, phase, s), st)
 
     def cond(s: LoopState):
-        return jnp.any(~s.done) & (s.rounds < jnp.minimum(limit, plan.max_rounds))
+        return jnp.any(~s.done) & (s.rounds < stop)
 
     return jax.lax.while_loop(cond, lambda s: one_round(target, drafter, plan, s), st)

@@ -199,7 +199,7 @@ def heldout_code_prompts(tokenizer, n: int, *, seed: int = 0, min_chars: int = 2
         rng = np.random.default_rng(seed)
         return [{"ids": rng.integers(10, vocab_size, int(rng.integers(60, 200))).tolist(), "name": f"random{i}", "text": None}
                 for i in range(n)]
-    from eagle_jax.training.corpus import code_prompts, load_corpus
+    from workshop.corpus import code_prompts, load_corpus
 
     picked = code_prompts(load_corpus(manifest, "heldout"), n, seed=seed, min_chars=min_chars, max_chars=max_chars)
     if len(picked) < n:

@@ -150,7 +150,7 @@ def heldout_stream(tokenizer, vocab_size: int, seed: int) -> tuple[np.ndarray, i
         rng = np.random.default_rng(seed)
         toks = rng.integers(10, vocab_size, 200_000)
         return toks, None, rng.random(len(toks)) < 0.1
-    from eagle_jax.training.corpus import load_corpus
+    from workshop.corpus import load_corpus
 
     sep = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
     sep = sep if isinstance(sep, int) and sep >= 0 and sep != tokenizer.unk_token_id else None

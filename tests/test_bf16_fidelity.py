@@ -53,7 +53,7 @@ C = 4.0  # near-tie bound in units of 2**-8 * max|logit| (module docstring)
 
 pytestmark = pytest.mark.skipif(
     not all((d / "model.safetensors").exists() for d in (TARGET, DRAFTER)),
-    reason="bundled pair not built (python -m train.pretrain_target && python -m train.bundle)",
+    reason="bundled pair not built (python -m workshop.pretrain_target && python -m workshop.bundle)",
 )
 
 
@@ -67,7 +67,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def test_bf16_greedy_divergences_are_near_ties(capsys, record_property):
     from transformers import AutoTokenizer
 
-    from eagle_jax.training.corpus import code_prompts, load_corpus
+    from workshop.corpus import code_prompts, load_corpus
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     picked = code_prompts(load_corpus(MANIFEST, "heldout"), N_PROMPTS, seed=0, min_chars=4 * PROMPT_LEN, max_chars=4000)

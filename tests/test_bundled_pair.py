@@ -25,7 +25,7 @@ N_PROMPTS, MAX_NEW = 6, 64
 
 pytestmark = pytest.mark.skipif(
     not all((d / "model.safetensors").exists() for d in (TARGET, *DRAFTERS.values())),
-    reason="bundled pair not built (python -m train.pretrain_target && python -m train.bundle)",
+    reason="bundled pair not built (python -m workshop.pretrain_target && python -m workshop.bundle)",
 )
 
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 def pair():
     from transformers import AutoTokenizer
 
-    from eagle_jax.training.corpus import code_prompts, load_corpus
+    from workshop.corpus import code_prompts, load_corpus
 
     target = eagle_jax.load_target(TARGET, dtype="float32")
     tok = AutoTokenizer.from_pretrained(TARGET)

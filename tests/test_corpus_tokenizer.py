@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_jax.training.corpus import (
+from workshop.corpus import (
     CorpusMismatchError,
     build_manifest,
     code_prompts,
@@ -16,7 +16,7 @@ from eagle_jax.training.corpus import (
     stdlib_root,
     stdlib_source_files,
 )
-from eagle_jax.training.tokenizer_build import END_TOKEN, train_tokenizer
+from workshop.tokenizer_build import END_TOKEN, train_tokenizer
 
 SAMPLE_SOURCES = [
     '"""Module docstring."""\n\nimport os\n\nCONST = 3\n\n\n'

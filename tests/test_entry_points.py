@@ -25,7 +25,7 @@ def run_all(commands: list[list[str]], cwd: Path, timeout: float = 120) -> list[
     return [subprocess.CompletedProcess(c, p.wait(timeout), p.communicate()[0], None) for c, p in zip(commands, procs)]
 
 
-@pytest.mark.skipif(not bundled.available(), reason="bundled pair not built (python -m train.pretrain_target && python -m train.bundle)")
+@pytest.mark.skipif(not bundled.available(), reason="bundled pair not built (python -m workshop.pretrain_target && python -m workshop.bundle)")
 def test_main_job_uses_the_bundled_pair_from_any_directory(tmp_path):
     out = subprocess.run([sys.executable, "-m", "eagle_jax", "--max-new-tokens", "24"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 def bf16_pair():
     from transformers import AutoTokenizer
 
-    from eagle_jax.training.corpus import code_prompts, load_corpus
+    from workshop.corpus import code_prompts, load_corpus
 
     target = eagle_jax.load_target(TARGET, dtype="bfloat16")
     drafter = eagle_jax.load_drafter(DRAFTER, target)

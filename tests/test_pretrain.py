@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.config import RopeConfig, TargetConfig
-from eagle_jax.training.pretrain import PretrainConfig, pretrain
+from workshop.pretrain import PretrainConfig, pretrain
 
 CONFIG = TargetConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8, rope=RopeConfig(theta=10000.0),

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from eagle_jax import Target, TargetConfig, save_target
 from eagle_jax.training.data import load_samples
-from eagle_jax.training.tokenizer_build import train_tokenizer
+from workshop.tokenizer_build import train_tokenizer
 
 CORPUS = ["def add(a, b):\n    return a + b\n" * 10, "Hello there, how are you? Fine, thanks.\n" * 10]
 

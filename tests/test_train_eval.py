@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 import eagle_jax
 from eagle_jax import Drafter, DrafterConfig, Target, TargetConfig, save_drafter, save_target
-from eagle_jax.training.tokenizer_build import train_tokenizer
+from workshop.tokenizer_build import train_tokenizer
 
 CORPUS = ["def add(a, b):\n    return a + b\n" * 10, "for i in range(10):\n    print(i)\n" * 10]
 

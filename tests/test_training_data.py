@@ -18,7 +18,7 @@ from eagle_jax.training.data import (
     encode_record,
     load_samples,
 )
-from eagle_jax.training.tokenizer_build import train_tokenizer
+from workshop.tokenizer_build import train_tokenizer
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n" * 10,

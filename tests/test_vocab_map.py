@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eagle_jax.training.data import Sample, load_samples
-from eagle_jax.training.tokenizer_build import train_tokenizer
+from workshop.tokenizer_build import train_tokenizer
 from eagle_jax.training.vocab_map import build_vocab_map, coverage, load_vocab_map, save_vocab_map, token_counts
 
 

@@ -1,1 +1,1 @@
-"""Command-line scripts for building data and training the bundled models."""
+"""`python -m train.<command>`: the console scripts' training commands (ttt, export, regenerate, vocab_map, eval) run from the repository."""

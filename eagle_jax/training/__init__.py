@@ -1,1 +1,1 @@
-"""Training utilities for the bundled tiny target model and the EAGLE-3 drafter."""
+"""Drafter training (TTT), its data, regeneration of training data by the target, and the draft vocabulary map."""

@@ -1,6 +1,6 @@
-"""Build the bundled drafters for the bundled target (after ``python -m train.pretrain_target``).
+"""Build the bundled drafters for the bundled target (after ``python -m workshop.pretrain_target``).
 
-    python -m train.bundle [--target assets/target] [--prompts 640] [--steps 240]
+    python -m workshop.bundle [--target assets/target] [--prompts 640] [--steps 240]
 
 Stages, each skipped when its output exists (rerun the command to resume after a cut-off):
 1. completion prompts from the corpus's TRAIN split (``code_prompts``), and the target's own greedy
@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from eagle_jax import load_target
 from eagle_jax.generate import generate
-from eagle_jax.training.corpus import code_prompts, load_corpus
+from workshop.corpus import code_prompts, load_corpus
 
 MANIFEST = Path("assets/data/manifest.json")
 WORK = Path("runs/bundle")

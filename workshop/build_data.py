@@ -1,6 +1,6 @@
 """Build the corpus manifest and the tokenizer for the bundled tiny code model.
 
-Usage: ``python -m train.build_data --out assets/data [--tokenizer-out assets/tokenizer]``
+Usage: ``python -m workshop.build_data --out assets/data [--tokenizer-out assets/tokenizer]``
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from eagle_jax.training.corpus import build_manifest, load_corpus
-from eagle_jax.training.tokenizer_build import train_tokenizer
+from workshop.corpus import build_manifest, load_corpus
+from workshop.tokenizer_build import train_tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:

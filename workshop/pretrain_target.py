@@ -1,9 +1,9 @@
 """Pretrain the bundled tiny code target on the standard library's Python source.
 
-    python -m train.pretrain_target --out runs/target --export assets/target [--steps N] [--seq-len T]
+    python -m workshop.pretrain_target --out runs/target --export assets/target [--steps N] [--seq-len T]
         [--long-steps N --long-seq-len 2048]
 
-Builds the corpus manifest and tokenizer first if missing (``python -m train.build_data``), resumes
+Builds the corpus manifest and tokenizer first if missing (``python -m workshop.build_data``), resumes
 from ``<out>/ckpt`` if present, and at the end exports an HF directory (config.json,
 model.safetensors in bf16, tokenizer files) that transformers' LlamaForCausalLM also loads.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from eagle_jax.config import RopeConfig, TargetConfig
-from eagle_jax.training.corpus import load_corpus
-from eagle_jax.training.pretrain import PretrainConfig, pretrain
+from workshop.corpus import load_corpus
+from workshop.pretrain import PretrainConfig, pretrain
 
 DATA = Path("assets/data/manifest.json")
 TOKENIZER = Path("assets/tokenizer")
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     ap.add_argument("--long-seq-len", type=int, default=2048)
     args = ap.parse_args(argv)
     if not DATA.exists() or not (TOKENIZER / "tokenizer.json").exists():
-        from train.build_data import main as build_data
+        from workshop.build_data import main as build_data
 
         build_data(["--out", str(DATA.parent), "--tokenizer-out", str(TOKENIZER)])
     out = Path(args.out)

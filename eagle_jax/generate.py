@@ -231,12 +231,12 @@ def _auto_spec(target: Target, drafter: Drafter, prompts, max_new_tokens: int, k
                                               kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
             compiled, args, _ = _program(target, d, plan, prompt, lens, rs, kw["seed"], kw["mesh"])
 
-            def measure(limit: int, compiled=compiled, args=args) -> tuple[int, float]:
+            def measure(limit: int, compiled=compiled, args=args, most=plan.max_rounds) -> tuple[int, float]:
                 t0 = time.perf_counter()
-                n_out = jax.block_until_ready(compiled(*args[:7], jnp.int32(limit)).n_out)
+                n_out = jax.block_until_ready(compiled(*args[:7], jnp.int32(min(limit, most))).n_out)
                 return int(jnp.sum(n_out)), time.perf_counter() - t0
 
-            measures[i] = (measure, autospec.calibration_rounds(plan.width, plan.max_rounds))
+            measures[i] = (measure, autospec.calibration_rounds(plan.width, plan.max_rounds, max_new_tokens))
     return autospec.choose(key, measures)
 
 
@@ -273,7 +273,8 @@ def generate(
 
     ``spec``: a SpecConfig or dict, or "auto" (the default, None, with a drafter): the first call
     for a model pair, batch size and sampling mode times plain decoding and chains of
-    ``autospec.AUTO_CHAINS`` drafts on its own prompts for a few rounds each and keeps the fastest
+    ``autospec.AUTO_CHAINS`` drafts on its own prompts (whole runs up to 128 new tokens, the first
+    rounds' decode rate beyond) and keeps the fastest
     (plain decoding where speculation does not pay: at large batches on a compute-bound device);
     later calls reuse the choice. ``result.stats["spec"]`` says what ran (None: plain decoding).
 

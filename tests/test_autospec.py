@@ -89,12 +89,13 @@ def test_auto_measures_this_machine(pair, plain):
     assert [sum((c[b] for c in streamed), []) for b in range(len(PROMPTS))] == plain.tokens
 
 
-def test_choose_keeps_the_most_decode_tokens_per_second():
-    """Rates exclude the prefill (the run stopped after it is subtracted): candidate i emits
-    tokens[i] per round at seconds[i] per round after a prefill of 5 s."""
+def test_choose_keeps_the_most_tokens_per_second():
+    """With calibration rounds the rate excludes the prefill (the run stopped after it is subtracted);
+    without (short generations) it is the whole run's. Candidate i emits tokens[i] per round at
+    seconds[i] per round after a prefill of 5 s; a whole run is 8 rounds."""
 
     def fake(tokens_per_round, seconds_per_round):
-        return lambda rounds: (3 + tokens_per_round * rounds, 5.0 + seconds_per_round * rounds)
+        return lambda limit: (3 + tokens_per_round * min(limit, 8), 5.0 + seconds_per_round * min(limit, 8))
 
     specs = autospec.candidates()
     fast_k3 = {0: (fake(1, 1.0), 8), 1: (fake(2, 1.5), 8), 2: (fake(4, 2.0), 8), 3: (fake(5, 3.0), 8)}
@@ -103,8 +104,13 @@ def test_choose_keeps_the_most_decode_tokens_per_second():
     plain_wins = {0: (fake(4, 1.0), 8), 1: (fake(2, 1.0), 8), 2: (fake(4, 2.0), 8), 3: (fake(5, 3.0), 8)}
     assert autospec.choose(("test", "plain"), plain_wins)[0] is None
     assert autospec.choose(("test", "k3"), {})[0] == specs[2]  # cached: nothing measured
-    assert autospec.calibration_rounds(1, 100) == 32 and autospec.calibration_rounds(6, 100) == 10
-    assert autospec.calibration_rounds(6, 4) == 4 and autospec.widths_for(6) == (1, 2, 4, 7) and autospec.widths_for(1) == (1, 2)
+    # Whole runs: the prefill counts, (3 + 8 t) / (5 + 8 s): plain 11/13, chain K=3 35/21.
+    whole = {0: (fake(1, 1.0), None), 2: (fake(4, 2.0), None)}
+    chosen, rates = autospec.choose(("test", "whole"), whole)
+    assert chosen == specs[2] and rates["plain"] == pytest.approx(11 / 13) and rates["chain K=3"] == pytest.approx(35 / 21)
+    assert autospec.calibration_rounds(1, 200, 200) == 32 and autospec.calibration_rounds(6, 200, 200) == 10
+    assert autospec.calibration_rounds(6, 4, 129) == 4 and autospec.calibration_rounds(6, 64, 64) is None
+    assert autospec.widths_for(6) == (1, 2, 4, 7) and autospec.widths_for(1) == (1, 2)
 
 
 def test_auto_runs_plain_decoding_when_it_is_faster(monkeypatch, pair, plain):

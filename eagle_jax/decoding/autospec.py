@@ -8,10 +8,10 @@ nearly a step, and plain decoding can win (what vLLM's ``disable_by_batch_size``
 model of it, ``speedup ~ AL / (1 + K x t_draft / t_verify)``, needs AL, which only the traffic
 tells. So the first call for a model pair, batch size and sampling mode runs each candidate
 (``candidates``: plain decoding and chains of ``AUTO_CHAINS`` drafts), compiled at the call's own
-shapes, on the call's own prompts for ``calibration_rounds`` rounds, and keeps the one with the most
-decode tokens per second (prefill excluded: a run stopped after the prefill is subtracted; the
-fastest of ``AUTO_REPEATS`` interleaved passes). Later calls with that pair, batch size and mode
-reuse the choice (``choose``). The cost: compiling the candidates once, and about a second of runs.
+shapes, on the call's own prompts, and keeps the one with the most tokens per second: the whole run
+for short generations, the decode rate of the first rounds for long ones (``calibration_rounds``);
+the fastest of ``AUTO_REPEATS`` interleaved passes. Later calls with that pair, batch size and mode
+reuse the choice (``choose``). The cost: compiling the candidates once, and a few runs of each.
 
 **adaptive chains.** ``calibrate`` times an adaptive program's parts (drafter step, each
 verification width, a plain round) in the compiled loop itself; the rounds then draft while the
@@ -32,6 +32,7 @@ from eagle_jax.decoding.engine import RoundCosts
 
 AUTO_CHAINS = (1, 3, 5)  # auto's chain candidates (drafts per round), besides plain decoding
 CAL_TOKENS = 32  # tokens per row a calibration run of a candidate emits at about AL = (width + 1) / 2
+WHOLE_RUN_TOKENS = 128  # up to this max_new a calibration run is the whole generation
 AUTO_REPEATS = 2
 
 MAX_DRAFTS = 6  # an adaptive round's deepest chain
@@ -103,8 +104,14 @@ def candidate_name(spec: SpecConfig | None) -> str:
     return "plain" if spec is None else f"chain K={spec.num_speculative_tokens}"
 
 
-def calibration_rounds(width: int, max_rounds: int) -> int:
-    """Rounds of a calibration run for a candidate emitting up to ``width`` tokens per round."""
+def calibration_rounds(width: int, max_rounds: int, max_new: int) -> int | None:
+    """Rounds of a calibration run for a candidate emitting up to ``width`` tokens per round, or
+    None: time the whole run. Short generations (max_new <= WHOLE_RUN_TOKENS) are timed whole,
+    prefill included, because there the prefill (the drafter's too) and the batch's tail (rows that
+    finished waiting for the slowest) weigh as much as the rounds' rate; long ones by their first
+    rounds' decode rate, which is what their time is made of."""
+    if max_new <= WHOLE_RUN_TOKENS:
+        return None
     return max(1, min(max_rounds, -(-2 * CAL_TOKENS // (width + 1))))
 
 
@@ -112,22 +119,27 @@ def chosen(key: Any) -> bool:
     return key in _CHOICES
 
 
-def choose(key: Any, measures: dict[int, tuple[Measure, int]]) -> tuple[SpecConfig | None, dict[str, float]]:
-    """The candidate with the most decode tokens/s and every candidate's rate, measured once per
-    ``key``. ``measures[i]``: (a run of candidate i, its calibration rounds); each candidate's rate
-    is (tokens after the rounds - tokens after the prefill) / (the difference in seconds)."""
+def choose(key: Any, measures: dict[int, tuple[Measure, int | None]]) -> tuple[SpecConfig | None, dict[str, float]]:
+    """The candidate with the most tokens/s and every candidate's rate, measured once per ``key``.
+    ``measures[i]``: (a run of candidate i up to a rounds limit, its calibration rounds or None).
+    With rounds R the rate is (tokens after R rounds - tokens after the prefill) / (the difference
+    in seconds); with None, the whole run's tokens / seconds."""
     if key not in _CHOICES:
+        whole = 1 << 30  # a rounds limit past any plan's max_rounds
+
+        def timed(run: Measure, rounds: int | None) -> tuple[int, float]:
+            if rounds is None:
+                return run(whole)
+            (n0, s0), (n1, s1) = run(0), run(rounds)
+            return n1 - n0, max(s1 - s0, 1e-9)
+
         for run, rounds in measures.values():  # warm: first runs pay one-time costs
-            run(0), run(rounds)
-        first = {i: float("inf") for i in measures}
-        full = dict(first)
-        emitted = {}
+            timed(run, rounds)
+        rates = {i: 0.0 for i in measures}
         for _ in range(AUTO_REPEATS):  # interleaved, so that a machine whose speed drifts biases none
             for i, (run, rounds) in measures.items():
-                n0, s0 = run(0)
-                n1, s1 = run(rounds)
-                first[i], full[i], emitted[i] = min(first[i], s0), min(full[i], s1), n1 - n0
-        rates = {i: emitted[i] / max(full[i] - first[i], 1e-9) for i in measures}
+                n, sec = timed(run, rounds)
+                rates[i] = max(rates[i], n / sec)
         best = max(rates, key=rates.get)
         specs = candidates()
         _CHOICES[key] = (best, {candidate_name(specs[i]): r for i, r in rates.items()})

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import eagle_jax
+from eagle_jax import SpecConfig
 from eagle_jax import ConfigError
 from eagle_jax.config import default_aux_layer_ids
 from engine_models import random_pair
@@ -45,11 +46,12 @@ def test_eos_from_config_json(saved_pair):
     target = eagle_jax.load_target(root / "target")
     drafter = eagle_jax.load_drafter(root / "drafter", target)
     cut = plain[: plain.index(eos) + 1]
+    chain = SpecConfig(num_speculative_tokens=3)  # (spec="auto", the default, is tests/test_autospec.py's)
     for d in (None, drafter):
-        assert eagle_jax.generate(target, d, [[1, 2, 3]], max_new_tokens=MAX_NEW).tokens[0] == cut
+        assert eagle_jax.generate(target, d, [[1, 2, 3]], max_new_tokens=MAX_NEW, spec=chain).tokens[0] == cut
         # An explicit empty list turns stopping off.
-        assert eagle_jax.generate(target, d, [[1, 2, 3]], max_new_tokens=MAX_NEW, eos_token_id=[]).tokens[0] == plain
-    chunks = list(eagle_jax.generate_stream(target, drafter, [[1, 2, 3]], max_new_tokens=MAX_NEW, rounds_per_chunk=2))
+        assert eagle_jax.generate(target, d, [[1, 2, 3]], max_new_tokens=MAX_NEW, spec=chain, eos_token_id=[]).tokens[0] == plain
+    chunks = list(eagle_jax.generate_stream(target, drafter, [[1, 2, 3]], max_new_tokens=MAX_NEW, rounds_per_chunk=2, spec=chain))
     assert [t for c in chunks for t in c[0]] == cut
 
 
@@ -75,7 +77,7 @@ def test_drafter_overrides(saved_pair):
     assert flipped.config.norm_output and flipped.config.fc_norm == base.config.fc_norm
     moved = eagle_jax.load_drafter(root / "drafter", target, overrides={"aux_layer_ids": [0, 1, 2]})
     assert moved.config.aux_layer_ids == (0, 1, 2) and base.config.aux_layer_ids == default_aux_layer_ids(4)
-    out = eagle_jax.generate(target, moved, [[1, 2, 3]], max_new_tokens=4, eos_token_id=[])
+    out = eagle_jax.generate(target, moved, [[1, 2, 3]], max_new_tokens=4, eos_token_id=[], spec=SpecConfig(num_speculative_tokens=3))
     assert len(out.tokens[0]) == 4
     with pytest.raises(ConfigError, match=r"overrides \['hidden_size'\] are not overridable"):
         eagle_jax.load_drafter(root / "drafter", target, overrides={"hidden_size": 64})

@@ -61,11 +61,10 @@ def test_mla_drafter_greedy_speculative_equals_plain(mla_pair, plain, spec):
     assert out.acceptance_length > 2.0  # the drafter's latent cache is read right: it is often right
 
 
-@pytest.mark.parametrize("drafter_kind", ["gqa", "mla"])
-def test_slot_engine_equals_generate(drafter_kind, request, plain):
+def test_slot_engine_equals_generate(mla_pair, plain):
     """Three requests in four slots: every program runs on the leading rows of the shared latent caches
-    (the MLA drafter's included)."""
-    target, drafter = request.getfixturevalue({"gqa": "pair", "mla": "mla_pair"}[drafter_kind])
+    (the MLA drafter's included; a GQA drafter's cache in the slot engine: tests/test_serving.py)."""
+    target, drafter = mla_pair
     engine = SlotEngine(target, drafter, slots=4, max_len=64, specs=(TREE,), rounds_per_step=2, eos_ids=())
     sched = Scheduler(engine, SpecSchedule.fixed(TREE)).start()
     try:

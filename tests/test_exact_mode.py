@@ -49,7 +49,6 @@ def test_exact_mode_has_zero_divergences_in_bf16(bf16_pair):
     target, drafter, prompts = bf16_pair
     reference = [_gen(target, None, [p])[0] for p in prompts]  # plain decoding, one prompt at a time
     assert [_gen(target, drafter, [p])[0] for p in prompts] == reference, "exact chain at batch 1 != plain"
-    assert _gen(target, None, prompts) == reference, "exact plain in a ragged batch != plain at batch 1"
     assert _gen(target, drafter, prompts, TREE) == reference, "exact tree in a ragged batch != plain at batch 1"
     streamed = [[] for _ in prompts]
     for chunk in eagle_jax.generate_stream(target, drafter, prompts, max_new_tokens=MAX_NEW, spec=CHAIN, eos_token_id=[], exact=True):

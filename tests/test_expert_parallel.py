@@ -1,7 +1,7 @@
 """A DeepSeek-V3-style target (MLA + MoE) sharded over 8 host CPU devices gives the tokens, accepted
 drafts and logits of one device: experts over the "expert" mesh axis, heads and expert hidden units
-over "model". The pair is engine_models' near-bigram one (with a GQA drafter, and with an MLA drafter
-whose latent cache is laid out by the same rules), so tree rounds accept several drafts. TTT training
+over "model". The pair is engine_models' near-bigram one with an MLA drafter (whose latent cache is
+laid out by the same rules as the target's), so tree rounds accept several drafts. TTT training
 of an MLA drafter against that target on a data x expert x model mesh follows the loss curve of a
 data-parallel run (8 shards of the batch: the same sums in another order; 2e-5 relative, as
 tests/test_training.py allows for sharded runs).
@@ -26,15 +26,12 @@ SCRIPT = textwrap.dedent(
     import eagle_jax as ej
     from eagle_jax.config import SpecConfig
     from eagle_jax.sharding import make_mesh, shard_tree
-    from engine_models import deepseek_config, markov_drafter, markov_mla_drafter, markov_target
+    from engine_models import deepseek_config, markov_mla_drafter, markov_target
 
     assert len(jax.devices()) == 8, jax.devices()
     t, succ = markov_target(vocab=32, hidden=64, seed=1, eps=0.1, config=deepseek_config(32, 64))
-    d, _ = markov_drafter(t, succ, seed=1, disagree=0.25)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 12]
     spec = SpecConfig(method="tree", tree_top_k=3, tree_depth=3, tree_total_tokens=8)
-    ref = ej.generate(t, d, prompts, max_new_tokens=10, spec=spec, eos_token_id=[])
-    assert max(a for row in ref.accepted for a in row) >= 2, ref.accepted
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 32, (2, 16)), jnp.int32)
     graph, state = nnx.split(t)
@@ -43,10 +40,6 @@ SCRIPT = textwrap.dedent(
     # Tensor parallelism alone (the "model" axis) is covered by test_tensor_parallel.py.
     meshes = {"expert4 x model2": make_mesh(1, 1, 2, expert=4), "expert8": make_mesh(expert=8)}
     for name, mesh in meshes.items():
-        if name == "expert4 x model2":  # the loop on both axes at once (compiling it is most of this test)
-            r = ej.generate(t, d, prompts, max_new_tokens=10, spec=spec, eos_token_id=[], mesh=mesh)
-            assert r.tokens == ref.tokens, (name, r.tokens, ref.tokens)
-            assert r.accepted == ref.accepted, name
         sharded = shard_tree(state, mesh)
         logits, aux = forward(sharded, ids)
         for got, want in ((logits, ref_logits), (aux, ref_aux)):
@@ -58,6 +51,7 @@ SCRIPT = textwrap.dedent(
         print(name, "max rel err", err)
     mla, _ = markov_mla_drafter(t, succ, seed=1, disagree=0.25)
     ref = ej.generate(t, mla, prompts, max_new_tokens=10, spec=spec, eos_token_id=[])
+    # The whole loop on both axes at once (compiling it is most of this test).
     r = ej.generate(t, mla, prompts, max_new_tokens=10, spec=spec, eos_token_id=[], mesh=meshes["expert4 x model2"])
     assert (r.tokens, r.accepted) == (ref.tokens, ref.accepted), "MLA drafter"
     assert max(a for row in ref.accepted for a in row) >= 2, ref.accepted

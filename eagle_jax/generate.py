@@ -218,10 +218,17 @@ def _program(target: Target, drafter: Drafter | None, plan: Plan, prompt, lens, 
     return compiled, args, compile_s
 
 
+def _wants_auto(drafter: Drafter | None, spec) -> bool:
+    """A drafter and no spec (or "auto"): the speculation is chosen by measurement (``_auto_spec``)."""
+    return drafter is not None and (spec is None or (isinstance(spec, str) and spec == "auto"))
+
+
 def _auto_spec(target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict) -> tuple[SpecConfig | None, dict]:
-    """The candidate (``autospec.candidates``: plain decoding or a chain) with the most decode
-    tokens/s on these prompts, measured once per model pair, batch size and sampling mode
-    (``autospec.choose``); returns (its spec, None for plain decoding; the measured rates)."""
+    """The candidate (``autospec.candidates``: plain decoding or a chain) with the most tokens/s on
+    these prompts (``autospec.calibration_rounds`` says how it is timed), measured once per model
+    pair, batch size and sampling mode (``autospec.choose``); returns (its spec, None for plain
+    decoding; the measured rates)."""
+    check_pair(target.config, drafter.config)
     key = (nnx.graphdef(target), nnx.graphdef(drafter), id(target), id(drafter), len(prompts), kw["temperature"] == 0.0, kw["exact"], kw["mesh"])
     measures = {}
     if not autospec.chosen(key):
@@ -283,8 +290,7 @@ def generate(
     """
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer,
               mesh=mesh, exact=exact)
-    if drafter is not None and (spec is None or (isinstance(spec, str) and spec == "auto")):
-        check_pair(target.config, drafter.config)
+    if _wants_auto(drafter, spec):
         chosen, rates = _auto_spec(target, drafter, prompts, max_new_tokens, kw)
         res = generate(target, drafter if chosen is not None else None, prompts, max_new_tokens=max_new_tokens, spec=chosen, **kw)
         res.stats.update(spec=chosen, auto_rates=rates)
@@ -318,8 +324,7 @@ def generate_stream(
     ``spec`` as in ``generate`` ("auto" chooses with generate's programs, then streams the choice)."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
-    if drafter is not None and (spec is None or (isinstance(spec, str) and spec == "auto")):
-        check_pair(target.config, drafter.config)
+    if _wants_auto(drafter, spec):
         kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer,
                   mesh=None, exact=exact)
         spec, _ = _auto_spec(target, drafter, prompts, max_new_tokens, kw)

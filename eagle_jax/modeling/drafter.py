@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import DrafterConfig
-from eagle_jax.modeling.layers import MLP, Attention, Frozen, Linear, RMSNorm, causal_mask, rope_cos_sin, weight_matrix
+from eagle_jax.modeling.layers import MLP, Attention, Frozen, InitKeys, Linear, RMSNorm, causal_mask, rope_cos_sin, weight_matrix
 from eagle_jax.modeling.mla import MLAttention
 
 Array = jax.Array
@@ -28,16 +28,16 @@ class Drafter(nnx.Module):
     """
 
     def __init__(self, config: DrafterConfig, embed: Array | None = None, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
-        rngs = rngs or nnx.Rngs(0)
+        keys = InitKeys(rngs or nnx.Rngs(0))
         c = config
         self.config = config
         self.dtype = dtype
         h = c.hidden_size
         if embed is None:
-            embed = jax.random.normal(rngs.params(), (c.vocab_size, h)) * 0.02
+            embed = jax.random.normal(keys.params(), (c.vocab_size, h)) * 0.02
         # The target's embedding, frozen: absent from EAGLE checkpoints.
         self.embed_tokens = weight_matrix(embed, dtype, Frozen)  # float32-stored on CPU for bf16, as the target's
-        self.fc = Linear(c.fc_in_features, h, dtype=dtype, rngs=rngs)
+        self.fc = Linear(c.fc_in_features, h, dtype=dtype, rngs=keys)
         if c.fc_norm:
             self.fc_norm = nnx.List([RMSNorm(c.target_hidden_size, c.rms_norm_eps, dtype=dtype) for _ in range(c.num_aux_hidden_states)])
         else:
@@ -47,13 +47,14 @@ class Drafter(nnx.Module):
         self.input_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
         if c.mla is not None:
             # Latent norms with the drafter's rms_norm_eps, as the engines and trainers of MLA drafters build them.
-            self.self_attn = MLAttention(2 * h, h, c.num_heads, c.mla, c.rope, latent_eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+            self.self_attn = MLAttention(2 * h, h, c.num_heads, c.mla, c.rope, latent_eps=c.rms_norm_eps, dtype=dtype, rngs=keys)
         else:
-            self.self_attn = Attention(2 * h, h, c.num_heads, c.num_kv_heads, c.head_dim, dtype=dtype, rngs=rngs)
+            self.self_attn = Attention(2 * h, h, c.num_heads, c.num_kv_heads, c.head_dim, dtype=dtype, rngs=keys)
         self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(h, c.intermediate_size, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(h, c.intermediate_size, dtype=dtype, rngs=keys)
         self.norm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
-        self.lm_head = Linear(h, c.draft_vocab_size, dtype=dtype, rngs=rngs)
+        self.lm_head = Linear(h, c.draft_vocab_size, dtype=dtype, rngs=keys)
+        keys.commit()
         # d2t holds offsets: target_id = draft_id + d2t[draft_id]. Identity when Vd == V.
         self.d2t = Frozen(jnp.zeros((c.draft_vocab_size,), jnp.int32))
         self.t2d = Frozen(jnp.ones((c.vocab_size,), bool) if c.draft_vocab_size == c.vocab_size else jnp.zeros((c.vocab_size,), bool))

@@ -99,11 +99,39 @@ def project(spec: str, x: Array, w: Array, accumulate_f32: bool = False) -> Arra
     return y if accumulate_f32 else y.astype(x.dtype)
 
 
+class InitKeys:
+    """The parameter-init keys ``rngs.params()`` would draw (fold_in of the stream's key and a running
+    count), counted in Python; ``commit`` advances ``rngs`` past them.
+
+    nnx.Rngs counts in a Variable, and under ``nnx.eval_shape`` each draw updates it in the trace,
+    where JAX's sharding lookup on the traced count walks the trace so far: abstract builds grew
+    quadratic in the number of weights (Kimi-K2's 741 took 30 s). The values are the same either way.
+    """
+
+    def __init__(self, rngs: nnx.Rngs):
+        self._rngs = rngs
+        self._key = rngs.params.key[...]
+        self._start = rngs.params.count[...]
+        self._drawn = 0
+
+    def params(self) -> Array:
+        key = jax.random.fold_in(self._key, self._start + self._drawn)
+        self._drawn += 1
+        return key
+
+    def commit(self) -> None:
+        self._rngs.params.count[...] = self._start + self._drawn
+
+
+# What module constructors draw init keys from (both have ``.params()``).
+KeySource = nnx.Rngs | InitKeys
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias). The kernel is stored [in, out]: the transpose of a torch Linear weight,
     in ``weight_matrix``'s storage dtype."""
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype=jnp.float32, rngs: KeySource):
         std = 1.0 / math.sqrt(d_in)
         self.kernel = weight_matrix(jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32) * std, dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
@@ -119,7 +147,7 @@ class Linear(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, inter: int, *, dtype, rngs: KeySource):
         self.gate_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(inter, hidden, dtype=dtype, rngs=rngs)
@@ -299,7 +327,7 @@ class Attention(nnx.Module):
         bias: bool = False,
         qk_norm_eps: float | None = None,
         dtype,
-        rngs: nnx.Rngs,
+        rngs: KeySource,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = 1.0 / math.sqrt(head_dim)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import MLAConfig, RopeConfig, TargetConfig
-from eagle_jax.modeling.layers import Linear, RMSNorm, apply_rope, write_kv
+from eagle_jax.modeling.layers import KeySource, Linear, RMSNorm, apply_rope, write_kv
 
 Array = jax.Array
 
@@ -96,7 +96,7 @@ class MLAttention(nnx.Module):
         bias: bool = False,
         latent_eps: float = LATENT_NORM_EPS,
         dtype,
-        rngs: nnx.Rngs,
+        rngs: KeySource,
     ):
         self.num_heads, self.mla = num_heads, mla
         self.scale = softmax_scale(mla, rope)

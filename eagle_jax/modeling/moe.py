@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import MoEConfig
-from eagle_jax.modeling.layers import MLP
+from eagle_jax.modeling.layers import MLP, KeySource
 
 Array = jax.Array
 
@@ -31,7 +31,7 @@ FLOAT32_VARIABLES = ("e_score_correction_bias",)
 class Router(nnx.Module):
     """HF's ``mlp.gate``: ``weight`` [E, H] (torch layout) and ``e_score_correction_bias`` [E]."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, moe: MoEConfig, *, dtype, rngs: KeySource):
         self.moe = moe
         e = moe.n_routed_experts
         self.weight = nnx.Param((jax.random.normal(rngs.params(), (e, hidden), jnp.float32) / math.sqrt(hidden)).astype(dtype))
@@ -61,7 +61,7 @@ class Router(nnx.Module):
 class ExpertLinear(nnx.Module):
     """One [in, out] kernel per expert, stacked as ``kernel`` [E, in, out]."""
 
-    def __init__(self, experts: int, d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, experts: int, d_in: int, d_out: int, *, dtype, rngs: KeySource):
         std = 1.0 / math.sqrt(d_in)
         self.kernel = nnx.Param((jax.random.normal(rngs.params(), (experts, d_in, d_out), jnp.float32) * std).astype(dtype))
 
@@ -73,7 +73,7 @@ class ExpertLinear(nnx.Module):
 class Experts(nnx.Module):
     """The routed experts, SwiGLU each: HF's ``mlp.experts.{e}.{gate,up,down}_proj``, stacked."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, moe: MoEConfig, *, dtype, rngs: KeySource):
         e, inter = moe.n_routed_experts, moe.moe_intermediate_size
         self.gate_proj = ExpertLinear(e, hidden, inter, dtype=dtype, rngs=rngs)
         self.up_proj = ExpertLinear(e, hidden, inter, dtype=dtype, rngs=rngs)
@@ -87,7 +87,7 @@ class Experts(nnx.Module):
 class MoE(nnx.Module):
     """Routed experts plus shared experts, for a layer past ``first_k_dense_replace``."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, moe: MoEConfig, *, dtype, rngs: KeySource):
         self.gate = Router(hidden, moe, dtype=dtype, rngs=rngs)
         self.experts = Experts(hidden, moe, dtype=dtype, rngs=rngs)
         shared = moe.moe_intermediate_size * moe.n_shared_experts

@@ -14,6 +14,8 @@ from eagle_jax.config import TargetConfig, default_aux_layer_ids
 from eagle_jax.modeling.layers import (
     MLP,
     Attention,
+    InitKeys,
+    KeySource,
     Linear,
     RMSNorm,
     causal_mask,
@@ -62,7 +64,7 @@ class KVCache:
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block; attention GQA or MLA and MLP dense or MoE, as the config says for layer ``index``."""
 
-    def __init__(self, c: TargetConfig, index: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, c: TargetConfig, index: int, *, dtype, rngs: KeySource):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         if c.mla is not None:
             self.self_attn = MLAttention(
@@ -106,11 +108,13 @@ class Target(nnx.Module):
         self.config = config
         self.dtype = dtype
         c = config
+        keys = InitKeys(rngs)
         # A weight matrix (gathered, and the lm_head when tied): float32-stored on CPU for bf16 (layers.weight_matrix).
-        self.embed_tokens = weight_matrix(jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size)) * 0.02, dtype)
-        self.layers = nnx.List([DecoderLayer(c, i, dtype=dtype, rngs=rngs) for i in range(c.num_layers)])
+        self.embed_tokens = weight_matrix(jax.random.normal(keys.params(), (c.vocab_size, c.hidden_size)) * 0.02, dtype)
+        self.layers = nnx.List([DecoderLayer(c, i, dtype=dtype, rngs=keys) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=keys)
+        keys.commit()
 
     def embed(self, input_ids: Array) -> Array:
         return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)

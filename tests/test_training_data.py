@@ -191,6 +191,8 @@ def test_batcher_errors():
         Batcher(_samples(8, 16), batch_size=2, max_length=4)
     with pytest.raises(DataError, match="'pad' or 'bucket'"):
         Batcher(_samples(8, 8), batch_size=2, max_length=8, mode="sorted")
+    with pytest.raises(DataError, match="buckets \\[4, 8\\] are for batching mode 'bucket'; mode 'pack'"):
+        Batcher(_samples(8, 8), batch_size=2, max_length=8, mode="pack", buckets=(4, 8))
 
 
 def test_greedy_samples_are_the_targets_own_continuations():

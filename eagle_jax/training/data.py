@@ -295,6 +295,8 @@ class Batcher:
             self.buckets = tuple(sorted(self.buckets or default_buckets(self.max_length)))
             if self.buckets[-1] < self.max_length:
                 raise DataError(f"largest bucket {self.buckets[-1]} < max_length {self.max_length}")
+        elif self.buckets and tuple(self.buckets) != (self.max_length,):
+            raise DataError(f"buckets {list(self.buckets)} are for batching mode 'bucket'; mode {self.mode!r} pads every row to max_length")
         else:
             self.buckets = (self.max_length,)
         self._lengths = np.array([len(s) for s in self.samples], np.int64)

@@ -218,3 +218,38 @@ def test_chat_template_assistant_mask(small_tokenizer) -> None:
         runs.append(cur)
     assert runs == expected_spans
     assert sum(mask) == sum(len(s) for s in expected_spans)
+
+
+def test_package_corpus_is_permissive_pinned_and_checked(tmp_path: Path, monkeypatch) -> None:
+    """The package source (continued pretraining's extra data): an installed distribution's own .py files
+    without its tests, its version and licence in the manifest, a changed file named with the pins."""
+    from importlib import metadata
+
+    from workshop.corpus import package_license, package_root, package_source_files
+
+    files = package_source_files(["optax"])
+    rels = [f.relative_to(package_root()).as_posix() for f in files]
+    assert rels and all(r.startswith("optax/") and r.endswith(".py") for r in rels)
+    assert not any("/tests/" in r or "/test/" in r for r in rels) and rels == sorted(rels)
+
+    # A copy of the files under another root: the manifest pins optax's version, a changed file names it.
+    root = tmp_path / "site"
+    for f, r in zip(files, rels):
+        (root / r).parent.mkdir(parents=True, exist_ok=True)
+        (root / r).write_bytes(f.read_bytes())
+    manifest = build_manifest(tmp_path / "packages.json", root=root, files=rels, packages=["optax"])
+    assert manifest["source"] == "python-packages"
+    assert manifest["packages"]["optax"]["version"] == metadata.version("optax")
+    assert len(load_corpus(tmp_path / "packages.json", "train", root=root)) == manifest["totals"]["train"]["files"]
+    victim = next(e["path"] for e in manifest["files"] if e["split"] == "train")
+    (root / victim).write_text("x = 1\n", encoding="utf-8")
+    with pytest.raises(CorpusMismatchError, match=f"optax=={metadata.version('optax')}"):
+        load_corpus(tmp_path / "packages.json", "train", root=root)
+
+    from email.message import Message
+
+    gpl = Message()
+    gpl["License-Expression"] = "GPL-3.0-only"
+    monkeypatch.setattr(metadata, "metadata", lambda name: gpl)
+    with pytest.raises(ValueError, match="optax: licence 'GPL-3.0-only' is not one of the permissive"):
+        package_license("optax")

@@ -62,3 +62,23 @@ def test_long_phase_must_fit(tmp_path):
     with pytest.raises(ValueError, match="max_position_embeddings 64"):
         pretrain(CONFIG, _stream(2000, 1), _stream(400, 1), cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_continued_pretraining_starts_from_the_given_weights(tmp_path):
+    """``init_from``: step 0 is the given model (its held-out loss, not a random model's), the optimiser is
+    fresh, and a model of another shape is refused before anything is written."""
+    stream, heldout = _stream(4000, 2), _stream(800, 2)
+    base = pretrain(CONFIG, stream, heldout, PretrainConfig(steps=8, batch=4, seq_len=16, lr=1e-2, warmup=2, save_every=8), tmp_path / "base")
+    from workshop.pretrain import lm_loss
+    import jax.numpy as jnp
+
+    windows = jnp.asarray(np.stack([heldout[i : i + 17] for i in range(0, 320, 40)]).astype(np.int32))
+    base_loss = float(lm_loss(base, windows))
+    cont = pretrain(CONFIG, stream, heldout, PretrainConfig(steps=1, batch=4, seq_len=16, lr=1e-9, warmup=0, save_every=1),
+                    tmp_path / "cont", init_from=tmp_path / "base/ckpt")
+    assert abs(float(lm_loss(cont, windows)) - base_loss) < 1e-4 < np.log(64) - base_loss
+
+    other = TargetConfig(**{**CONFIG.__dict__, "hidden_size": 48, "head_dim": 12})
+    with pytest.raises(ValueError, match="parameter shapes differ"):
+        pretrain(other, stream, heldout, PretrainConfig(steps=1, batch=2, seq_len=16), tmp_path / "bad", init_from=tmp_path / "base/ckpt")
+    assert not (tmp_path / "bad" / "ckpt").exists()

@@ -1,6 +1,9 @@
-"""Reproducible code corpus: the Python source of the running interpreter's standard library.
+"""Reproducible code corpus: the Python source of the running interpreter's standard library, and of
+permissively licensed installed packages.
 
-The bundled tiny code model is trained on the ``.py`` files of the standard library.
+The bundled tiny code model is trained on the ``.py`` files of the standard library and (from its
+continued pretraining on) of the permissively licensed packages the project itself installs
+(``PACKAGES``).
 ``build_manifest`` records exactly which files (and which bytes, via sha256) make up each
 split; ``load_corpus`` re-reads them and refuses to continue if anything differs, so a run
 on a different Python version fails loudly instead of silently training on other data.
@@ -30,6 +33,13 @@ SPLITS = ("train", "heldout")
 _EXCLUDED_DIR_NAMES = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests"})
 # Top-level directories excluded (idlelib; lib2to3's test data lives under lib2to3/tests).
 _EXCLUDED_TOP_DIRS = frozenset({"idlelib"})
+
+
+# Packages whose source extends the training data: installed by the project's own dependencies, so any
+# machine that installs it can rebuild the corpus (the manifest pins their versions and file hashes).
+PACKAGES = ("jax", "flax", "optax", "numpy", "orbax-checkpoint", "huggingface_hub")
+# Licence names (SPDX expressions, free-text License fields, trove classifiers) accepted as permissive.
+_PERMISSIVE = ("apache", "mit", "bsd", "psf", "python software foundation", "isc", "0bsd", "zlib")
 
 
 class CorpusMismatchError(RuntimeError):
@@ -89,6 +99,51 @@ def stdlib_source_files(root: str | os.PathLike | None = None) -> list[Path]:
     return [path for _, path in found]
 
 
+def package_root() -> Path:
+    """Directory of the running interpreter's installed pure-Python packages."""
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def package_license(distribution: str) -> str:
+    """The distribution's licence as its metadata states it; ValueError if that is not permissive."""
+    from importlib import metadata
+
+    meta = metadata.metadata(distribution)
+    # The most specific statement first: the SPDX expression, then the classifier, then the free text.
+    stated = [meta.get("License-Expression") or ""]
+    stated += [c.split("::")[-1].strip() for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
+    stated += [(meta.get("License") or "").strip().split("\n")[0]]
+    stated = [x for x in stated if x]
+    if not stated or not any(p in stated[0].lower() for p in _PERMISSIVE):
+        raise ValueError(f"{distribution}: licence {stated[0] if stated else 'unstated'!r} is not one of the permissive {_PERMISSIVE}")
+    return stated[0]
+
+
+def package_source_files(distributions: Sequence[str] = PACKAGES, root: Path | None = None) -> list[Path]:
+    """The ``.py`` files the given installed distributions own under ``root`` (default
+    ``package_root()``), with the standard library's exclusions (tests, oversized, not UTF-8),
+    sorted by relative path. Each distribution must be installed and permissively licensed."""
+    from importlib import metadata
+
+    root = root or package_root()
+    found = []
+    for name in distributions:
+        package_license(name)
+        for f in metadata.distribution(name).files or []:
+            path = Path(metadata.distribution(name).locate_file(f)).resolve()
+            if path.suffix != ".py" or not path.is_relative_to(root.resolve()):
+                continue
+            rel = path.relative_to(root.resolve())
+            if _excluded(rel) or path.stat().st_size > MAX_FILE_BYTES:
+                continue
+            try:
+                path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            found.append(rel)
+    return [root / r for r in sorted(set(found), key=lambda r: r.as_posix())]
+
+
 def split_of(relative_path: str) -> str:
     """Split ("train" or "heldout") of a file, from a hash of its posix relative path."""
     digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
@@ -108,14 +163,21 @@ def build_manifest(
     out_path: str | os.PathLike,
     root: str | os.PathLike | None = None,
     files: Iterable[str | os.PathLike] | None = None,
+    packages: Sequence[str] | None = None,
 ) -> dict:
     """Write a JSON manifest of the corpus to ``out_path`` and return it.
 
-    ``root`` defaults to the standard library directory; ``files`` (absolute, or relative to
-    ``root``) defaults to ``stdlib_source_files(root)``. Paths are stored relative to ``root``.
+    The standard library by default: ``root`` defaults to its directory and ``files`` (absolute, or
+    relative to ``root``) to ``stdlib_source_files(root)``. With ``packages``, the source of those
+    installed distributions instead (``package_source_files``), their versions and licences recorded.
+    Paths are stored relative to ``root``.
     """
-    root_path = Path(root) if root is not None else stdlib_root()
-    paths = stdlib_source_files(root_path) if files is None else [Path(f) for f in files]
+    if packages is not None:
+        root_path = Path(root) if root is not None else package_root()
+        paths = package_source_files(packages, root_path) if files is None else [Path(f) for f in files]
+    else:
+        root_path = Path(root) if root is not None else stdlib_root()
+        paths = stdlib_source_files(root_path) if files is None else [Path(f) for f in files]
     entries = []
     for path in paths:
         abs_path = path if path.is_absolute() else root_path / path
@@ -139,7 +201,7 @@ def build_manifest(
     ).hexdigest()
     manifest = {
         "format": MANIFEST_FORMAT,
-        "source": "python-stdlib",
+        "source": "python-stdlib" if packages is None else "python-packages",
         "python": _python_info(),
         "heldout_percent": HELDOUT_PERCENT,
         "max_file_bytes": MAX_FILE_BYTES,
@@ -147,6 +209,10 @@ def build_manifest(
         "totals": totals,
         "files": entries,
     }
+    if packages is not None:
+        from importlib import metadata
+
+        manifest["packages"] = {p: {"version": metadata.version(p), "license": package_license(p)} for p in packages}
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
@@ -166,12 +232,16 @@ def load_corpus(
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     manifest = json.loads(Path(manifest_path).read_text(encoding="utf-8"))
-    root_path = Path(root) if root is not None else stdlib_root()
+    from_packages = manifest.get("source") == "python-packages"
+    root_path = Path(root) if root is not None else package_root() if from_packages else stdlib_root()
     built_with = manifest.get("python", {}).get("version", "?")
-    hint = (
-        f" (manifest built with Python {built_with}, running Python {platform.python_version()};"
-        f" corpus root {root_path.name!r})"
-    )
+    hint = f" (manifest built with Python {built_with}, running Python {platform.python_version()}"
+    if from_packages:
+        from importlib import metadata
+
+        pinned = ", ".join(f"{p}=={v['version']}" for p, v in manifest["packages"].items())
+        hint += f"; it pins {pinned}"
+    hint += f"; corpus root {root_path.name!r})"
     texts = []
     for entry in manifest["files"]:
         if entry["split"] != split:

@@ -73,8 +73,12 @@ def pretrain(
     cfg: PretrainConfig,
     out_dir: str | Path,
     on_save: Callable[[Path], None] | None = None,
+    init_from: str | Path | None = None,
 ) -> Target:
     """Trains from scratch or resumes from ``out_dir/ckpt`` (params, optimiser state, step; the data order is a function of the step).
+
+    ``init_from``: an HF target directory whose weights start a fresh run (new optimiser state and
+    schedule): continued pretraining of an existing model. Ignored once ``out_dir/ckpt`` exists.
 
     Every ``save_every`` steps: an HF checkpoint of the params (bf16 for the final export is the
     caller's choice) plus the optimiser state, written atomically, and a JSONL log line.
@@ -95,7 +99,16 @@ def pretrain(
         opt_state = _load_opt_state(ckpt / "opt_state.npz", opt.init(params))
         print(f"resumed at step {step}")
     else:
-        target = Target(config, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
+        if init_from is not None:
+            target = load_target(init_from, dtype="float32")
+            fresh = nnx.eval_shape(lambda: Target(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+            want = jax.tree.map(lambda x: x.shape, nnx.state(fresh, nnx.Param))
+            got = jax.tree.map(lambda x: x.shape, nnx.state(target, nnx.Param))
+            if want != got:
+                raise ValueError(f"init_from {init_from}: its parameter shapes differ from the configured target's")
+            print(f"starting from the weights of {init_from}")
+        else:
+            target = Target(config, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
         graph, params = nnx.split(target, nnx.Param)
         step, opt_state = 0, opt.init(params)
 

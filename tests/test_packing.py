@@ -255,7 +255,7 @@ def test_pack_batching_epochs_positions_segments_and_resume():
 def test_pad_and_bucket_batches_carry_positions_and_segments():
     samples = _samples(40, 3, 20)
     for mode in ("pad", "bucket"):
-        b = Batcher(samples, batch_size=4, max_length=32, mode=mode, buckets=(16, 32), seed=0, pad_id=1)
+        b = Batcher(samples, batch_size=4, max_length=32, mode=mode, buckets=(16, 32) if mode == "bucket" else None, seed=0, pad_id=1)
         batch = b.batch(DataPosition(0, 0))
         length = batch["input_ids"].shape[1]
         np.testing.assert_array_equal(batch["positions"], np.tile(np.arange(length), (4, 1)))

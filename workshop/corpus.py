@@ -1,9 +1,9 @@
 """Reproducible code corpus: the Python source of the running interpreter's standard library, and of
 permissively licensed installed packages.
 
-The bundled tiny code model is trained on the ``.py`` files of the standard library and (from its
-continued pretraining on) of the permissively licensed packages the project itself installs
-(``PACKAGES``).
+The bundled tiny code model is trained on the ``.py`` files of the standard library. The source of
+permissively licensed packages the project itself installs (``PACKAGES``) can be added to it
+(``workshop.pretrain_target --with-packages``; tried, and not used for the bundled target).
 ``build_manifest`` records exactly which files (and which bytes, via sha256) make up each
 split; ``load_corpus`` re-reads them and refuses to continue if anything differs, so a run
 on a different Python version fails loudly instead of silently training on other data.
@@ -46,6 +46,17 @@ class CorpusMismatchError(RuntimeError):
     """A file listed in the manifest is missing or its content differs from the recorded hash."""
 
 
+def _usable_source(path: Path) -> bool:
+    """A regular file of at most ``MAX_FILE_BYTES`` that decodes as UTF-8."""
+    if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+        return False
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def stdlib_root() -> Path:
     """Directory of the running interpreter's standard library."""
     return Path(sysconfig.get_paths()["stdlib"])
@@ -86,15 +97,8 @@ def stdlib_source_files(root: str | os.PathLike | None = None) -> list[Path]:
             if _excluded(rel):
                 continue
             path = Path(dirpath) / name
-            if not path.is_file():
-                continue
-            if path.stat().st_size > MAX_FILE_BYTES:
-                continue
-            try:
-                path.read_bytes().decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            found.append((rel.as_posix(), path))
+            if _usable_source(path):
+                found.append((rel.as_posix(), path))
     found.sort(key=lambda item: item[0])
     return [path for _, path in found]
 
@@ -126,21 +130,18 @@ def package_source_files(distributions: Sequence[str] = PACKAGES, root: Path | N
     from importlib import metadata
 
     root = root or package_root()
+    resolved = root.resolve()
     found = []
     for name in distributions:
         package_license(name)
-        for f in metadata.distribution(name).files or []:
-            path = Path(metadata.distribution(name).locate_file(f)).resolve()
-            if path.suffix != ".py" or not path.is_relative_to(root.resolve()):
+        dist = metadata.distribution(name)
+        for f in dist.files or []:
+            path = Path(dist.locate_file(f)).resolve()
+            if path.suffix != ".py" or not path.is_relative_to(resolved):
                 continue
-            rel = path.relative_to(root.resolve())
-            if _excluded(rel) or path.stat().st_size > MAX_FILE_BYTES:
-                continue
-            try:
-                path.read_bytes().decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            found.append(rel)
+            rel = path.relative_to(resolved)
+            if not _excluded(rel) and _usable_source(path):
+                found.append(rel)
     return [root / r for r in sorted(set(found), key=lambda r: r.as_posix())]
 
 
@@ -172,12 +173,11 @@ def build_manifest(
     installed distributions instead (``package_source_files``), their versions and licences recorded.
     Paths are stored relative to ``root``.
     """
-    if packages is not None:
-        root_path = Path(root) if root is not None else package_root()
-        paths = package_source_files(packages, root_path) if files is None else [Path(f) for f in files]
+    root_path = Path(root) if root is not None else stdlib_root() if packages is None else package_root()
+    if files is not None:
+        paths = [Path(f) for f in files]
     else:
-        root_path = Path(root) if root is not None else stdlib_root()
-        paths = stdlib_source_files(root_path) if files is None else [Path(f) for f in files]
+        paths = stdlib_source_files(root_path) if packages is None else package_source_files(packages, root_path)
     entries = []
     for path in paths:
         abs_path = path if path.is_absolute() else root_path / path
@@ -237,8 +237,6 @@ def load_corpus(
     built_with = manifest.get("python", {}).get("version", "?")
     hint = f" (manifest built with Python {built_with}, running Python {platform.python_version()}"
     if from_packages:
-        from importlib import metadata
-
         pinned = ", ".join(f"{p}=={v['version']}" for p, v in manifest["packages"].items())
         hint += f"; it pins {pinned}"
     hint += f"; corpus root {root_path.name!r})"

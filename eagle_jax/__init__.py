@@ -2,7 +2,9 @@
 
 from eagle_jax.checkpoint.eagle_drafter import load_drafter, save_drafter
 from eagle_jax.checkpoint.hf_target import load_target, save_target
+from eagle_jax.checkpoint.models import fetch_model
 from eagle_jax.checkpoint.tensor_files import CheckpointError
+from eagle_jax.checkpoint.tokenizer import load_tokenizer
 from eagle_jax.config import ConfigError, DrafterConfig, MLAConfig, MoEConfig, RopeConfig, SpecConfig, TargetConfig
 from eagle_jax.generate import GenerationResult, generate, generate_stream
 from eagle_jax.modeling.drafter import Drafter
@@ -22,9 +24,11 @@ __all__ = [
     "Target",
     "TargetConfig",
     "generate",
+    "fetch_model",
     "generate_stream",
     "load_drafter",
     "load_target",
+    "load_tokenizer",
     "save_drafter",
     "save_target",
 ]

@@ -11,9 +11,12 @@ from flax import nnx
 
 from eagle_jax.checkpoint.block_fp8 import DequantizedFP8, block_size
 from eagle_jax.checkpoint.expert_layout import StackedExperts, per_expert_tensors
+from eagle_jax.checkpoint.gguf import load_gguf_target
 from eagle_jax.checkpoint.hub import resolve_checkpoint
+from eagle_jax.checkpoint.models import resolve_model
 from eagle_jax.checkpoint.module_fill import export_tensors, fill_module
 from eagle_jax.checkpoint.tensor_files import CheckpointError, TensorSource, write_safetensors
+from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import ConfigError, TargetConfig, read_config_json
 from eagle_jax.modeling.moe import FLOAT32_VARIABLES
 from eagle_jax.modeling.target import Target
@@ -80,8 +83,11 @@ def _ignored_target_key(key: str, config: TargetConfig, extra_layers: int) -> bo
 def load_target(path: str | Path, dtype=None, *, revision: str | None = None) -> Target:
     """Loads an HF checkpoint into a ``Target``, streaming tensors one at a time.
 
-    path: a checkpoint directory, or a Hugging Face Hub repo id (``org/name``) fetched into the HF
-    cache at ``revision`` (branch, tag or commit; see ``eagle_jax.checkpoint.hub.resolve_checkpoint``).
+    path: a checkpoint directory, a Hugging Face Hub repo id (``org/name``) fetched into the HF cache at
+    ``revision`` (branch, tag or commit; see ``eagle_jax.checkpoint.hub.resolve_checkpoint``), a GGUF
+    file (``eagle_jax.checkpoint.gguf``: dequantized, default dtype float32 unless every weight matrix
+    is F16/BF16), or a named model (``eagle_jax.checkpoint.models``, e.g. ``smollm2-135m-instruct``),
+    fetched into the cache on first use.
     dtype: None keeps the checkpoint's (config ``torch_dtype``/``dtype``, else the tensors'); or
     "float32"/"bfloat16"/"float16" or a jnp dtype. The EOS ids are generation_config.json's when it
     names them (as HF ``generate`` reads them), else config.json's. Block-quantized FP8 weights
@@ -89,6 +95,11 @@ def load_target(path: str | Path, dtype=None, *, revision: str | None = None) ->
     bf16/f16 weight matrices are held as float32 with the bf16/f16 values (``layers.weight_matrix``):
     ``target.dtype``, the activations and the caches are still the requested dtype.
     """
+    path = resolve_model(path)
+    if is_gguf_file(path):
+        if revision is not None:
+            raise CheckpointError(f"revision '{revision}' was given for the GGUF file {path}; revisions apply to Hub repo ids only")
+        return load_gguf_target(path, dtype)
     path = resolve_checkpoint(path, revision=revision)
     raw, where = read_config_json(path)
     config = TargetConfig.from_hf(raw, where)

@@ -80,14 +80,22 @@ def test_text_with_prompt_prefix(tokenizer):
     assert plain.loss_mask.all()
 
 
-def test_template_without_generation_markers_is_rejected(tokenizer, tmp_path):
+def test_template_without_generation_markers_masks_by_prefix_diffing(tokenizer, tmp_path):
     check_chat_template(tokenizer)
     saved = tokenizer.chat_template
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n")
     try:
-        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-        path = tmp_path / "chat.jsonl"
-        path.write_text(json.dumps({"messages": CHAT}) + "\n")
-        with pytest.raises(DataError, match="no \\{% generation %\\} markers"):
+        # No markers and no end-of-turn token: each assistant span (reply and newline) is found by diffing renderings.
+        tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                                   "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+        samples, stats = load_samples(path, tokenizer, 512, progress=False)
+        s = samples[0]
+        assert stats.kept == 1 and tokenizer.decode(s.input_ids) == tokenizer.apply_chat_template(CHAT, tokenize=False)
+        # The replies' first tokens (" def", " Hello") straddle "assistant: " and the reply: masked, as with markers.
+        assert tokenizer.decode(s.input_ids[s.loss_mask == 1]) == " " + CHAT[2]["content"] + "\n " + CHAT[4]["content"] + "\n"
+        tokenizer.chat_template = None
+        with pytest.raises(DataError, match="has no chat_template"):
             load_samples(path, tokenizer, 512, progress=False)
     finally:
         tokenizer.chat_template = saved

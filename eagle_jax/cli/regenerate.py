@@ -1,58 +1,121 @@
-"""Regenerate the assistant turns of a chat dataset with the target model itself (SPEC 7).
+"""Write the assistant turns of a chat dataset with the target model itself (SPEC 7).
 
-Usage: ``eagle-jax-regenerate --target DIR --data in.jsonl --out out.jsonl --max-new-tokens 1024
-[--drafter DIR] [--temperature 0] [--batch-size 16] [--tokenizer DIR] [--limit N]``
+Usage: ``eagle-jax-regenerate --target DIR|ID|FILE.gguf --data in.jsonl --out out.jsonl --max-new-tokens 1024
+[--drafter DIR] [--temperature 0] [--batch-size 16] [--tokenizer DIR] [--limit N]``, or, with no
+dataset, ``eagle-jax-regenerate --target ... --synthesize N --out out.jsonl [--system TEXT]``.
 
-Input records: ``{"messages": [...]}`` or ShareGPT ``{"conversations": [...]}``; output records are
-``{"messages": [...]}`` with every assistant turn replaced by the target's reply, ready for ``eagle-jax-train``.
-A drafter (optional) only makes it faster: greedy output is the target's own either way.
+Input records: ``{"messages": [...]}``, ShareGPT ``{"conversations": [...]}`` or ``{"prompt": "..."}``
+(one user turn). Every assistant turn is replaced by the target's reply, and a conversation ending with
+a user turn (a prompt-only record) gets one appended. ``--synthesize N`` samples N distinct user turns
+from the target itself (Magpie: the template's text before a user query, continued by the model) and
+answers them. Output records are ``{"messages": [...]}``, ready for ``eagle-jax-train``. A drafter
+(optional) only makes it faster: greedy output is the target's own either way. A run that would write
+no record fails, saying why.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
-from eagle_jax import load_drafter, load_target
-from eagle_jax.training.data import DataError, check_chat_template, messages_of, read_jsonl
-from eagle_jax.training.regenerate import regenerate_conversations
+from eagle_jax.training.chat import DataError, check_chat_template
+from eagle_jax.training.data import read_jsonl
+from eagle_jax.training.regenerate import RegenStats, conversation_of, unanswerable
+
+
+def _read(args: argparse.Namespace) -> list[list[dict[str, str]]]:
+    """The records of --data (at most --limit), failing before any model is loaded when none has a user turn to answer."""
+    conversations, reasons = [], {}
+    for where, record in read_jsonl(args.data):
+        conv = conversation_of(record, where)
+        conversations.append(conv)
+        why = unanswerable(conv)
+        if why is not None:
+            reasons[why] = reasons.get(why, 0) + 1
+        if args.limit and len(conversations) >= args.limit:
+            break
+    if sum(reasons.values()) == len(conversations):
+        detail = ", ".join(f"{n} with {why}" for why, n in sorted(reasons.items())) or "the file has no records"
+        raise SystemExit(f"error: nothing to regenerate in {args.data}: {len(conversations)} records, {detail}")
+    return conversations
+
+
+def _why_empty(stats: RegenStats, max_new_tokens: int, context: int) -> str:
+    parts = [f"{n} with {why}" for why, n in sorted(stats.skipped.items())]
+    if stats.dropped_at_limit:
+        parts.append(f"{stats.dropped_at_limit} cut at the context limit before their first reply (prompt + "
+                     f"--max-new-tokens {max_new_tokens} > the target's {context} positions)")
+    return f"of {stats.conversations} conversations, " + ", ".join(parts or ["none was answered"])
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True, help="HF target checkpoint directory or Hub repo id")
-    p.add_argument("--data", required=True, help="input JSONL (chat or ShareGPT records)")
+    p.add_argument("--target", required=True, help="target: HF checkpoint directory, Hub repo id, .gguf file or model name")
+    p.add_argument("--data", help="input JSONL (chat, ShareGPT or prompt records); not with --synthesize")
     p.add_argument("--out", required=True, help="output JSONL")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="per assistant reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="for the replies (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="for the replies, with --temperature > 0")
     p.add_argument("--drafter", help="EAGLE drafter directory or Hub repo id, to speed generation up (optional)")
-    p.add_argument("--tokenizer", help="default: the target directory")
+    p.add_argument("--tokenizer", help="default: the target's")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--dtype", default=None, help="target dtype (default: the checkpoint's)")
-    p.add_argument("--limit", type=int, help="only the first N conversations")
+    p.add_argument("--limit", type=int, help="only the first N records of --data")
     p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("prompts without a dataset (Magpie)")
+    g.add_argument("--synthesize", type=int, metavar="N", help="sample N distinct user turns from the target and answer them")
+    g.add_argument("--system", help="a system message put before each synthesised user turn (default: the template's own)")
+    g.add_argument("--synth-temperature", type=float, default=1.0, help="for the user turns (default 1.0, as Magpie)")
+    g.add_argument("--synth-top-p", type=float, default=1.0, help="for the user turns (default 1.0, as Magpie)")
+    g.add_argument("--synth-max-tokens", type=int, default=256, help="per user turn; turns that do not end by then are dropped")
+    g.add_argument("--synth-min-chars", type=int, default=10, help="shorter user turns are dropped")
+    g.add_argument("--synth-max-samples", type=int, help="user turns sampled at most (default 10 * N)")
     args = p.parse_args(argv)
-    from transformers import AutoTokenizer  # after parsing: --help stays fast
+    if (args.data is None) == (args.synthesize is None):
+        p.error("give either --data FILE or --synthesize N")
+    if args.system is not None and args.synthesize is None:
+        p.error("--system is for --synthesize")
 
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
-    check_chat_template(tok, args.tokenizer or args.target)
-    conversations = []
-    for where, record in read_jsonl(args.data):
-        msgs = messages_of(record, where) if isinstance(record, dict) else None
-        if msgs is None:
-            raise DataError(f"{where}: regeneration needs 'messages' or 'conversations' records")
-        conversations.append(msgs)
-        if args.limit and len(conversations) >= args.limit:
-            break
-    target = load_target(args.target, args.dtype)
-    drafter = load_drafter(args.drafter, target) if args.drafter else None
-    out, stats = regenerate_conversations(target, conversations, tok, max_new_tokens=args.max_new_tokens,
-                                          temperature=args.temperature, drafter=drafter, batch_size=args.batch_size, seed=args.seed)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
+    from eagle_jax import load_drafter, load_target  # after parsing: --help stays fast
+    from eagle_jax.checkpoint.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(args.tokenizer or args.target)
+        check_chat_template(tok, args.tokenizer or args.target)
+        conversations = _read(args) if args.data is not None else None
+        target = load_target(args.target, args.dtype)
+        drafter = load_drafter(args.drafter, target) if args.drafter else None
+        answer = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, drafter=drafter,
+                      batch_size=args.batch_size, seed=args.seed)
+        if conversations is not None:
+            from eagle_jax.training.regenerate import regenerate_conversations
+
+            out, stats = regenerate_conversations(target, conversations, tok, **answer)
+        else:
+            from eagle_jax.training.synthesize import synthesize_conversations
+
+            out, synth, stats = synthesize_conversations(
+                target, tok, args.synthesize, system=args.system, query_max_tokens=args.synth_max_tokens,
+                query_temperature=args.synth_temperature, query_top_p=args.synth_top_p, min_chars=args.synth_min_chars,
+                max_samples=args.synth_max_samples, **answer,
+            )
+            print(synth.summary())
+            if not synth.kept:
+                raise SystemExit(f"error: no user turn was synthesised, nothing written to {args.out}: {synth.summary()}")
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not out:
+        why = _why_empty(stats, args.max_new_tokens, target.config.max_position_embeddings)
+        raise SystemExit(f"error: nothing written to {args.out}: {why}")
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w", encoding="utf-8") as f:
         for msgs in out:
             f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)  # a failed run never leaves a half-written file under the output name
     print(f"{stats.summary()} -> {args.out}")
 
 

@@ -6,11 +6,11 @@ Record formats (one JSON object per line):
 - ShareGPT: ``{"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}``
 - plain text: ``{"text": str, "prompt": str (optional)}``; the prompt prefix is not trained on.
 
-Chats are rendered with the target tokenizer's own chat template; the loss mask is exactly the
-assistant tokens, taken from ``apply_chat_template(..., return_assistant_tokens_mask=True)``, which
-needs ``{% generation %}`` markers in the template (checked, with a clear error). Samples longer than
-``max_length`` are dropped (and counted), never truncated: a truncated conversation teaches the drafter
-to stop mid-turn.
+Chats are rendered with the target tokenizer's own chat template, whatever it is; the loss mask is
+exactly the assistant tokens (each reply and its end-of-turn token): from the template's
+``{% generation %}`` markers where it has them, else found by rendering the conversation prefix by
+prefix (``eagle_jax.training.chat``). Samples longer than ``max_length`` are dropped (and counted),
+never truncated: a truncated conversation teaches the drafter to stop mid-turn.
 
 Batching is deterministic: the order of epoch e is a function of (seed, e) only, so a data position
 (epoch, index of the next batch) is all a resumed run needs to continue exactly where it stopped.
@@ -19,7 +19,6 @@ Batching is deterministic: the order of epoch e is a function of (seed, e) only,
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -27,22 +26,14 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 from tqdm.auto import tqdm
 
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "model": "assistant",
-    "bot": "assistant",
-}
-CHAT_ROLES = ("system", "user", "assistant")
-_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class DataError(ValueError):
-    """A data file, record or tokenizer cannot be used for training; the message names which."""
+from eagle_jax.training.chat import (  # noqa: F401 - chat names stay importable from here
+    CHAT_ROLES,
+    SHAREGPT_ROLES,
+    DataError,
+    chat_ids_and_mask,
+    check_chat_template,
+    messages_of,
+)
 
 
 @dataclass(frozen=True)
@@ -70,47 +61,9 @@ class DataStats:
         )
 
 
-def check_chat_template(tokenizer: Any, where: str = "tokenizer") -> None:
-    """The assistant-token mask needs ``{% generation %}`` ... ``{% endgeneration %}`` in the template."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default")
-    if not template:
-        raise DataError(f"{where}: has no chat_template; chat records need one (or use {{'text': ...}} records)")
-    if not _GENERATION.search(template):
-        raise DataError(
-            f"{where}: the chat template has no {{% generation %}} markers, so assistant tokens cannot be "
-            f"masked (return_assistant_tokens_mask); add {{% generation %}}...{{% endgeneration %}} around "
-            f"the assistant content in the template"
-        )
-
-
-def messages_of(record: dict, where: str) -> list[dict[str, str]] | None:
-    """The chat of a ``messages`` or ShareGPT ``conversations`` record (None for a text record)."""
-    if "messages" in record:
-        out = []
-        for m in record["messages"]:
-            if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: each message needs 'role' in {CHAT_ROLES} and a string 'content', got {m!r:.120}")
-            out.append({"role": m["role"], "content": m["content"]})
-        return out
-    if "conversations" in record:
-        out = []
-        for m in record["conversations"]:
-            role = SHAREGPT_ROLES.get(str(m.get("from", "")).lower()) if isinstance(m, dict) else None
-            if role is None or not isinstance(m.get("value"), str):
-                raise DataError(
-                    f"{where}: each ShareGPT turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value', got {m!r:.120}"
-                )
-            out.append({"role": role, "content": m["value"]})
-        return out
-    return None
-
-
-def encode_chat(messages: list[dict[str, str]], tokenizer: Any) -> Sample:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_assistant_tokens_mask=True, return_dict=True)
-    ids = np.asarray(out["input_ids"], np.int32)
-    mask = np.asarray(out["assistant_masks"], np.uint8)
+def encode_chat(messages: list[dict[str, str]], tokenizer: Any, where: str = "record") -> Sample:
+    """The conversation's ids with the assistant tokens masked (``chat.chat_ids_and_mask``)."""
+    ids, mask = chat_ids_and_mask(messages, tokenizer, where)
     return Sample(ids, mask)
 
 
@@ -128,7 +81,7 @@ def encode_record(record: dict, tokenizer: Any, where: str = "record") -> Sample
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     messages = messages_of(record, where)
     if messages is not None:
-        return encode_chat(messages, tokenizer)
+        return encode_chat(messages, tokenizer, where)
     if isinstance(record.get("text"), str):
         prompt = record.get("prompt")
         if prompt is not None and not isinstance(prompt, str):

@@ -1,20 +1,27 @@
-"""Regeneration (SPEC 7): replace every assistant turn of a conversation by the target's own reply.
+"""Regeneration (SPEC 7): every assistant turn of a conversation written by the target itself.
 
-Turns are regenerated in order, each conditioned on the regenerated turns before it (the context the
-drafter will see at inference). Prompts are rendered with the target's chat template and a generation
-prompt, and run through ``eagle_jax.generate`` (plain, or speculative with a drafter: same output
-when greedy, same distribution when sampling).
+A conversation that ends with a user turn (a prompt-only record, the usual starting point) gets a
+reply appended; existing assistant turns are replaced. Turns are generated in order, each conditioned
+on the target's own earlier replies (the context the drafter will see at inference). Prompts are
+rendered with the target's chat template and its generation prompt, and run through
+``eagle_jax.generate`` (plain, or speculative with a drafter: same output when greedy, same
+distribution when sampling), stopping at the template's end-of-turn tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
+from eagle_jax.training.chat import DataError, end_of_turn_ids, messages_of
+
+NO_USER_TURN = "no user turn to answer"
+ASSISTANT_FIRST = "an assistant turn before any user turn"
 
 
 @dataclass
@@ -22,13 +29,53 @@ class RegenStats:
     conversations: int = 0
     turns: int = 0
     truncated: int = 0  # conversations cut before a turn whose prompt + reply would not fit
+    dropped_at_limit: int = 0  # of those, cut before their first turn: nothing left to write
+    unfinished: int = 0  # replies that reached max_new_tokens without an end-of-turn token
     generated_tokens: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> conversations with nothing to answer
+
+    @property
+    def written(self) -> int:
+        return self.conversations - sum(self.skipped.values()) - self.dropped_at_limit
 
     def summary(self) -> str:
+        skipped = "".join(f"; {n} skipped ({why})" for why, n in sorted(self.skipped.items()))
         return (
-            f"{self.turns} assistant turns regenerated in {self.conversations} conversations "
-            f"({self.generated_tokens} tokens); {self.truncated} conversations cut at the context limit"
+            f"{self.turns} assistant turns generated in {self.written}/{self.conversations} conversations "
+            f"({self.generated_tokens} tokens, {self.unfinished} replies cut at max_new_tokens); "
+            f"{self.truncated} conversations cut at the context limit ({self.dropped_at_limit} of them before "
+            f"their first reply){skipped}"
         )
+
+
+def conversation_of(record: Any, where: str) -> list[dict[str, str]]:
+    """The chat of a ``messages`` / ShareGPT ``conversations`` record, or a ``{"prompt": str}`` record
+    as one user turn."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    msgs = messages_of(record, where)
+    if msgs is not None:
+        return msgs
+    if "text" not in record and "prompt" in record:
+        if not isinstance(record["prompt"], str):
+            raise DataError(f"{where}: 'prompt' must be a string")
+        return [{"role": "user", "content": record["prompt"]}]
+    raise DataError(
+        f"{where}: regeneration needs 'messages', 'conversations' or 'prompt' (a user turn to answer) records; "
+        f"has keys {sorted(record)}"
+    )
+
+
+def unanswerable(conversation: list[dict[str, str]]) -> str | None:
+    """Why the target has nothing to answer in this conversation (None: it has)."""
+    roles = [m["role"] for m in conversation]
+    if "user" not in roles:
+        return NO_USER_TURN
+    if "assistant" in roles and roles.index("assistant") < roles.index("user"):
+        return ASSISTANT_FIRST
+    if "assistant" not in roles and roles[-1] != "user":
+        return NO_USER_TURN  # e.g. [user, system]: no reply expected
+    return None
 
 
 def regenerate_conversations(
@@ -38,47 +85,68 @@ def regenerate_conversations(
     *,
     max_new_tokens: int,
     temperature: float = 0.0,
+    top_p: float = 1.0,
     drafter: Drafter | None = None,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
 ) -> tuple[list[list[dict[str, str]]], RegenStats]:
-    """Returns the conversations with every assistant ``content`` produced by ``target``.
+    """Returns the conversations with every assistant ``content`` produced by ``target``, a reply
+    appended to each that ends with a user turn.
 
-    A conversation whose prompt plus ``max_new_tokens`` would exceed the target's context is cut before
-    that turn (kept if an assistant turn survives, dropped otherwise).
+    Conversations with nothing to answer (``unanswerable``) are left out and counted. A conversation
+    whose prompt plus ``max_new_tokens`` would exceed the target's context is cut before that turn
+    (kept if an assistant turn survives, left out otherwise).
     """
-    from eagle_jax.generate import generate
+    from eagle_jax.generate import eos_ids, generate
 
-    convs = [list(c) for c in conversations]
-    alive = [True] * len(convs)
-    stats = RegenStats(conversations=len(convs))
+    stats = RegenStats(conversations=len(conversations))
+    convs: list[list[dict[str, str]] | None] = []
+    for conv in conversations:
+        why = unanswerable(conv)
+        if why is not None:
+            stats.skipped[why] += 1
+            convs.append(None)
+            continue
+        conv = list(conv)
+        if conv[-1]["role"] == "user":
+            conv.append({"role": "assistant", "content": ""})  # filled below
+        convs.append(conv)
+    stops = sorted(set(eos_ids(target, tokenizer)) | end_of_turn_ids(tokenizer))
+    alive = [c is not None for c in convs]
     limit = target.config.max_position_embeddings
-    n_turns = max((sum(m["role"] == "assistant" for m in c) for c in convs), default=0)
-    bar = tqdm(total=sum(sum(m["role"] == "assistant" for m in c) for c in convs), desc="regenerating", unit=" turn", disable=not progress)
-    for k in range(n_turns):
+    turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"] if c else [] for c in convs]
+    bar = tqdm(total=sum(map(len, turns)), desc="regenerating", unit=" turn", disable=not progress)
+    for k in range(max(map(len, turns), default=0)):
         jobs = []  # (conversation, message index, prompt ids)
         for ci, conv in enumerate(convs):
-            idx = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
-            if not alive[ci] or len(idx) <= k:
+            if not alive[ci] or len(turns[ci]) <= k:
                 continue
-            at = idx[k]
+            at = turns[ci][k]
             ids = tokenizer.apply_chat_template(conv[:at], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
             if len(ids) + max_new_tokens > limit:
                 alive[ci] = False
                 stats.truncated += 1
-                convs[ci] = conv[:at] if k > 0 else []
+                bar.update(len(turns[ci]) - k)
+                if k > 0:
+                    convs[ci] = conv[:at]
+                else:
+                    convs[ci] = None
+                    stats.dropped_at_limit += 1
                 continue
             jobs.append((ci, at, list(ids)))
         jobs.sort(key=lambda j: len(j[2]))  # similar lengths share a prompt bucket
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
-            res = generate(target, drafter, [j[2] for j in chunk], max_new_tokens=max_new_tokens, temperature=temperature,
-                           seed=seed + start + 1000 * k, tokenizer=tokenizer)
+            prompts = [j[2] for j in chunk]
+            prompts += prompts[-1:] * (min(batch_size, len(jobs)) - len(chunk))  # one batch shape: one compiled program
+            res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, eos_token_id=stops, seed=seed + start + 1000 * k, tokenizer=tokenizer)
             for (ci, at, _), text, toks in zip(chunk, res.text, res.tokens):
                 convs[ci][at] = {"role": "assistant", "content": text}
                 stats.turns += 1
                 stats.generated_tokens += len(toks)
+                stats.unfinished += not (toks and toks[-1] in stops)
             bar.update(len(chunk))
     bar.close()
-    return [c for c in convs if any(m["role"] == "assistant" for m in c)], stats
+    return [c for c in convs if c is not None], stats

@@ -32,6 +32,7 @@ import numpy as np
 from bench.common import (
     BUNDLED_DRAFTERS,
     BUNDLED_TARGET,
+    TARGET_HELP,
     acceptance_stats,
     fit_prompts,
     fmt_al,
@@ -76,7 +77,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(BUNDLED_TARGET))
+    ap.add_argument("--target", default=str(BUNDLED_TARGET), help=TARGET_HELP)
     ap.add_argument("--drafters", nargs="+", default=list(BUNDLED_DRAFTERS))
     ap.add_argument("--ks", type=int, nargs="*", default=[1, 2, 3, 4, 5, 6, 7], help="chain depths")
     ap.add_argument("--trees", nargs="*", default=["8,5,48", "10,7,60"], help="top_k,depth,total_tokens")

@@ -20,7 +20,7 @@ import numpy as np
 import eagle_jax
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding.autospec import candidate_name
-from bench.common import load_pair_or_random, print_table, spec_name, write_json
+from bench.common import TARGET_HELP, load_pair_or_random, print_table, spec_name, write_json
 
 
 def timed_interleaved(target, drafter, prompts, specs: dict, max_new: int, repeats: int = 3) -> dict:
@@ -41,7 +41,7 @@ def timed_interleaved(target, drafter, prompts, specs: dict, max_new: int, repea
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target")
+    ap.add_argument("--target", help=TARGET_HELP)
     ap.add_argument("--drafter")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])

@@ -10,9 +10,12 @@ import numpy as np
 from flax import nnx
 
 import eagle_jax
+from eagle_jax.checkpoint.models import resolve_model
+from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig, default_aux_layer_ids
 
 BUNDLED_TARGET = Path("assets/target")
+TARGET_HELP = "target: a checkpoint directory, a .gguf file, or smollm2-135m-instruct (fetched on first use)"
 BUNDLED_DRAFTER = Path("assets/drafter-eagle3.1")
 
 
@@ -28,20 +31,24 @@ def random_pair(vocab: int = 6144, hidden: int = 384, layers: int = 12, draft_vo
     return target, drafter
 
 
+def local_target(target: str | Path | None) -> str | None:
+    """A ``--target`` value as a local path: a named model (``smollm2-135m-instruct``) becomes its cached
+    .gguf file (fetched on first use); a checkpoint directory or .gguf file stays as it is."""
+    return None if target is None else str(resolve_model(str(target)))
+
+
 def load_pair_or_random(target_dir: str | None, drafter_dir: str | None, prompts_file: str | None, prompt_len: int,
                         dtype: str = "float32"):
-    """(target, drafter, tokenizer or None, prompts as id lists, description of the models)."""
-    target_dir = target_dir or (str(BUNDLED_TARGET) if BUNDLED_TARGET.exists() else None)
+    """(target, drafter, tokenizer or None, prompts as id lists, description of the models). ``target_dir``:
+    a checkpoint directory, a Hub repo id, a .gguf file or a named model."""
+    target_dir = local_target(target_dir) or (str(BUNDLED_TARGET) if BUNDLED_TARGET.exists() else None)
     drafter_dir = drafter_dir or (str(BUNDLED_DRAFTER) if BUNDLED_DRAFTER.exists() else None)
     tokenizer = None
     if target_dir and drafter_dir:
         target = eagle_jax.load_target(target_dir, dtype=dtype)
         drafter = eagle_jax.load_drafter(drafter_dir, target, dtype=dtype)
         source = {"target": target_dir, "drafter": drafter_dir, "dtype": dtype}
-        if (Path(target_dir) / "tokenizer.json").exists():
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        tokenizer = load_tokenizer(target_dir)
     else:
         target, drafter = random_pair()
         source = {"target": "random 12x384", "drafter": "random (acceptance meaningless)"}
@@ -127,12 +134,11 @@ def random_drafter(target, eagle31: bool, seed: int = 1):
 
 
 def load_tokenizer(path: str | Path | None, vocab_size: int | None = None):
-    """AutoTokenizer from ``path`` when it has tokenizer files (and, if given, the right vocabulary size)."""
-    if path is None or not (Path(path) / "tokenizer.json").exists():
+    """``eagle_jax.load_tokenizer(path)`` when ``path`` is a .gguf file (its metadata's tokenizer) or a
+    directory with tokenizer files, and (if given) the vocabulary fits ``vocab_size``; else None."""
+    if path is None or not (is_gguf_file(path) or (Path(path) / "tokenizer.json").exists()):
         return None
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = eagle_jax.load_tokenizer(path)
     if vocab_size is not None and len(tok) > vocab_size:
         print(f"tokenizer at {path} has {len(tok)} tokens > model vocabulary {vocab_size}: not used")
         return None
@@ -142,12 +148,13 @@ def load_tokenizer(path: str | Path | None, vocab_size: int | None = None):
 def load_models(target_dir: str | None, drafter_dirs: list[str], dtype: str = "float32", *, need_drafters: bool = True):
     """(target, {name: drafter}, tokenizer or None, description, is_random).
 
-    Loads ``target_dir`` and every drafter directory that exists (missing ones are skipped with a
-    message). When the target or all drafters are missing, falls back to random models of the bundled
-    shape (one random drafter per requested directory, EAGLE-3.1 flags when its name says "3.1") and
-    the bundled tokenizer if present, with a loud warning: acceptance is then meaningless.
+    Loads ``target_dir`` (a checkpoint directory, a .gguf file or a named model) and every drafter
+    directory that exists (missing ones are skipped with a message). When the target or all drafters
+    are missing, falls back to random models of the bundled shape (one random drafter per requested
+    directory, EAGLE-3.1 flags when its name says "3.1") and the bundled tokenizer if present, with a
+    loud warning: acceptance is then meaningless.
     """
-    target_dir = target_dir or str(BUNDLED_TARGET)
+    target_dir = local_target(target_dir) or str(BUNDLED_TARGET)
     present = [d for d in drafter_dirs if Path(d).exists()]
     for d in drafter_dirs:
         if not Path(d).exists():

@@ -55,6 +55,7 @@ from bench.common import (
     BUNDLED_DRAFTERS,
     BUNDLED_TARGET,
     HELDOUT_MANIFEST,
+    TARGET_HELP,
     acceptance_stats,
     fit_prompts,
     fmt_al,
@@ -182,7 +183,7 @@ def context_prompts(stream, sep, ends_line, contexts: list[int], n: int, max_new
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(BUNDLED_TARGET))
+    ap.add_argument("--target", default=str(BUNDLED_TARGET), help=TARGET_HELP)
     ap.add_argument("--drafters", nargs="+", default=list(BUNDLED_DRAFTERS))
     ap.add_argument("--contexts", type=int, nargs="*", help="prompt lengths in tokens (default 256 512 1024 1536 and context - max-new)")
     ap.add_argument("--k", type=int, default=7, help="chain depth for every run")

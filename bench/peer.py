@@ -12,7 +12,9 @@ Timing: every engine is warmed up first (HF: one short generate; eagle_jax: one 
 bucket and configuration, so compilation is excluded), then each prompt is generated --repeats times and
 the best wall time around the call is summed (eagle_jax: the whole ``generate`` call including host-side
 preparation, not only its ``run_s``; HF: ``model.generate``); tok/s = generated tokens / summed time.
-Both engines load the same checkpoint in float32 and stop at the same eos ids (``--no-eos``: never).
+Both engines load the same checkpoint in float32 and stop at the same eos ids (``--no-eos``: never); a
+.gguf target (or ``smollm2-135m-instruct``) is dequantized by each from the same file (transformers
+through its GGUF support).
 torch runs with ``--threads`` intra-op threads; XLA's CPU client uses the machine's cores.
 
 Prefill / decode split (``--no-split`` to skip): the same calls with max-new 1 give the prompt-processing
@@ -53,11 +55,13 @@ from bench.common import (
     BUNDLED_TARGET,
     FALLBACK_TOKENIZER,
     RANDOM_WARNING,
+    TARGET_HELP,
     acceptance_stats,
     drafter_label,
     fit_prompts,
     heldout_code_prompts,
     load_tokenizer,
+    local_target,
     parse_tree,
     print_table,
     random_drafter,
@@ -66,6 +70,7 @@ from bench.common import (
     stop_ids,
     write_json,
 )
+from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import SpecConfig
 from eagle_jax.generate import bucket
 
@@ -167,7 +172,7 @@ def roofline_runs(target_config, drafter_config, spec, prompt_lens: list[int], n
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(BUNDLED_TARGET))
+    ap.add_argument("--target", default=str(BUNDLED_TARGET), help=TARGET_HELP)
     ap.add_argument("--drafter", default=BUNDLED_DRAFTERS[-1])
     ap.add_argument("--ks", type=int, nargs="*", default=[5], help="chain depths")
     ap.add_argument("--trees", nargs="*", default=["8,5,48"], help="top_k,depth,total_tokens")
@@ -195,15 +200,15 @@ def main(argv=None) -> dict:
     peaks = rl.measure_peaks("float32")
     print(rl.format_peaks(peaks))
     tmp = None
-    target_dir = args.target
-    if Path(args.target).exists() and Path(args.drafter).exists():
+    target_dir = local_target(args.target)
+    if Path(target_dir).exists() and Path(args.drafter).exists():
         target = eagle_jax.load_target(target_dir, dtype="float32")
         drafter = eagle_jax.load_drafter(args.drafter, target, dtype="float32")
         tokenizer = load_tokenizer(target_dir, target.config.vocab_size)
         source = {"target": target_dir, "drafter": args.drafter, "random": False}
         is_random = False
     else:
-        print(RANDOM_WARNING.format(missing=", ".join(p for p in (args.target, args.drafter) if not Path(p).exists())))
+        print(RANDOM_WARNING.format(missing=", ".join(p for p in (target_dir, args.drafter) if not Path(p).exists())))
         tmp = tempfile.TemporaryDirectory()
         target_dir = tmp.name
         rand, _ = random_pair()
@@ -222,7 +227,11 @@ def main(argv=None) -> dict:
                           args.max_new, target.config.max_position_embeddings)
     ids = [p["ids"] for p in prompts]
 
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    if is_gguf_file(target_dir):  # transformers dequantizes the same file
+        hf = AutoModelForCausalLM.from_pretrained(str(Path(target_dir).parent), gguf_file=Path(target_dir).name, dtype=torch.float32)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    hf = hf.eval()
     gc = hf.generation_config
     gc.eos_token_id = list(eos) or None
     gc.pad_token_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else (eos[0] if eos else 0))

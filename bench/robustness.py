@@ -33,6 +33,7 @@ import numpy as np
 from bench.common import (
     BUNDLED_DRAFTERS,
     BUNDLED_TARGET,
+    TARGET_HELP,
     acceptance_stats,
     fmt_al,
     heldout_code_prompts,
@@ -118,7 +119,7 @@ def spread(values: list[float]) -> float:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(BUNDLED_TARGET))
+    ap.add_argument("--target", default=str(BUNDLED_TARGET), help=TARGET_HELP)
     ap.add_argument("--drafters", nargs="+", default=list(BUNDLED_DRAFTERS))
     ap.add_argument("--n-prompts", type=int, default=24)
     ap.add_argument("--code-tokens", type=int, default=256, help="code prefix length (its last tokens)")

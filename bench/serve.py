@@ -134,9 +134,7 @@ def main(argv=None) -> None:
     schedule_text = args.schedule or profile["spec"]
     rounds = args.rounds_per_step or profile["rounds_per_step"]
     target = eagle_jax.load_target(profile["target"], dtype="float32")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(profile["target"])
+    tokenizer = eagle_jax.load_tokenizer(profile.get("tokenizer") or profile["target"])
     eos = eos_ids(target, tokenizer)
     d31 = eagle_jax.load_drafter(bundled.drafter_dir("eagle3.1"), target, dtype="float32")
     d3 = eagle_jax.load_drafter(bundled.drafter_dir("eagle3"), target, dtype="float32")

@@ -34,7 +34,7 @@ from eagle_jax.decoding.engine import Plan, causal_cache_mask, run_rounds, start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.generate import bucket
 from bench import roofline as rl
-from bench.common import load_pair_or_random, load_recipe_pair, print_table, spec_name, write_json
+from bench.common import TARGET_HELP, load_pair_or_random, load_recipe_pair, print_table, spec_name, write_json
 
 
 def _timed_interleaved(calls: dict, repeats: int = 9) -> dict:
@@ -155,7 +155,7 @@ def prefill_row(target, drafter, prompts: list[list[int]], prefill_s: float, pea
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target")
+    ap.add_argument("--target", help=TARGET_HELP)
     ap.add_argument("--drafter")
     ap.add_argument("--recipe", help="a tiny training recipe with target.random (its seeded target and exported drafter)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])

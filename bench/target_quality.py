@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.common import BUNDLED_TARGET, load_models, mean_ci95, print_table, run_batched, stop_ids, write_json
+from bench.common import BUNDLED_TARGET, TARGET_HELP, load_models, mean_ci95, print_table, run_batched, stop_ids, write_json
 from bench.drift import BANDS, bootstrap_ci, context_prompts, heldout_stream
 
 # Loop detector: the last LOOP_WINDOW tokens are periodic with a period of at most LOOP_MAX_PERIOD, so the
@@ -139,7 +139,7 @@ def loop_study(target, tokenizer, stream, sep, ends_line, args) -> tuple[list[di
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(BUNDLED_TARGET))
+    ap.add_argument("--target", default=str(BUNDLED_TARGET), help=TARGET_HELP)
     ap.add_argument("--n-windows", type=int, default=16, help="held-out windows for the loss by position band")
     ap.add_argument("--window", type=int, default=0, help="window length (0: the target's context)")
     ap.add_argument("--n-prompts", type=int, default=16, help="prompts per context length for the loop study")

@@ -31,7 +31,7 @@ from flax import nnx
 
 import eagle_jax
 from bench import roofline as rl
-from bench.common import BUNDLED_DRAFTER, BUNDLED_TARGET, print_table, write_json
+from bench.common import BUNDLED_DRAFTER, BUNDLED_TARGET, TARGET_HELP, print_table, write_json
 from eagle_jax.checkpoint.hf_target import DTYPES
 from eagle_jax.config import aux_layer_ids_for
 from eagle_jax.training.trainer import (
@@ -80,7 +80,7 @@ def target_forward_flops_per_token(target, seq_len: int) -> float:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target")
+    ap.add_argument("--target", help=TARGET_HELP)
     ap.add_argument("--drafter")
     ap.add_argument("--config", help="a training recipe with target.random (default without the bundled pair: configs/train/tiny.yaml)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; a recipe: its train.batch_size)")

@@ -1,12 +1,14 @@
 """The main job: complete a code prompt with the bundled target + EAGLE-3.1 drafter, with and without
 speculation, and print the text, the acceptance length and tokens/s of both.
 
-    python -m eagle_jax [--target DIR|ORG/NAME --drafter DIR|ORG/NAME] [--prompt TEXT] [--max-new-tokens N] [--k K | --tree]
+    python -m eagle_jax [--target T --drafter DIR|ORG/NAME] [--prompt TEXT] [--max-new-tokens N] [--k K | --tree]
 
-(also installed as ``eagle-jax``). The bundled pair is found beside the package (``eagle_jax.bundled``),
-from any working directory. Only when the bundle is absent and no pair is given does it build a tiny
-RANDOM Llama in HF format, import it through the real checkpoint path, check it against transformers,
-and run the same comparison on it: that shows the pipeline runs, and its figures mean nothing.
+(also installed as ``eagle-jax``). T: an HF checkpoint directory or Hub repo id, a .gguf file, or a
+named model (``smollm2-135m-instruct``). The bundled pair is found beside the package
+(``eagle_jax.bundled``), from any working directory. Only when the bundle is absent and no pair is given
+does it build a tiny RANDOM Llama in HF format, import it through the real checkpoint path, check it
+against transformers, and run the same comparison on it: that shows the pipeline runs, and its figures
+mean nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import numpy as np
 
 import eagle_jax
 from eagle_jax import bundled
-from eagle_jax.checkpoint.hub import resolve_checkpoint
 from eagle_jax.config import SpecConfig
 
 RANDOM_NOTE = "random weights, untrained drafter: meaningless"
@@ -63,7 +64,8 @@ def _tiny_random_pair(workdir: Path):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", help="target checkpoint directory or Hub repo id (default: the bundled target)")
+    ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct "
+                                     "(default: the bundled target)")
     ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id (default: the bundled EAGLE-3.1 drafter)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -83,17 +85,15 @@ def main(argv: list[str] | None = None) -> None:
         tmp = tempfile.TemporaryDirectory()
         target, drafter, tokenizer, prompts = _tiny_random_pair(Path(tmp.name))
     else:
-        from transformers import AutoTokenizer
-
         if args.target is None:
             target_dir, drafter_dir = bundled.target_dir(), bundled.drafter_dir()
             print(f"target:  bundled target {target_dir}\ndrafter: bundled EAGLE-3.1 drafter {drafter_dir}")
         else:
-            target_dir, drafter_dir = resolve_checkpoint(args.target), resolve_checkpoint(args.drafter)
+            target_dir, drafter_dir = args.target, args.drafter
             print(f"target:  {args.target}\ndrafter: {args.drafter}")
         target = eagle_jax.load_target(target_dir, dtype="float32")
         drafter = eagle_jax.load_drafter(drafter_dir, target, dtype="float32")
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        tokenizer = eagle_jax.load_tokenizer(target_dir)
         prompts = [tokenizer.encode(args.prompt, add_special_tokens=False)]
     spec = SpecConfig(method="tree") if args.tree else SpecConfig(num_speculative_tokens=args.k)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, tokenizer=tokenizer)

@@ -15,7 +15,7 @@ from eagle_jax import bundled
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ("eagle-jax", "eagle-jax-train", "eagle-jax-export", "eagle-jax-regenerate", "eagle-jax-vocab-map",
-           "eagle-jax-eval", "eagle-jax-serve")
+           "eagle-jax-eval", "eagle-jax-serve", "eagle-jax-fetch")
 WRAPPERS = ("train.ttt", "train.export", "train.regenerate", "train.vocab_map", "train.eval", "serve")
 
 

@@ -290,3 +290,32 @@ def test_models_health_metrics(server, client):
         assert name in text, name
     assert _metric(server, "eagle_acceptance_length") > 1.0
     assert _metric(server, 'eagle_compile_events_total{program="insert"}') >= 1
+
+
+def test_cli_serves_a_target_alone(pair_dirs, monkeypatch):
+    """``eagle-jax-serve --target DIR --drafter none --spec none``: the target alone, its tokenizer, and the
+    directory's name on /v1/models (the programs' warm-up is skipped; the app is queried in process)."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    from eagle_jax.cli.serve import main
+    from eagle_jax.serving import server as server_module
+
+    t_dir, _ = pair_dirs
+    built, seen = {}, {}
+    real = server_module.build_service
+
+    def build(*args, **kwargs):
+        built["service"] = real(*args, **{**kwargs, "warmup": False})
+        return built["service"]
+
+    def run(app, **kwargs):
+        seen["models"] = TestClient(app).get("/v1/models").json()
+
+    monkeypatch.setattr(server_module, "build_service", build)
+    monkeypatch.setattr(uvicorn, "run", run)
+    main(["--target", str(t_dir), "--drafter", "none", "--spec", "none", "--slots", "1", "--max-len", "64"])
+    service = built["service"]
+    assert [m["id"] for m in seen["models"]["data"]] == [t_dir.name]
+    assert service.scheduler.engine.drafter is None and service.scheduler.schedule.choose(1) is None
+    assert service.tokenizer.decode(service.tokenizer("a fox")["input_ids"]) == "a fox"

@@ -201,3 +201,15 @@ def test_exact_mode_in_slots(tmp_path):
         sched.stop()
     for p, h in zip(prompts, handles):
         assert h.tokens == eagle_jax.generate(target, None, [p], max_new_tokens=16, exact=True).tokens[0]
+
+
+def test_served_model_name(tmp_path):
+    """The default /v1/models name: a .gguf file's stem, a directory's name, a named model's or Hub repo's name."""
+    from eagle_jax.serving.server import served_name
+
+    (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF" + bytes(28))
+    (tmp_path / "ckpt").mkdir()
+    assert served_name(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert served_name(str(tmp_path / "ckpt") + "/") == "ckpt"
+    assert served_name("smollm2-135m-instruct") == "smollm2-135m-instruct"
+    assert served_name("org/name") == "name"

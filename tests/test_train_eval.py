@@ -15,7 +15,7 @@ CORPUS = ["def add(a, b):\n    return a + b\n" * 10, "for i in range(10):\n    p
 
 
 def test_eval_reports_the_engines_acceptance(tmp_path):
-    from eagle_jax.cli.eval import eval_prompts, main
+    from eagle_jax.cli.eval import eval_prompts, run
 
     train_tokenizer(CORPUS, vocab_size=300, out_dir=tmp_path / "target")
     tok = AutoTokenizer.from_pretrained(tmp_path / "target")
@@ -29,7 +29,7 @@ def test_eval_reports_the_engines_acceptance(tmp_path):
     records = [{"prompt": "def add(a, b):\n"}, {"text": "for i in"},
                {"messages": [{"role": "user", "content": "loop"}, {"role": "assistant", "content": "OLDREPLY"}]}]
     (tmp_path / "held.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    out = main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--data", str(tmp_path / "held.jsonl"),
+    out = run(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--data", str(tmp_path / "held.jsonl"),
                 "--k", "3", "--max-new-tokens", "8", "--batch-size", "3", "--out", str(tmp_path / "r.json")])
     (r,) = out["results"]
     # The same numbers as the engine's own statistics for the same prompts.

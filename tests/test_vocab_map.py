@@ -77,3 +77,24 @@ def test_cli_builds_map_from_assistant_tokens(tmp_path):
     user_only = set(tok("zzzz qqqq")["input_ids"]) - assistant
     assert assistant <= set(np.nonzero(t2d)[0].tolist())  # every assistant token made it in
     assert not user_only & set(np.nonzero(t2d)[0].tolist())  # prompt-only tokens did not
+
+
+def test_cli_reads_tokenizer_and_vocab_size_from_the_target(tmp_path, capsys):
+    """``--target`` alone: its tokenizer, and its config's vocab_size (here larger than the tokenizer's, as in
+    checkpoints with a padded embedding), read without weights (the directory has none)."""
+    from eagle_jax import TargetConfig
+    from eagle_jax.cli.vocab_map import main
+
+    train_tokenizer(["hello world, the fox jumps over the lazy dog\n" * 20], vocab_size=300, out_dir=tmp_path / "target")
+    v = len(AutoTokenizer.from_pretrained(tmp_path / "target")) + 5
+    config = TargetConfig("llama", vocab_size=v, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                          head_dim=8, max_position_embeddings=64)
+    (tmp_path / "target" / "config.json").write_text(json.dumps(config.to_hf()))
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "fox"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    main(["--data", str(data), "--target", str(tmp_path / "target"), "--draft-vocab-size", "8", "--out", str(tmp_path / "vm.npz")])
+    assert f"kept 8 of {v} ids" in capsys.readouterr().out
+    d2t, t2d = load_vocab_map(tmp_path / "vm.npz", v, 8)
+    assert t2d.shape == (v,) and t2d.sum() == 8
+    with pytest.raises(SystemExit):
+        main(["--data", str(data), "--draft-vocab-size", "8", "--out", str(tmp_path / "other.npz")])  # neither given

@@ -1,7 +1,9 @@
 """Measure a drafter's REAL acceptance length with the engine on a held-out set.
 
-Usage: ``eagle-jax-eval --target DIR --drafter DIR --data heldout.jsonl [--k 5] [--tree 8,5,48]
+Usage: ``eagle-jax-eval --target T --drafter DIR --data heldout.jsonl [--k 5] [--tree 8,5,48]
 [--max-new-tokens 128] [--temperature 0] [--limit 64] [--batch-size 16] [--out result.json]``
+
+T: an HF checkpoint directory or Hub repo id, a .gguf file, or a named model (``smollm2-135m-instruct``).
 
 Records: chats (``messages`` / ShareGPT ``conversations``: the conversation up to its first
 assistant turn, rendered with the chat template and a generation prompt) or ``{"prompt": ...}`` /
@@ -16,7 +18,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from eagle_jax import SpecConfig, generate, load_drafter, load_target
+from eagle_jax import SpecConfig, generate, load_drafter, load_target, load_tokenizer
 from eagle_jax.training.data import DataError, messages_of, read_jsonl
 
 
@@ -61,12 +63,14 @@ def evaluate(target, drafter, prompts, spec: SpecConfig, *, max_new_tokens: int,
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def run(argv: list[str] | None = None) -> dict:
+    """The command; returns what it writes to ``--out``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True, help="target checkpoint directory or Hub repo id")
+    p.add_argument("--target", required=True,
+                   help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct")
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory or Hub repo id")
     p.add_argument("--data", required=True)
-    p.add_argument("--tokenizer", help="default: the target directory")
+    p.add_argument("--tokenizer", help="a directory, Hub repo id, .gguf file or named model (default: the target's)")
     p.add_argument("--k", type=int, default=5, help="chain speculation depth")
     p.add_argument("--tree", help="also a tree: top_k,depth,total_tokens")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -75,9 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    from transformers import AutoTokenizer  # after parsing: --help stays fast
-
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
+    tok = load_tokenizer(args.tokenizer or args.target)
     target = load_target(args.target)
     drafter = load_drafter(args.drafter, target)
     prompts = eval_prompts(args.data, tok, args.limit)
@@ -97,6 +99,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script (which exits with what ``main`` returns: nothing, so status 0)."""
+    run(argv)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,17 @@
 the speculative engine.
 
     eagle-jax-serve                                  # the bundled pair (configs/serve/bundled.yaml)
-    eagle-jax-serve --target DIR|ORG/NAME --drafter DIR|ORG/NAME [--spec '{"method": "eagle3", "num_speculative_tokens": 3}']
-                    [--slots 16] [--port 8000] [--max-len N] [--dtype float32|bfloat16]
+    eagle-jax-serve --target DIR|ORG/NAME|FILE.gguf|NAME --drafter DIR|ORG/NAME|none
+                    [--spec '{"method": "eagle3", "num_speculative_tokens": 3}'] [--slots 16] [--port 8000]
+                    [--max-len N] [--dtype float32|bfloat16]
+    eagle-jax-serve --target smollm2-135m-instruct --drafter none     # a named model, fetched on first use
 
 ``--spec`` takes vLLM's speculative config (one depth for every step) or a schedule of chain depths by
 number of occupied slots, e.g. ``1:5,4:3,9:0`` (K=5 while 1-3 slots are busy, K=3 from 4, none from 9).
-``--drafter none`` serves the target alone. Checkpoints are directories or Hugging Face Hub repo ids;
-relative paths in a profile are relative to the profile's folder.
+``--drafter none`` serves the target alone. Checkpoints are directories or Hugging Face Hub repo ids; a
+target may also be a .gguf file or a named model (``smollm2-135m-instruct``); relative paths in a profile
+are relative to the profile's folder. The served model name (``/v1/models``) defaults to the target's
+directory name, the .gguf file's stem, or the named model's name.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ BUNDLED_PROFILE = "serve/bundled.yaml"  # under the repository's configs/
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="YAML serving profile; flags override it (default: the bundled pair's)")
-    ap.add_argument("--target", help="target checkpoint directory or Hub repo id")
+    ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct")
     ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id, or 'none'")
-    ap.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    ap.add_argument("--tokenizer", help="tokenizer directory, Hub repo id, .gguf file or named model (default: the target's)")
     ap.add_argument("--spec")
     ap.add_argument("--slots", type=int)
     ap.add_argument("--max-len", type=int)
@@ -34,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the target computes in float32 whatever --dtype: a request's greedy output then does not "
                          "depend on the requests sharing its steps (bf16 otherwise can flip near-ties)")
     ap.add_argument("--max-queue", type=int, default=256)
-    ap.add_argument("--model-name")
+    ap.add_argument("--model-name", help="the name /v1/models lists (default: the target's directory name, .gguf stem or model name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)

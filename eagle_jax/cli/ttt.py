@@ -6,6 +6,10 @@ A relative ``--config`` that is not found from the working directory is looked u
 (so ``configs/train/tiny.yaml`` works from anywhere); paths inside a recipe (``run_dir``, the target,
 the data) stay relative to the working directory, where runs and user data live.
 
+``target.path`` takes an HF checkpoint directory or Hub repo id, a .gguf file, or a named model
+(``smollm2-135m-instruct``, fetched into the cache on first use); ``data.tokenizer`` the same (default:
+the target's).
+
 Resumes from ``<run_dir>/checkpoints`` when it holds a checkpoint; writes ``<run_dir>/log.jsonl`` and,
 at the end, the drafter in the EAGLE PyTorch layout to ``export.dir`` (default ``<run_dir>/export``).
 Multi-host: set ``distributed.coordinator`` (host:port), ``distributed.num_processes`` and

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
 
-from eagle_jax.checkpoint.hub import looks_like_repo_id, resolve_checkpoint
+from eagle_jax.checkpoint.hub import looks_like_repo_id
+from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import ConfigError, SpecConfig
 from eagle_jax.generate import eos_ids
 from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
@@ -23,8 +25,9 @@ PROFILE_PATH_KEYS = ("target", "drafter", "tokenizer")
 
 def read_profile(path: str | Path) -> dict:
     """A YAML serving profile (keys: target, drafter, tokenizer, spec, slots, max_len, rounds_per_step,
-    dtype, exact). Relative checkpoint paths in it are relative to the profile's own folder, so it works from
-    any working directory; a value that names no such folder but reads as a Hub repo id stays an id."""
+    dtype, exact). Relative checkpoint paths (directories, .gguf files) in it are relative to the profile's
+    own folder, so it works from any working directory; a value that names no such path but reads as a Hub
+    repo id (or a named model such as ``smollm2-135m-instruct``) stays as it is."""
     import yaml
 
     path = Path(path)
@@ -80,20 +83,30 @@ def build_service(
     warmup: bool = True,
     exact: bool = False,
 ) -> Service:
-    """Loads the checkpoints (directories or Hub repo ids) and tokenizer and wires them into a ``Service``."""
-    import eagle_jax
-    from transformers import AutoTokenizer
+    """Loads the models and the tokenizer and wires them into a ``Service``.
 
-    name = Path(target_dir).name  # a directory's name, or the name part of a Hub id
-    where = target_dir
-    target_dir = resolve_checkpoint(target_dir)  # Hub ids -> the cached snapshot
+    ``target_dir``: whatever ``eagle_jax.load_target`` takes (a checkpoint directory, a Hub repo id, a
+    .gguf file or a named model); ``drafter_dir``: a drafter checkpoint directory or Hub repo id, or None
+    to serve the target alone; ``tokenizer_dir``: whatever ``eagle_jax.load_tokenizer`` takes (default:
+    the target's). ``model_name`` defaults to ``served_name(target_dir)``."""
+    import eagle_jax
+
     target = eagle_jax.load_target(target_dir, dtype=dtype)
-    drafter = None if drafter_dir is None else eagle_jax.load_drafter(resolve_checkpoint(drafter_dir), target, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or target_dir))
-    log.info("loaded %s with %s", where, drafter_dir or "no drafter")
+    drafter = None if drafter_dir is None else eagle_jax.load_drafter(drafter_dir, target, dtype=dtype)
+    tokenizer = eagle_jax.load_tokenizer(tokenizer_dir or target_dir)
+    log.info("loaded %s with %s", target_dir, drafter_dir or "no drafter")
     return make_service(target, drafter, tokenizer, parse_spec(spec, drafter is not None), eos_ids(target, tokenizer),
                         slots=slots, max_len=max_len, rounds_per_step=rounds_per_step, max_queue=max_queue,
-                        model_name=model_name or name, warmup=warmup, exact=exact)
+                        model_name=model_name or served_name(target_dir), warmup=warmup, exact=exact)
+
+
+def served_name(target: str | Path) -> str:
+    """The model name a target is served under by default: a .gguf file's stem, else the last part of the
+    path (a directory's name, a Hub repo id's name, a named model's name)."""
+    path = Path(target)
+    if path.exists():
+        path = Path(os.path.abspath(path))  # "." names its folder; symlinks are not followed
+    return path.stem if is_gguf_file(path) else path.name
 
 
 def make_service(target, drafter, tokenizer, schedule: SpecSchedule, eos_ids: tuple[int, ...], *, slots: int = 16,

@@ -153,18 +153,30 @@ def test_unknown_tensor_and_missing_metadata(tmp_path):
 # ---------------------------------------------------------------------------------------- tokenizer
 
 
-def test_tokenizer_and_chat_template_from_the_file(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def chat_gguf(tmp_path_factory):
+    """A GGUF with a tokenizer and chat template in its metadata: (source tokenizer, file)."""
     from transformers import AutoTokenizer
 
     from workshop.tokenizer_build import CHAT_TEMPLATE, train_tokenizer
 
-    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
-    train_tokenizer(["def add(a, b):\n    return a + b\n" * 20, "Hello there, how are you?\n" * 20], vocab_size=300, out_dir=tmp_path / "tok")
-    source = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    tmp = tmp_path_factory.mktemp("chat_gguf")
+    train_tokenizer(["def add(a, b):\n    return a + b\n" * 20, "Hello there, how are you?\n" * 20], vocab_size=300, out_dir=tmp / "tok")
+    source = AutoTokenizer.from_pretrained(tmp / "tok")
     meta = tokenizer_metadata(source, CHAT_TEMPLATE)
     meta.update({"tokenizer.ggml.bos_token_id": source.bos_token_id, "tokenizer.ggml.padding_token_id": source.pad_token_id})
     config = CFG.replace(vocab_size=len(source), bos_token_id=source.bos_token_id, eos_token_id=source.eos_token_id)
-    _, file = write(tmp_path, config, tokenizer=meta)
+    target = Target(config)
+    target.lm_head.kernel.set_value(target.lm_head.kernel[...] * 8.0)  # peaked: varied, decisive greedy replies
+    file = write_gguf(tmp / "chat.gguf", dict(export_tensors(target, target_key)), hf_dict(config), tokenizer=meta)
+    return source, file
+
+
+def test_tokenizer_and_chat_template_from_the_file(chat_gguf, tmp_path, monkeypatch):
+    from workshop.tokenizer_build import CHAT_TEMPLATE
+
+    source, file = chat_gguf
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
     for _ in range(2):  # converted, then read back from the cache
         tok = eagle_jax.load_tokenizer(file)
         for text in ("def add(a, b):\n    return a + b", "Hello there! <|end|>", "  spaces\tand\nnewlines"):
@@ -173,3 +185,27 @@ def test_tokenizer_and_chat_template_from_the_file(tmp_path, monkeypatch):
         chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
         assert tok.apply_chat_template(chat, tokenize=False) == source.apply_chat_template(chat, tokenize=False)
     assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+
+
+def test_serves_a_gguf_target_with_its_own_tokenizer(chat_gguf, tmp_path, monkeypatch):
+    """``build_service`` on a .gguf alone: served under the file's stem, chat rendered with the file's
+    template, greedy reply equal to ``generate`` on the same file."""
+    import openai
+
+    from eagle_jax.serving.server import Server, build_service
+
+    source, file = chat_gguf
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
+    service = build_service(file, None, slots=1, max_len=64, rounds_per_step=2, warmup=False)
+    server = Server(service).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["chat"]
+        chat = [{"role": "user", "content": "def add"}]
+        reply = client.chat.completions.create(model="chat", messages=chat, max_tokens=8, temperature=0)
+    finally:
+        server.stop()
+    ids = source.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    want = eagle_jax.generate(eagle_jax.load_target(file), None, [list(ids)], max_new_tokens=8, tokenizer=source)
+    assert len(want.tokens[0]) > 0 and want.text[0].strip()
+    assert reply.choices[0].message.content == want.text[0] and reply.usage.prompt_tokens == len(ids)

@@ -202,3 +202,44 @@ def test_synthesized_turns_are_filtered_and_deduplicated(pair, monkeypatch):
     assert prompts == ["Write a story about a cat who sails the sea", "What is the capital of France?", "Explain recursion to a child."]
     assert (stats.sampled, stats.kept, stats.unfinished, stats.too_short, stats.duplicates, stats.near_duplicates) == (7, 3, 1, 1, 1, 1)
     assert len(set(seeds)) == 2
+
+
+def test_a_stopped_run_resumes_after_its_last_shard_with_the_same_result(pair, tmp_path, monkeypatch, capsys):
+    """Shards of one record (data) or two prompts (--synthesize): a run stopped in its second shard keeps the
+    first on disk; started again it resumes there and ends with the file an uninterrupted run writes."""
+    import eagle_jax.training.regenerate as regen_module
+    import eagle_jax.training.synthesize as synth_module
+    from eagle_jax.cli.regenerate import main
+
+    path, _, _ = pair
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in ("hello", "def add(a, b):", "hi")) + "\n")
+    data = ["--target", str(path), "--data", str(tmp_path / "in.jsonl"), "--max-new-tokens", "6", "--batch-size", "2",
+            "--shard-size", "1"]
+    synth = ["--target", str(path), "--synthesize", "4", "--synth-max-tokens", "12", "--synth-min-chars", "2",
+             "--synth-max-samples", "400", "--max-new-tokens", "6", "--batch-size", "2", "--seed", "3", "--shard-size", "2"]
+    for args, module, name in ((data, regen_module, "regenerate_conversations"), (synth, synth_module, "synthesize_conversations")):
+        main(args + ["--out", str(tmp_path / "whole.jsonl")])
+        real, calls = getattr(module, name), []
+
+        def stopped_in_shard_two(*a, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+
+        out = tmp_path / "resumed.jsonl"
+        with monkeypatch.context() as m:
+            m.setattr(module, name, stopped_in_shard_two)
+            with pytest.raises(KeyboardInterrupt):
+                main(args + ["--out", str(out)])
+        assert not out.exists() and len(read_out(out.with_name("resumed.jsonl.partial"))) >= 1
+        # Other settings are refused, naming them; the unfinished run is kept.
+        with pytest.raises(SystemExit, match=r"max_new_tokens=6 \(now 5\)"):
+            main(args[:args.index("--max-new-tokens")] + ["--max-new-tokens", "5"] + args[args.index("--max-new-tokens") + 2:]
+                 + ["--out", str(out)])
+        capsys.readouterr()
+        main(args + ["--out", str(out)])
+        assert "resuming" in capsys.readouterr().out
+        assert out.read_text() == (tmp_path / "whole.jsonl").read_text() and len(read_out(out)) >= 3
+        assert not list(tmp_path.glob("resumed.jsonl.*"))
+        out.unlink()

@@ -10,19 +10,21 @@ a user turn (a prompt-only record) gets one appended. ``--synthesize N`` samples
 from the target itself (Magpie: the template's text before a user query, continued by the model) and
 answers them. Output records are ``{"messages": [...]}``, ready for ``eagle-jax-train``. A drafter
 (optional) only makes it faster: greedy output is the target's own either way. A run that would write
-no record fails, saying why.
+no record fails, saying why. Work is done in shards of ``--shard-size`` records (or prompts), each kept
+on disk when it completes (``eagle_jax.training.shards``): a stopped run started again with the same
+settings resumes after its last completed shard, with the same result.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from pathlib import Path
+from collections import Counter
 
 from eagle_jax.training.chat import DataError, check_chat_template
 from eagle_jax.training.data import read_jsonl
 from eagle_jax.training.regenerate import RegenStats, conversation_of, unanswerable
+from eagle_jax.training.shards import ShardedOutput
+from eagle_jax.training.synthesize import SynthStats, batch_seed
 
 
 def _read(args: argparse.Namespace) -> list[list[dict[str, str]]]:
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None, help="target dtype (default: the checkpoint's)")
     p.add_argument("--limit", type=int, help="only the first N records of --data")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-size", type=int, default=256,
+                   help="records (or synthesised prompts) per shard; each completed shard is on disk, and a run "
+                        "started again with the same settings resumes after the last one")
+    p.add_argument("--restart", action="store_true", help="discard an unfinished run's shards instead of resuming it")
     g = p.add_argument_group("prompts without a dataset (Magpie)")
     g.add_argument("--synthesize", type=int, metavar="N", help="sample N distinct user turns from the target and answer them")
     g.add_argument("--system", help="a system message put before each synthesised user turn (default: the template's own)")
@@ -75,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if (args.data is None) == (args.synthesize is None):
         p.error("give either --data FILE or --synthesize N")
+    if args.shard_size < 1:
+        p.error("--shard-size must be >= 1")
     if args.system is not None and args.synthesize is None:
         p.error("--system is for --synthesize")
 
@@ -85,39 +93,79 @@ def main(argv: list[str] | None = None) -> None:
         tok = load_tokenizer(args.tokenizer or args.target)
         check_chat_template(tok, args.tokenizer or args.target)
         conversations = _read(args) if args.data is not None else None
+        output = ShardedOutput(args.out, _fingerprint(args), restart=args.restart)
+        if output.resumed:
+            print(f"resuming {args.out}: {output.shards} shards done ({output.inputs_done} inputs, {output.written} records)")
         target = load_target(args.target, args.dtype)
         drafter = load_drafter(args.drafter, target) if args.drafter else None
         answer = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, drafter=drafter,
-                      batch_size=args.batch_size, seed=args.seed)
+                      batch_size=args.batch_size)
         if conversations is not None:
-            from eagle_jax.training.regenerate import regenerate_conversations
-
-            out, stats = regenerate_conversations(target, conversations, tok, **answer)
+            _regenerate_shards(output, conversations, target, tok, answer, args)
         else:
-            from eagle_jax.training.synthesize import synthesize_conversations
-
-            out, synth, stats = synthesize_conversations(
-                target, tok, args.synthesize, system=args.system, query_max_tokens=args.synth_max_tokens,
-                query_temperature=args.synth_temperature, query_top_p=args.synth_top_p, min_chars=args.synth_min_chars,
-                max_samples=args.synth_max_samples, **answer,
-            )
-            print(synth.summary())
-            if not synth.kept:
-                raise SystemExit(f"error: no user turn was synthesised, nothing written to {args.out}: {synth.summary()}")
+            _synthesize_shards(output, target, tok, answer, args)
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
-    if not out:
-        why = _why_empty(stats, args.max_new_tokens, target.config.max_position_embeddings)
+    totals = output.totals
+    regen = RegenStats(**{k: totals.get(k, 0) for k in REGEN_COUNTS},
+                       skipped=Counter({k[len("skipped: "):]: v for k, v in totals.items() if k.startswith("skipped: ")}))
+    output.finish()
+    if args.synthesize is not None:
+        print(SynthStats(**{k: totals.get(f"synth {k}", 0) for k in SYNTH_COUNTS}).summary())
+    if not output.written:
+        why = _why_empty(regen, args.max_new_tokens, target.config.max_position_embeddings)
         raise SystemExit(f"error: nothing written to {args.out}: {why}")
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for msgs in out:
-            f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)  # a failed run never leaves a half-written file under the output name
-    print(f"{stats.summary()} -> {args.out}")
+    print(f"{regen.summary()} -> {args.out}")
 
+
+REGEN_COUNTS = ("conversations", "turns", "truncated", "dropped_at_limit", "unfinished", "generated_tokens")
+SYNTH_COUNTS = ("wanted", "sampled", "kept", "unfinished", "too_short", "duplicates", "near_duplicates")
+
+
+def _fingerprint(args: argparse.Namespace) -> dict:
+    """The settings a resumed run must share with the run it continues (everything that changes the output)."""
+    keys = ("target", "data", "tokenizer", "max_new_tokens", "temperature", "top_p", "drafter", "dtype", "limit", "seed",
+            "synthesize", "system", "synth_temperature", "synth_top_p", "synth_max_tokens", "synth_min_chars",
+            "synth_max_samples", "shard_size", "batch_size")
+    return {k: getattr(args, k) for k in keys}
+
+
+def _regen_counts(stats: RegenStats) -> dict[str, int]:
+    counts = {k: getattr(stats, k) for k in REGEN_COUNTS}
+    counts.update({f"skipped: {why}": n for why, n in stats.skipped.items()})
+    return counts
+
+
+def _regenerate_shards(output: ShardedOutput, conversations: list, target, tok, answer: dict, args: argparse.Namespace) -> None:
+    from eagle_jax.training.regenerate import regenerate_conversations
+
+    for start in range(output.inputs_done, len(conversations), args.shard_size):
+        shard = conversations[start : start + args.shard_size]
+        out, stats = regenerate_conversations(target, shard, tok, seed=batch_seed(args.seed, output.shards), **answer)
+        output.append([{"messages": m} for m in out], len(shard), _regen_counts(stats))
+        print(f"shard {output.shards}: {output.inputs_done}/{len(conversations)} records done, {output.written} written", flush=True)
+
+
+def _synthesize_shards(output: ShardedOutput, target, tok, answer: dict, args: argparse.Namespace) -> None:
+    from eagle_jax.training.synthesize import synthesize_conversations
+
+    kept = output.totals.get("synth kept", 0)
+    cap = args.synth_max_samples if args.synth_max_samples is not None else 10 * args.synthesize
+    while kept < args.synthesize and output.totals.get("synth sampled", 0) < cap:
+        n = min(args.shard_size, args.synthesize - kept)
+        earlier = [m["content"] for r in output.records() for m in r["messages"] if m["role"] == "user"]
+        convs, synth, stats = synthesize_conversations(
+            target, tok, n, system=args.system, query_max_tokens=args.synth_max_tokens, query_temperature=args.synth_temperature,
+            query_top_p=args.synth_top_p, min_chars=args.synth_min_chars, max_samples=min(10 * n, cap - output.totals.get("synth sampled", 0)),
+            seed=batch_seed(args.seed, output.shards), exclude=earlier, **answer,
+        )
+        counts = _regen_counts(stats)
+        counts.update({f"synth {k}": getattr(synth, k) for k in SYNTH_COUNTS})
+        output.append([{"messages": m} for m in convs], synth.kept, counts)
+        kept += synth.kept
+        print(f"shard {output.shards}: {kept}/{args.synthesize} user turns, {output.written} conversations written", flush=True)
+        if not synth.kept:
+            break  # the sample cap was reached without a new query
 
 if __name__ == "__main__":
     main()

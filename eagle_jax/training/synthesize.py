@@ -16,7 +16,7 @@ and each row its own random stream, so the same seed gives the same queries.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -71,11 +71,13 @@ def synthesize_prompts(
     batch_size: int = 16,
     drafter: Drafter | None = None,
     seed: int = 0,
+    exclude: Iterable[str] = (),
     progress: bool = True,
 ) -> tuple[list[str], SynthStats]:
     """Up to ``n`` distinct user queries written by ``target`` after its template's pre-query text
     (``system``: a system message first, else the template's default). Samples at most
-    ``max_samples`` (default ``10 * n``) turns; fewer than ``n`` come back when that cap is reached."""
+    ``max_samples`` (default ``10 * n``) turns; fewer than ``n`` come back when that cap is reached.
+    ``exclude``: queries kept before (an earlier shard of the same run), which count as duplicates."""
     from eagle_jax.generate import eos_ids, generate
 
     if n < 1:
@@ -88,8 +90,8 @@ def synthesize_prompts(
     stops = sorted(set(eos_ids(target, tokenizer)) | end_of_turn_ids(tokenizer))
     cap = max_samples if max_samples is not None else 10 * n
     stats = SynthStats(wanted=n)
-    seen: set[str] = set()
-    seen_near: set[str] = set()
+    seen = {normalise(t) for t in exclude}
+    seen_near = {" ".join(k.split()[:NEAR_DUPLICATE_WORDS]) for k in seen}
     out: list[str] = []
     bar = tqdm(total=n, desc="synthesising prompts", unit=" prompt", disable=not progress)
     batch = 0
@@ -140,6 +142,7 @@ def synthesize_conversations(
     batch_size: int = 16,
     drafter: Drafter | None = None,
     seed: int = 0,
+    exclude: Iterable[str] = (),
     progress: bool = True,
 ) -> tuple[list[list[dict[str, str]]], SynthStats, RegenStats]:
     """``n`` conversations [system?, user, assistant], both turns written by ``target``: the queries by
@@ -148,7 +151,7 @@ def synthesize_conversations(
     prompts, synth = synthesize_prompts(
         target, tokenizer, n, system=system, max_new_tokens=query_max_tokens, temperature=query_temperature,
         top_p=query_top_p, min_chars=min_chars, max_samples=max_samples, batch_size=batch_size, drafter=drafter,
-        seed=seed, progress=progress,
+        seed=seed, exclude=exclude, progress=progress,
     )
     first = [{"role": "system", "content": system}] if system is not None else []
     convs, regen = regenerate_conversations(

@@ -110,6 +110,10 @@ def test_bad_magic_and_not_a_gguf(tmp_path):
         eagle_jax.load_tokenizer(f)
     with pytest.raises(CheckpointError, match="revision"):
         eagle_jax.load_target(f, revision="main")
+    other = tmp_path / "model.safetensors"
+    other.write_bytes(b"\x80\x81 not json, not GGUF")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: is a file but not a GGUF"):
+        eagle_jax.load_target(other)
 
 
 def test_truncated_file_names_the_tensor_or_the_header(llama_file, tmp_path):

@@ -273,8 +273,9 @@ class GGUFSource:
                 )
             key = hf_tensor_name(t.name) or t.name  # an unknown name is reported by fill_module as unexpected
             self._tensors[key] = t
-            if arch in PERMUTED_QK and t.name.split(".")[-2] in ("attn_q", "attn_k"):
-                self._permute[key] = config.num_heads if t.name.split(".")[-2] == "attn_q" else config.num_kv_heads
+            kind = t.name.split(".")[-2] if t.name.count(".") >= 1 else ""
+            if arch in PERMUTED_QK and kind in ("attn_q", "attn_k"):
+                self._permute[key] = config.num_heads if kind == "attn_q" else config.num_kv_heads
 
     def keys(self) -> list[str]:
         return list(self._tensors)

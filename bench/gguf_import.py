@@ -23,6 +23,7 @@ import argparse
 import os
 import tempfile
 import time
+from unittest import mock
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -59,14 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.repeats):
         target, s = timed(lambda: eagle_jax.load_target(file, dtype="float32"))
         loads.append(s)
-    with tempfile.TemporaryDirectory() as cache:
-        old = os.environ.get("EAGLE_JAX_CACHE")
-        os.environ["EAGLE_JAX_CACHE"] = cache
-        try:
-            tok, tok_first = timed(lambda: eagle_jax.load_tokenizer(file))
-            _, tok_cached = timed(lambda: eagle_jax.load_tokenizer(file))
-        finally:
-            os.environ.pop("EAGLE_JAX_CACHE") if old is None else os.environ.__setitem__("EAGLE_JAX_CACHE", old)
+    with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {"EAGLE_JAX_CACHE": cache}):
+        tok, tok_first = timed(lambda: eagle_jax.load_tokenizer(file))  # converted from the metadata
+        _, tok_cached = timed(lambda: eagle_jax.load_tokenizer(file))
     ref, hf_load = timed(lambda: AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval())
     print(f"{file.name}: load_target {', '.join(f'{s:.2f}' for s in loads)} s; load_tokenizer {tok_first:.2f} s "
           f"(converted), {tok_cached:.2f} s (cached); transformers from_pretrained(gguf_file=) {hf_load:.2f} s")

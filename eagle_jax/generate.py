@@ -219,32 +219,125 @@ def _program(target: Target, drafter: Drafter | None, plan: Plan, prompt, lens, 
 
 
 def _wants_auto(drafter: Drafter | None, spec) -> bool:
-    """A drafter and no spec (or "auto"): the speculation is chosen by measurement (``_auto_spec``)."""
+    """A drafter and no spec (or "auto"): the depth is chosen chunk by chunk (``_AutoRun``)."""
     return drafter is not None and (spec is None or (isinstance(spec, str) and spec == "auto"))
 
 
-def _auto_spec(target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict) -> tuple[SpecConfig | None, dict]:
-    """The candidate (``autospec.candidates``: plain decoding or a chain) with the most tokens/s on
-    these prompts (``autospec.calibration_rounds`` says how it is timed), measured once per model
-    pair, batch size and sampling mode (``autospec.choose``); returns (its spec, None for plain
-    decoding; the measured rates)."""
-    check_pair(target.config, drafter.config)
-    key = (nnx.graphdef(target), nnx.graphdef(drafter), id(target), id(drafter), len(prompts), kw["temperature"] == 0.0, kw["exact"], kw["mesh"])
-    measures = {}
-    if not autospec.chosen(key):
-        for i, spec in enumerate(autospec.candidates()):
-            d = None if spec is None else drafter
-            plan, prompt, lens, rs = _prepare(target, d, prompts, max_new_tokens, kw["temperature"], kw["top_k"], kw["top_p"], spec,
-                                              kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
-            compiled, args, _ = _program(target, d, plan, prompt, lens, rs, kw["seed"], kw["mesh"])
+class _AutoRun:
+    """One ``spec="auto"`` call: the prefill, then chunks of rounds, each at the depth that
+    ``autospec`` expects to emit the most tokens per second from the costs measured so far for this
+    pair, batch, sampling mode and device, and the acceptance observed so far on this pair's traffic
+    (both updated from every chunk). Every depth's program runs on one loop state: the cache is sized
+    for the deepest chain, and rounds without drafts keep the drafter fed, so the depth can change
+    between any two chunks; plain decoding proper (drafter not fed) runs to the end of the call once
+    chosen. Iterating yields the state after each chunk."""
 
-            def measure(limit: int, compiled=compiled, args=args, most=plan.max_rounds) -> tuple[int, float]:
-                t0 = time.perf_counter()
-                n_out = jax.block_until_ready(compiled(*args[:7], jnp.int32(min(limit, most))).n_out)
-                return int(jnp.sum(n_out)), time.perf_counter() - t0
+    def __init__(self, target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict):
+        top = SpecConfig(num_speculative_tokens=max(autospec.DEPTHS))
+        self.plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, kw["temperature"], kw["top_k"], kw["top_p"],
+                                               top, kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
+        self.t_graph, self.t_state = _split(target)
+        self.d_graph, self.d_state = _split(drafter)
+        if kw["mesh"] is not None:
+            from eagle_jax.sharding import shard_tree
 
-            measures[i] = (measure, autospec.calibration_rounds(plan.width, plan.max_rounds, max_new_tokens))
-    return autospec.choose(key, measures)
+            self.t_state, self.d_state = shard_tree(self.t_state, kw["mesh"]), shard_tree(self.d_state, kw["mesh"])
+        greedy = self.plan.greedy
+        pair = (self.t_graph, self.d_graph, id(target), id(drafter))
+        self.costs = autospec.cost_table((*pair, self.plan.batch, greedy, self.plan.exact, kw["mesh"], jax.default_backend()))
+        self.estimate = autospec.acceptance_estimate((*pair, greedy))
+        self.compile_s = 0.0
+        self.run_s = 0.0
+        self.chunks: list[tuple[int | None, int]] = []  # (depth, rounds): None = probe rounds
+        self._args = (prompt, lens, rs, jax.random.key(kw["seed"]))
+        self._programs: dict[tuple[int | None, bool], Any] = {}
+
+    def _compiled(self, kind: str, plan: Plan, fed: bool, args: tuple, build):
+        compiled, seconds = _PROGRAMS.get(kind, self.t_graph, self.d_graph if fed else None, plan, args, build)
+        self.compile_s += seconds
+        return compiled
+
+    def _begin(self):
+        plan, t_graph, d_graph = self.plan, self.t_graph, self.d_graph
+
+        def begin(t_state, d_state, prompt, lens, rs, key):
+            return start(nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state), plan, prompt, lens, rs, key, plan.max_rounds)
+
+        args = (self.t_state, self.d_state, *self._args)
+        return self._compiled("auto_start", plan, True, args, begin)(*args)
+
+    def _chunk(self, depth: int | None, st, limit: int, fed: bool):
+        """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
+        decoding proper) until ``limit`` rounds in all."""
+        spec = None if depth in (None, autospec.PLAIN) else SpecConfig(num_speculative_tokens=depth)
+        plan = dataclasses.replace(self.plan, spec=spec)
+        t_graph, d_graph = self.t_graph, (self.d_graph if fed else None)
+
+        def chunk(t_state, d_state, st, limit):
+            drf = None if d_graph is None else nnx.merge(d_graph, d_state)
+            return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit)
+
+        args = (self.t_state, self.d_state if fed else None, st, jnp.int32(limit))
+        if (depth, fed) not in self._programs:  # the process-wide lookup hashes every weight's shape: once per call
+            self._programs[depth, fed] = self._compiled("auto_chunk", plan, fed, args, chunk)
+        return self._programs[depth, fed](*args)
+
+    def _next(self, fed: bool, active: int, observed: int) -> tuple[int | None, int]:
+        """(depth, rounds) of the next chunk; depth None: probe rounds."""
+        if not fed:
+            return autospec.PLAIN, self.plan.max_rounds
+        if self.costs.cost(autospec.PLAIN) is None:
+            return None, autospec.PROBE_ROUNDS  # measures what a round without drafts costs, and observes acceptance
+        todo = autospec.unexplored(self.costs)
+        if todo:
+            return todo[0], autospec.EXPLORE_ROUNDS
+        depth = autospec.choose_depth(self.costs, lambda d: active * self.estimate.expected_tokens(d))
+        if depth == autospec.PLAIN and observed < autospec.PROBE_ROUNDS:
+            return None, autospec.PROBE_ROUNDS  # plain decoding only on fresh evidence
+        return depth, autospec.CHUNK_ROUNDS
+
+    def __iter__(self) -> Iterator[Any]:
+        t0 = time.perf_counter()
+        compile0 = self.compile_s
+        st = self._begin()
+        jax.block_until_ready(st.out)
+        self.run_s += time.perf_counter() - t0 - (self.compile_s - compile0)
+        yield st
+        fed, observed, rounds = True, 0, 0
+        done = bool(np.all(jax.device_get(st.done)))
+        while not done and rounds < self.plan.max_rounds:
+            active = int(np.sum(~jax.device_get(st.done)))
+            depth, n = self._next(fed, active, observed)
+            if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
+                fed = False
+                st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
+            compile0, t0 = self.compile_s, time.perf_counter()
+            st = self._chunk(depth, st, rounds + n, fed)
+            done_rows, new_rounds, accepted, probe = jax.device_get((st.done, st.rounds, st.accepted[:, rounds : rounds + n], st.probe))
+            seconds = time.perf_counter() - t0 - (self.compile_s - compile0)
+            ran = int(new_rounds) - rounds
+            self.run_s += seconds
+            self.costs.update(None if depth is None else depth, seconds, ran)
+            if depth is None:
+                self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
+                st = dataclasses.replace(st, probe=jnp.zeros_like(st.probe))
+                observed += ran
+            elif depth == autospec.PLAIN:
+                self.estimate.age(ran)
+            else:
+                self.estimate.observe([[int(a) for a in col if a >= 0] for col in accepted[:, :ran].T], depth)
+                observed += ran
+            self.chunks.append((depth, ran))
+            rounds, done = int(new_rounds), bool(np.all(done_rows))
+            yield st
+
+    def result(self, tokenizer) -> GenerationResult:
+        st = None
+        for st in self:
+            pass
+        res = _result(st, self.plan, self.compile_s, self.run_s, tokenizer)
+        res.stats.update(spec="auto", chunks=list(self.chunks))
+        return res
 
 
 def generate(
@@ -278,12 +371,12 @@ def generate(
     alike: the output is then the same for every batch size, drafter and speculation setting (cost:
     fp32 activations and caches; see BENCHMARKS.md).
 
-    ``spec``: a SpecConfig or dict, or "auto" (the default, None, with a drafter): the first call
-    for a model pair, batch size and sampling mode times plain decoding and chains of
-    ``autospec.AUTO_CHAINS`` drafts on its own prompts (whole runs up to 128 new tokens, the first
-    rounds' decode rate beyond) and keeps the fastest
-    (plain decoding where speculation does not pay: at large batches on a compute-bound device);
-    later calls reuse the choice. ``result.stats["spec"]`` says what ran (None: plain decoding).
+    ``spec``: a SpecConfig or dict, or "auto" (the default, None, with a drafter): the call runs in
+    chunks of a few rounds, each at the depth (plain decoding or a chain of ``autospec.DEPTHS``
+    drafts) with the most expected tokens per second from the round costs measured so far for this
+    pair, batch size, sampling mode and device and the acceptance observed so far on this pair's
+    traffic, this call's included (``decoding/autospec.py``). ``result.stats["chunks"]`` lists the
+    (depth, rounds) that ran (depth None: rounds without drafts that observe acceptance).
 
     ``eos_token_id``: None = the model's own (generation_config.json / config.json) and the
     tokenizer's; an id or a list; ``[]`` = never stop before ``max_new_tokens``.
@@ -291,10 +384,7 @@ def generate(
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer,
               mesh=mesh, exact=exact)
     if _wants_auto(drafter, spec):
-        chosen, rates = _auto_spec(target, drafter, prompts, max_new_tokens, kw)
-        res = generate(target, drafter if chosen is not None else None, prompts, max_new_tokens=max_new_tokens, spec=chosen, **kw)
-        res.stats.update(spec=chosen, auto_rates=rates)
-        return res
+        return _AutoRun(target, drafter, prompts, max_new_tokens, kw).result(tokenizer)
     plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
     compiled, args, compile_s = _program(target, drafter, plan, prompt, lens, rs, seed, mesh)
     t0 = time.perf_counter()
@@ -321,14 +411,20 @@ def generate_stream(
     exact: bool = False,
 ) -> Iterator[list[list[int]]]:
     """The same loop run in chunks of ``rounds_per_chunk`` rounds; yields each row's new tokens per chunk.
-    ``spec`` as in ``generate`` ("auto" chooses with generate's programs, then streams the choice)."""
+    ``spec`` as in ``generate`` ("auto" streams each of its chunks of rounds, whatever ``rounds_per_chunk``)."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
-    if _wants_auto(drafter, spec):
+    if _wants_auto(drafter, spec):  # streams _AutoRun's chunks
         kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer,
                   mesh=None, exact=exact)
-        spec, _ = _auto_spec(target, drafter, prompts, max_new_tokens, kw)
-        drafter = None if spec is None else drafter
+        sent = [0] * len(prompts)
+        for st in _AutoRun(target, drafter, prompts, max_new_tokens, kw):
+            n_out, out = jax.device_get((st.n_out, st.out))
+            new = [out[b, sent[b] : n_out[b]].tolist() for b in range(len(prompts))]
+            sent = [int(n) for n in n_out]
+            if any(new):
+                yield new
+        return
     plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)

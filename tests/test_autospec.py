@@ -17,7 +17,7 @@ from eagle_jax import SpecConfig
 from eagle_jax.config import ConfigError
 from eagle_jax.decoding import autospec
 from eagle_jax.decoding.engine import RoundCosts, draft_confidence
-from engine_models import markov_pair
+from engine_models import markov_drafter, markov_pair, markov_target
 
 PROMPTS = [list(np.random.default_rng(7).integers(0, 32, n)) for n in (4, 11, 19)]
 K = 4
@@ -74,49 +74,72 @@ def test_costly_drafter_steps_stop_drafting(monkeypatch, pair, plain):
     assert max(a for row in out.accepted for a in row) == 1
 
 
-def test_auto_measures_this_machine(pair, plain):
-    """The default with a drafter: every candidate timed on these prompts, the fastest kept, and the
-    choice reused by the next call of that pair and batch size (other prompts and lengths too)."""
+class FixedCosts(autospec.CostTable):
+    """A cost table that does not learn from the clock: per-round seconds by depth (0 = plain)."""
+
+    def __init__(self, seconds):
+        super().__init__(dict(seconds), seconds[0])
+
+    def update(self, depth, seconds, rounds):
+        pass
+
+
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    """Rounds cost what a weight-bound device charges (drafts nearly free); the estimates start empty."""
+    autospec.reset()
+    table = FixedCosts({0: 1.0, 1: 1.1, 3: 1.3, 5: 1.6})
+    monkeypatch.setattr(autospec, "cost_table", lambda key: table)
+    yield table
+    autospec.reset()
+
+
+def test_auto_output_is_plain_decodings(pair, plain):
+    """The default with a drafter, costs measured on this machine: whatever depths the chunks run,
+    generate and generate_stream return plain decoding's tokens; the first call measures a round without drafts, then the deepest chain first."""
+    autospec.reset()
     out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[])
-    assert out.tokens == plain.tokens
-    rates = out.stats["auto_rates"]
-    assert set(rates) == {autospec.candidate_name(s) for s in autospec.candidates()} and min(rates.values()) > 0
-    assert autospec.candidate_name(out.stats["spec"]) == max(rates, key=rates.get)
-    again = eagle_jax.generate(pair[0], pair[1], [p[:3] for p in PROMPTS], max_new_tokens=9, spec="auto", eos_token_id=[])
-    assert again.stats["spec"] == out.stats["spec"] and again.stats["auto_rates"] is rates  # not measured again
-    assert again.tokens == [t[:9] for t in eagle_jax.generate(pair[0], None, [p[:3] for p in PROMPTS], max_new_tokens=9, eos_token_id=[]).tokens]
+    assert out.tokens == plain.tokens and out.stats["spec"] == "auto"
+    assert [d for d, _ in out.stats["chunks"]][:2] == [None, max(autospec.DEPTHS)]  # a probe, then the deepest chain
     streamed = list(eagle_jax.generate_stream(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[]))
     assert [sum((c[b] for c in streamed), []) for b in range(len(PROMPTS))] == plain.tokens
 
 
-def test_choose_keeps_the_most_tokens_per_second():
-    """With calibration rounds the rate excludes the prefill (the run stopped after it is subtracted);
-    without (short generations) it is the whole run's. Candidate i emits tokens[i] per round at
-    seconds[i] per round after a prefill of 5 s; a whole run is 8 rounds."""
+def test_a_hard_first_prompt_does_not_switch_speculation_off(fixed_costs):
+    """A drafter that never predicts prompt A's continuation (its tokens lie outside the draft vocabulary)
+    and often predicts B's. A first call on A decodes plainly after measuring that; the calls on B that
+    follow probe, find acceptance again and speculate, and every output is plain decoding's."""
+    target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1)
+    drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.25, draft_vocab=list(range(0, 32, 2)))
+    hard, easy = [[1, 1]], [[25, 25]]
+    runs = [eagle_jax.generate(target, drafter, p, max_new_tokens=32, eos_token_id=[]) for p in (hard, easy, easy, easy)]
+    for p, r in zip((hard, easy, easy, easy), runs):
+        assert r.tokens == eagle_jax.generate(target, None, p, max_new_tokens=32, eos_token_id=[]).tokens
+    depths = [[d for d, n in r.stats["chunks"] for _ in range(n)] for r in runs]
+    assert depths[0][-1] == autospec.PLAIN  # the hard prompt ends in plain decoding
+    assert all(any(d not in (None, autospec.PLAIN) for d in ds) for ds in depths[1:])  # every later call speculates
+    assert sum(d not in (None, autospec.PLAIN) for d in depths[-1]) >= len(depths[-1]) // 2
 
-    def fake(tokens_per_round, seconds_per_round):
-        return lambda limit: (3 + tokens_per_round * min(limit, 8), 5.0 + seconds_per_round * min(limit, 8))
 
-    specs = autospec.candidates()
-    fast_k3 = {0: (fake(1, 1.0), 8), 1: (fake(2, 1.5), 8), 2: (fake(4, 2.0), 8), 3: (fake(5, 3.0), 8)}
-    chosen, rates = autospec.choose(("test", "k3"), fast_k3)
-    assert chosen == specs[2] and rates["chain K=3"] == pytest.approx(2.0) and rates["plain"] == pytest.approx(1.0)
-    plain_wins = {0: (fake(4, 1.0), 8), 1: (fake(2, 1.0), 8), 2: (fake(4, 2.0), 8), 3: (fake(5, 3.0), 8)}
-    assert autospec.choose(("test", "plain"), plain_wins)[0] is None
-    assert autospec.choose(("test", "k3"), {})[0] == specs[2]  # cached: nothing measured
-    # Whole runs: the prefill counts, (3 + 8 t) / (5 + 8 s): plain 11/13, chain K=3 35/21.
-    whole = {0: (fake(1, 1.0), None), 2: (fake(4, 2.0), None)}
-    chosen, rates = autospec.choose(("test", "whole"), whole)
-    assert chosen == specs[2] and rates["plain"] == pytest.approx(11 / 13) and rates["chain K=3"] == pytest.approx(35 / 21)
-    assert autospec.calibration_rounds(1, 200, 200) == 32 and autospec.calibration_rounds(6, 200, 200) == 10
-    assert autospec.calibration_rounds(6, 4, 129) == 4 and autospec.calibration_rounds(6, 64, 64) is None
+def test_acceptance_estimate_and_choice():
+    """Per-position conditional acceptance from accepted counts; a prior for positions never reached;
+    rounds without drafts observe the first draft; aging returns toward the prior."""
+    est = autospec.AcceptanceEstimate(5)
+    assert est.expected_tokens(0) == 1.0 and est.expected_tokens(3) == pytest.approx(1 + 0.6 + 0.36 + 0.216)
+    est.observe([[3]] * 200, 3)  # every chain of 3 accepted: p -> 1 for positions 0..2
+    # ~33 rounds of memory against the prior's 3
+    assert est.p[:3] == pytest.approx(1.0, abs=0.04) and est.expected_tokens(3) == pytest.approx(4.0, abs=0.15)
+    est.observe([[0]] * 200, 3)  # then none accepted: p[0] -> 0
+    assert est.p[0] < 0.06
+    table = FixedCosts({0: 1.0, 1: 1.1, 3: 1.3, 5: 1.6})
+    assert autospec.choose_depth(table, est.expected_tokens) == autospec.PLAIN
+    est.observe_probe(0.9, 100)
+    assert est.p[0] == pytest.approx(0.9, abs=0.08) and autospec.choose_depth(table, est.expected_tokens) != autospec.PLAIN
+    est.observe([[0]] * 200, 3)
+    est.age(300)
+    assert est.p[0] == pytest.approx(autospec.PRIOR, abs=0.01)
+    assert autospec.unexplored(autospec.CostTable({1: 1.0})) == [5, 3]
     assert autospec.widths_for(6) == (1, 2, 4, 7) and autospec.widths_for(1) == (1, 2)
-
-
-def test_auto_runs_plain_decoding_when_it_is_faster(monkeypatch, pair, plain):
-    monkeypatch.setattr(autospec, "choose", lambda key, measures: (None, {"plain": 2.0, "chain K=5": 1.0}))
-    out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec="auto", eos_token_id=[])
-    assert out.stats["spec"] is None and out.tokens == plain.tokens and out.acceptance_length == 1.0
 
 
 def test_draft_confidence_is_the_top2_share():

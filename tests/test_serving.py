@@ -11,6 +11,7 @@ import eagle_jax
 from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
+from eagle_jax.serving.depth import AutoDepth
 from engine_models import markov_pair
 from eagle_jax.serving.text import TextStream
 from serving_models import build_tokenizer
@@ -62,6 +63,33 @@ def test_continuous_batching_equals_generate(pair, eos):
     assert reasons == {"stop", "length"}
     assert sum(h.accepted.count(2) + h.accepted.count(3) for h in handles) > 0  # multi-token rounds happened
     assert sched.engine.compile_events  # and were compiled once per program, counted
+
+
+def test_auto_depth_in_slots_equals_generate(pair, eos):
+    """The server's default (``--spec auto``): each step's depth from the costs measured at its row count
+    and the busy requests' live acceptance. Outputs equal generate's; unknown depths are measured by
+    running them; steps without drafts observe the drafter (``probe``) and every request's estimate
+    is updated from its own rounds."""
+    target, drafter = pair
+    auto = AutoDepth()
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 32, size=int(n)).tolist() for n in rng.integers(2, 30, size=5)]
+    steps = []
+    sched = _scheduler(pair, eos, schedule=auto)
+    sched.on_step = lambda active, spec, out: steps.append((spec, out.probe))
+    try:
+        handles = [sched.submit(Request(tuple(p), 24)) for p in prompts]
+        for h in handles:
+            h.wait(300)
+    finally:
+        sched.stop()
+    for p, h in zip(prompts, handles):
+        ref = eagle_jax.generate(target, None, [p], max_new_tokens=24, eos_token_id=eos).tokens[0]
+        assert h.tokens == ref and h.estimate is not None
+    assert {auto.depth_of(s) for s, _ in steps} >= {0, *auto.depths}  # every depth measured
+    assert all(probe[:, 1].sum() > 0 for s, probe in steps if s is None)  # steps without drafts observed acceptance
+    assert any(table.seconds for table in auto.tables.values())
+    assert sum(h.accepted.count(2) + h.accepted.count(3) for h in handles) > 0
 
 
 def test_tree_speculation_in_slots_equals_generate(pair, eos):
@@ -168,7 +196,7 @@ def test_serve_spec_argument():
     vllm = parse_spec('{"model": "x", "method": "eagle3", "num_speculative_tokens": 3}', True)
     assert vllm.rules == ((1, SpecConfig(num_speculative_tokens=3)),)
     assert parse_spec("1:5,4:0", True).choose(4) is None
-    assert parse_spec(None, True).rules == ((1, SpecConfig()),)
+    assert isinstance(parse_spec(None, True), AutoDepth) and isinstance(parse_spec("auto", True), AutoDepth)
     assert parse_spec(None, False).rules == ((1, None),)
     with pytest.raises(ConfigError, match="no drafter"):
         parse_spec("1:3", False)

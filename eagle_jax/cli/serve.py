@@ -7,8 +7,10 @@ the speculative engine.
                     [--max-len N] [--dtype float32|bfloat16]
     eagle-jax-serve --target smollm2-135m-instruct --drafter none     # a named model, fetched on first use
 
-``--spec`` takes vLLM's speculative config (one depth for every step) or a schedule of chain depths by
-number of occupied slots, e.g. ``1:5,4:3,9:0`` (K=5 while 1-3 slots are busy, K=3 from 4, none from 9).
+``--spec auto`` (the default with a drafter) picks each step's depth from the costs measured at the
+number of busy slots and the busy requests' live acceptance (``serving/depth.py``). Overrides: vLLM's
+speculative config (one depth for every step), or a schedule of chain depths by number of occupied
+slots, e.g. ``1:5,4:3,9:0`` (K=5 while 1-3 slots are busy, K=3 from 4, none from 9).
 ``--drafter none`` serves the target alone. Checkpoints are directories or Hugging Face Hub repo ids; a
 target may also be a .gguf file or a named model (``smollm2-135m-instruct``); relative paths in a profile
 are relative to the profile's folder. The served model name (``/v1/models``) defaults to the target's
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct")
     ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id, or 'none'")
     ap.add_argument("--tokenizer", help="tokenizer directory, Hub repo id, .gguf file or named model (default: the target's)")
-    ap.add_argument("--spec")
+    ap.add_argument("--spec", help="auto (default with a drafter), none, a MIN_ACTIVE:K schedule, or vLLM's JSON speculative config")
     ap.add_argument("--slots", type=int)
     ap.add_argument("--max-len", type=int)
     ap.add_argument("--rounds-per-step", type=int)

@@ -1,17 +1,26 @@
-"""Speculation chosen by measurement: ``spec="auto"``, the default of ``generate`` with a drafter;
-and the cost calibration of adaptive chains (``SpecConfig(adaptive=True)``).
+"""Speculation chosen by measurement: ``spec="auto"`` (the default of ``generate`` with a drafter, and
+of the server), and the cost calibration of adaptive chains (``SpecConfig(adaptive=True)``).
 
-**auto.** Whether speculation pays, and how deep, depends on the machine, the batch and the drafter's
-acceptance on the traffic: with few rows a target step reads weights, so K+1 positions cost about
-one and deep chains win; with many rows the step is compute-bound, each verified position costs
-nearly a step, and plain decoding can win (what vLLM's ``disable_by_batch_size`` sets by hand). A
-model of it, ``speedup ~ AL / (1 + K x t_draft / t_verify)``, needs AL, which only the traffic
-tells. So the first call for a model pair, batch size and sampling mode runs each candidate
-(``candidates``: plain decoding and chains of ``AUTO_CHAINS`` drafts), compiled at the call's own
-shapes, on the call's own prompts, and keeps the one with the most tokens per second: the whole run
-for short generations, the decode rate of the first rounds for long ones (``calibration_rounds``);
-the fastest of ``AUTO_REPEATS`` interleaved passes. Later calls with that pair, batch size and mode
-reuse the choice (``choose``). The cost: compiling the candidates once, and a few runs of each.
+**auto.** Whether speculation pays, and how deep, depends on the machine and the batch (what a round
+of each depth costs) and on the traffic (how many drafts the target accepts). The two are learnt
+apart, because they change at different speeds:
+
+- ``CostTable``: seconds per round of each depth (0 = plain decoding, K = a chain of K drafts), per
+  model pair, batch size, sampling mode and device; measured from the rounds that ran at that depth
+  (a running average), and for a depth not yet run, by running it once for ``EXPLORE_ROUNDS``
+  rounds of real work.
+- ``AcceptanceEstimate``: the chance that draft i is accepted once drafts 0..i-1 were, from the
+  accepted counts of every round that ran (decaying with ``KEEP`` per round, so it follows a change
+  of workload), blended with a prior. Rounds that make no drafts still observe the first draft
+  (engine ``probe_acceptance``), so the estimate recovers while decoding plainly.
+
+Each chunk of rounds (a ``generate`` call runs in chunks of ``CHUNK_ROUNDS``; the server decides per
+step) runs the depth with the most expected tokens per second, ``expected_tokens(K) / cost(K)``
+(``choose_depth``). One bad prompt therefore costs a few rounds, not the process: the choice is
+made again every chunk from what the current prompts do. Plain decoding proper (the drafter not
+fed, so no way back within the call) runs only after a fresh probe of ``PROBE_ROUNDS`` rounds has
+confirmed that speculation does not pay; each call starts with the drafter fed, so a later call
+speculates again as soon as its own prompts allow.
 
 **adaptive chains.** ``calibrate`` times an adaptive program's parts (drafter step, each
 verification width, a plain round) in the compiled loop itself; the rounds then draft while the
@@ -22,18 +31,15 @@ chain doing the same work (BENCHMARKS.md), so auto does not pick it; it stays op
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
+import numpy as np
 
-from eagle_jax.config import SpecConfig
 from eagle_jax.decoding.engine import RoundCosts
-
-AUTO_CHAINS = (1, 3, 5)  # auto's chain candidates (drafts per round), besides plain decoding
-CAL_TOKENS = 32  # tokens per row a calibration run of a candidate emits at about AL = (width + 1) / 2
-WHOLE_RUN_TOKENS = 128  # up to this max_new a calibration run is the whole generation
-AUTO_REPEATS = 2
 
 MAX_DRAFTS = 6  # an adaptive round's deepest chain
 WIDTHS = (1, 2, 4)  # its verification widths (1 + drafts), and MAX_DRAFTS + 1: a compiled branch each
@@ -42,10 +48,6 @@ REPEATS = 2
 _BIG = 1e6  # a cost that is never chosen / a plain rate that never ends speculation
 
 _COSTS: dict[Any, RoundCosts] = {}
-_CHOICES: dict[Any, tuple[int, dict[str, float]]] = {}
-
-# rounds limit -> (tokens emitted so far over all rows, seconds): one run of a compiled candidate.
-Measure = Callable[[int], tuple[int, float]]
 
 # (costs array, rounds limit) -> (state after the run, blocked on); the compiled generate program.
 Runner = Callable[[jax.Array, int], Any]
@@ -94,54 +96,140 @@ def calibrate(key: Any, run: Runner, widths: tuple[int, ...], max_drafts: int) -
     _COSTS[key] = costs
     return costs
 
+# ------------------------------------------------------------------------------------------------ auto
 
-def candidates() -> list[SpecConfig | None]:
-    """What auto chooses among: plain decoding (None) and chains of AUTO_CHAINS drafts."""
-    return [None, *(SpecConfig(num_speculative_tokens=k) for k in AUTO_CHAINS)]
-
-
-def candidate_name(spec: SpecConfig | None) -> str:
-    return "plain" if spec is None else f"chain K={spec.num_speculative_tokens}"
-
-
-def calibration_rounds(width: int, max_rounds: int, max_new: int) -> int | None:
-    """Rounds of a calibration run for a candidate emitting up to ``width`` tokens per round, or
-    None: time the whole run. Short generations (max_new <= WHOLE_RUN_TOKENS) are timed whole,
-    prefill included, because there the prefill (the drafter's too) and the batch's tail (rows that
-    finished waiting for the slowest) weigh as much as the rounds' rate; long ones by their first
-    rounds' decode rate, which is what their time is made of."""
-    if max_new <= WHOLE_RUN_TOKENS:
-        return None
-    return max(1, min(max_rounds, -(-2 * CAL_TOKENS // (width + 1))))
+DEPTHS = (1, 3, 5)  # chains auto chooses among, besides plain decoding (0)
+PLAIN = 0
+CHUNK_ROUNDS = 8  # rounds of a generate call between two choices (one host sync each)
+EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
+PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance before plain decoding
+KEEP = 0.97  # weight of the past per round in the acceptance estimate (a memory of ~30 rounds)
+PRIOR = 0.6  # acceptance of a draft assumed before any is observed
+PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
+COST_KEEP = 0.7  # weight of the past in a depth's running cost per round
 
 
-def chosen(key: Any) -> bool:
-    return key in _CHOICES
+class AcceptanceEstimate:
+    """Per draft position i, the chance ``p[i]`` that draft i is accepted given drafts 0..i-1 were.
+
+    Decayed sums over rounds of trials (rounds whose chain reached draft i) and hits (rounds that
+    accepted it); each round weighs 1 however many rows it ran, and the past weighs ``KEEP`` per
+    round. ``p[0]`` falls back to ``PRIOR`` and ``p[i]`` to ``p[i-1]`` with ``PRIOR_ROUNDS`` of weight,
+    so a position never tried is assumed as good as the one before it."""
+
+    def __init__(self, max_depth: int = max(DEPTHS)):
+        self.trials = np.zeros(max_depth)
+        self.hits = np.zeros(max_depth)
+
+    def copy(self) -> "AcceptanceEstimate":
+        new = AcceptanceEstimate(len(self.trials))
+        new.trials, new.hits = self.trials.copy(), self.hits.copy()
+        return new
+
+    def _add(self, trials: np.ndarray, hits: np.ndarray) -> None:
+        """Adds rounds given as per-round trial / hit rates [R, max_depth] (oldest first)."""
+        r = len(trials)
+        w = KEEP ** np.arange(r - 1, -1, -1)[:, None]
+        self.trials = self.trials * KEEP**r + (w * trials).sum(0)
+        self.hits = self.hits * KEEP**r + (w * hits).sum(0)
+
+    def observe(self, accepted: Sequence[Sequence[int]], depth: int) -> None:
+        """Rounds of chains of ``depth`` drafts: ``accepted[r]`` = drafts accepted by each row that ran
+        round r (rows that did not run left out)."""
+        rounds = [np.minimum(np.asarray(a, np.int64), depth) for a in accepted if len(a)]
+        if depth < 1 or not rounds:
+            return
+        i = np.arange(len(self.trials))[None, :]
+        trials = np.stack([((i <= a[:, None]) & (i < depth)).mean(0) for a in rounds])
+        hits = np.stack([(i < a[:, None]).mean(0) for a in rounds])
+        self._add(trials, hits)
+
+    def observe_probe(self, chance: float, rounds: float) -> None:
+        """``rounds`` rounds without drafts whose first draft would have been accepted with this mean chance."""
+        n = int(round(rounds))
+        if n < 1:
+            return
+        trials = np.zeros((n, len(self.trials)))
+        trials[:, 0] = 1.0
+        hits = np.zeros_like(trials)
+        hits[:, 0] = chance
+        self._add(trials, hits)
+
+    def age(self, rounds: int) -> None:
+        """``rounds`` rounds passed without observing acceptance: the evidence fades toward the prior, so
+        that plain decoding chosen on old evidence is tried against speculation again."""
+        self.trials *= KEEP**rounds
+        self.hits *= KEEP**rounds
+
+    @property
+    def p(self) -> np.ndarray:
+        out, prev = np.empty(len(self.trials)), PRIOR
+        for i in range(len(out)):
+            prev = out[i] = (self.hits[i] + PRIOR_ROUNDS * prev) / (self.trials[i] + PRIOR_ROUNDS)
+        return out
+
+    def expected_tokens(self, depth: int) -> float:
+        """Tokens a round of ``depth`` drafts is expected to emit: 1 + sum over i < depth of prod(p[:i+1])."""
+        return 1.0 + float(np.cumprod(self.p[:depth]).sum()) if depth > 0 else 1.0
 
 
-def choose(key: Any, measures: dict[int, tuple[Measure, int | None]]) -> tuple[SpecConfig | None, dict[str, float]]:
-    """The candidate with the most tokens/s and every candidate's rate, measured once per ``key``.
-    ``measures[i]``: (a run of candidate i up to a rounds limit, its calibration rounds or None).
-    With rounds R the rate is (tokens after R rounds - tokens after the prefill) / (the difference
-    in seconds); with None, the whole run's tokens / seconds."""
-    if key not in _CHOICES:
-        whole = 1 << 30  # a rounds limit past any plan's max_rounds
+@dataclass
+class CostTable:
+    """Seconds per round of each depth (``PLAIN`` = 0: plain decoding), a running average of what the
+    rounds took; ``probe_s``: a round without drafts that feeds the drafter, the stand-in for plain
+    decoding's cost until plain decoding has run."""
 
-        def timed(run: Measure, rounds: int | None) -> tuple[int, float]:
-            if rounds is None:
-                return run(whole)
-            (n0, s0), (n1, s1) = run(0), run(rounds)
-            return n1 - n0, max(s1 - s0, 1e-9)
+    seconds: dict[int, float] = field(default_factory=dict)
+    probe_s: float | None = None
 
-        for run, rounds in measures.values():  # warm: first runs pay one-time costs
-            timed(run, rounds)
-        rates = {i: 0.0 for i in measures}
-        for _ in range(AUTO_REPEATS):  # interleaved, so that a machine whose speed drifts biases none
-            for i, (run, rounds) in measures.items():
-                n, sec = timed(run, rounds)
-                rates[i] = max(rates[i], n / sec)
-        best = max(rates, key=rates.get)
-        specs = candidates()
-        _CHOICES[key] = (best, {candidate_name(specs[i]): r for i, r in rates.items()})
-    best, rates = _CHOICES[key]
-    return candidates()[best], rates
+    def update(self, depth: int | None, seconds: float, rounds: int) -> None:
+        """``depth`` None: probe rounds."""
+        if rounds < 1 or seconds <= 0:
+            return
+        per = seconds / rounds
+        old = self.probe_s if depth is None else self.seconds.get(depth)
+        new = per if old is None else COST_KEEP * old + (1 - COST_KEEP) * per
+        if depth is None:
+            self.probe_s = new
+        else:
+            self.seconds[depth] = new
+
+    def cost(self, depth: int) -> float | None:
+        if depth == PLAIN and PLAIN not in self.seconds:
+            return self.probe_s
+        return self.seconds.get(depth)
+
+
+def choose_depth(costs: CostTable, expected: Callable[[int], float], depths: Iterable[int] = DEPTHS) -> int:
+    """The depth (``PLAIN`` or one of ``depths``) with the most expected tokens per second;
+    ``expected(d)``: tokens one round of depth d emits over the rows. Depths of unknown cost are
+    left out (the caller explores them first)."""
+    rates = {d: expected(d) / costs.cost(d) for d in (PLAIN, *depths) if costs.cost(d)}
+    return max(rates, key=rates.get) if rates else PLAIN
+
+
+def unexplored(costs: CostTable, depths: Iterable[int] = DEPTHS) -> list[int]:
+    """Depths whose cost is not known yet, in the order to explore them (deepest first: cheapest to
+    learn what a good drafter gives)."""
+    return sorted((d for d in depths if costs.cost(d) is None), reverse=True)
+
+
+_TABLES: dict[Any, CostTable] = {}
+_ESTIMATES: dict[Any, AcceptanceEstimate] = {}
+
+
+def cost_table(key: Any) -> CostTable:
+    """The process's cost table for ``key`` (pair, batch, sampling mode, device)."""
+    return _TABLES.setdefault(key, CostTable())
+
+
+def acceptance_estimate(key: Any) -> AcceptanceEstimate:
+    """The process's acceptance estimate for ``key`` (pair, sampling mode)."""
+    return _ESTIMATES.setdefault(key, AcceptanceEstimate())
+
+
+def reset() -> None:
+    """Forgets every cost and estimate (tests, benchmarks)."""
+    _TABLES.clear()
+    _ESTIMATES.clear()
+    _COSTS.clear()

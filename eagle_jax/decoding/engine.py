@@ -206,6 +206,7 @@ def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, le
         key=sub[:, 0],
         worth=None if costs is None else costs[-1],
         costs=costs,
+        probe=None if drafter is None else jnp.zeros((b, 2), jnp.float32),
     )
     state.out, state.n_out, state.done = emit(state, pre.first[:, None], jnp.ones((b,), jnp.int32), plan.eos_ids)
     return state
@@ -269,7 +270,9 @@ def _round_plain(target: Target, plan: Plan, st: LoopState, keys: Array | None):
 
 def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int):
     """K drafts verified in one target forward of K+1 positions; K = 0 runs one target step and keeps the
-    drafter's cache and outputs current."""
+    drafter's cache and outputs current, and adds to ``st.probe`` (when the state has one) what its
+    first draft would have scored (``probe_acceptance``). Returns the new caches, accepted counts,
+    emitted tokens, drafter outputs and probe (None when K > 0)."""
     b = st.length.shape[0]
     sub = None if plan.greedy else split_rows(keys, 2)
     drafts, draft_ids, q, d_cache = _draft_chain(drafter, plan, st, None if sub is None else sub[:, 0], k)
@@ -289,7 +292,24 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], bonus[:, None], padded)
     d_logits, d_feat, d_cache = _extend_drafter(drafter, plan, aux, emitted, n, st.length, d_cache)
-    return t_cache, d_cache, n, emitted, d_logits, d_feat
+    probe = None
+    if k == 0 and st.probe is not None:
+        hit = probe_acceptance(drafter, plan, st, logits[:, 0], bonus)
+        probe = st.probe + jnp.where(~st.done[:, None], jnp.stack([hit, jnp.ones_like(hit)], axis=1), 0.0)
+    return t_cache, d_cache, n, emitted, d_logits, d_feat, probe
+
+
+def probe_acceptance(drafter: Drafter, plan: Plan, st: LoopState, target_logits: Array, emitted: Array) -> Array:
+    """[B] the chance that the drafter's first draft would have been accepted in a round that made none:
+    greedy, whether its argmax is the token the target emitted; sampling, sum_x min(p(x), q(x)) (the
+    acceptance probability of chain speculative sampling). What ``spec="auto"`` learns acceptance from
+    while it decodes without drafts."""
+    if plan.greedy:
+        return (drafter.draft_to_target(jnp.argmax(st.d_logits, axis=-1).astype(jnp.int32)) == emitted).astype(jnp.float32)
+    q = draft_probs(st.d_logits, st.sampling)
+    p = target_probs(target_logits, st.sampling)
+    t2d_index = drafter.draft_to_target(jnp.arange(drafter.config.draft_vocab_size))
+    return jnp.sum(jnp.minimum(p[:, t2d_index], q), axis=-1)
 
 
 def _costs(plan: Plan, st: LoopState) -> tuple[Array, Array, Array]:
@@ -485,15 +505,15 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
     else:
         sub = split_rows(st.key, 2)
         key, k_round = sub[:, 0], sub[:, 1]
-    worth = st.worth
+    worth, probe = st.worth, st.probe
     if drafter is None:
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_plain(target, plan, st, k_round)
     elif plan.spec is None:
-        t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round, 0)
+        t_cache, d_cache, n, emitted, d_logits, d_feat, probe = _round_chain(target, drafter, plan, st, k_round, 0)
     elif plan.spec.adaptive:
         t_cache, d_cache, n, emitted, d_logits, d_feat, worth = _round_adaptive_or_plain(target, drafter, plan, st, k_round)
     elif plan.spec.method == "chain":
-        t_cache, d_cache, n, emitted, d_logits, d_feat = _round_chain(target, drafter, plan, st, k_round, plan.spec.num_speculative_tokens)
+        t_cache, d_cache, n, emitted, d_logits, d_feat, _ = _round_chain(target, drafter, plan, st, k_round, plan.spec.num_speculative_tokens)
     else:
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_tree(target, drafter, plan, st, k_round)
     active = ~st.done
@@ -523,6 +543,7 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         key=key,
         worth=worth,
         costs=st.costs,
+        probe=probe,
     )
 
 

@@ -42,6 +42,9 @@ class LoopState:
     # second by the calibrated costs) / (plain decoding's); below 1 the run goes on without drafts.
     worth: Array | None = None  # [] float32
     costs: Array | None = None  # RoundCosts.as_array() of the plan's pair and shape
+    # spec="auto" and serving: per row, (summed acceptance chance of the drafter's first draft, rounds)
+    # over rounds that made no drafts (engine ``probe_acceptance``): acceptance observed while not speculating.
+    probe: Array | None = None  # [B, 2] float32
 
 
 def emit(state: LoopState, tokens: Array, count: Array, eos_ids: tuple[int, ...]) -> tuple[Array, Array, Array]:

@@ -20,6 +20,8 @@ import numpy as np
 from eagle_jax.config import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.generate import acceptance_summary
+from eagle_jax.decoding.autospec import AcceptanceEstimate
+from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.serving.slots import SlotEngine, StepOutput
 
 log = logging.getLogger("eagle_jax.serving")
@@ -98,6 +100,7 @@ class Handle:
     listener: Callable[["Handle", list[int], bool], None] | None = None
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round
+    estimate: AcceptanceEstimate | None = None  # live acceptance (``AutoDepth``), from admission on
     finish_reason: str | None = None
     error: str | None = None
     t_submit: float = field(default_factory=time.perf_counter)
@@ -148,7 +151,7 @@ class Handle:
 class Scheduler:
     """Runs a ``SlotEngine`` in a background thread over a bounded FIFO of requests."""
 
-    def __init__(self, engine: SlotEngine, schedule: SpecSchedule, *, max_queue: int = 256,
+    def __init__(self, engine: SlotEngine, schedule: SpecSchedule | AutoDepth, *, max_queue: int = 256,
                  on_step: Callable[[int, SpecConfig | None, StepOutput], None] | None = None):
         missing = [s for s in schedule.specs if s not in engine.specs]
         if missing:
@@ -240,11 +243,22 @@ class Scheduler:
         active = [slot for slot, h in enumerate(self._slots) if h is not None]
         if not active:
             return
-        spec = self.schedule.choose(len(active))
         greedy = all(self._slots[s].request.sampling.greedy for s in active)
+        rows = self.engine.rows_for(active)
+        auto = isinstance(self.schedule, AutoDepth)
+        if auto:
+            spec = self.schedule.choose([self._slots[s].estimate for s in active], rows, greedy)
+        else:
+            spec = self.schedule.choose(len(active))
         span = self.engine.span_for([int(self._lengths[s]) for s in active], spec)
-        out = self.engine.step(spec, greedy, span, self.engine.rows_for(active), cancel)
+        out = self.engine.step(spec, greedy, span, rows, cancel)
         now = time.perf_counter()
+        if auto:
+            probe = out.probe
+            self.schedule.observe(spec, rows, greedy, out.seconds, [
+                (self._slots[s].estimate, out.accepted[s], None if probe is None else (float(probe[s, 0]), float(probe[s, 1])))
+                for s in active
+            ])
         for slot in active:
             h = self._slots[slot]
             h.accepted.extend(out.accepted[slot])
@@ -279,6 +293,8 @@ class Scheduler:
                 h._finish("error", time.perf_counter(), f"{type(exc).__name__}: {exc}")
                 raise
             cancel[slot] = False  # the slot holds the new request now
+            if isinstance(self.schedule, AutoDepth):
+                h.estimate = self.schedule.new_estimate()
             self._slots[slot] = h
             self._lengths[slot] = len(r.prompt)
             h._deliver([first], time.perf_counter())

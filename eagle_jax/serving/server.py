@@ -15,6 +15,7 @@ from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import ConfigError, SpecConfig
 from eagle_jax.generate import eos_ids
 from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
+from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.serving.http_app import Service, create_app
 from eagle_jax.serving.metrics import Metrics
 
@@ -47,9 +48,9 @@ def read_profile(path: str | Path) -> dict:
     return profile
 
 
-def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule:
-    """``--spec``: a JSON object (vLLM's speculative config, one depth), a MIN_ACTIVE:K schedule, or
-    ``none``; without it, the default SpecConfig (no drafts when there is no drafter)."""
+def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule | AutoDepth:
+    """``--spec``: ``auto`` (the default with a drafter: ``AutoDepth``), a JSON object (vLLM's
+    speculative config, one depth), a MIN_ACTIVE:K schedule, or ``none``."""
     text = (text or "").strip()
     if not drafter_present:
         if text not in ("", "none"):
@@ -57,8 +58,10 @@ def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule:
         return SpecSchedule.fixed(None)
     if text == "none":
         return SpecSchedule.fixed(None)
+    if text in ("", "auto"):
+        return AutoDepth()
     if not text.startswith("{"):
-        return SpecSchedule.parse(text) if text else SpecSchedule.fixed(SpecConfig())
+        return SpecSchedule.parse(text)
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -109,7 +112,7 @@ def served_name(target: str | Path) -> str:
     return path.stem if is_gguf_file(path) else path.name
 
 
-def make_service(target, drafter, tokenizer, schedule: SpecSchedule, eos_ids: tuple[int, ...], *, slots: int = 16,
+def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth, eos_ids: tuple[int, ...], *, slots: int = 16,
                  max_len: int | None = None, rounds_per_step: int = 4, max_queue: int = 256, model_name: str = "model",
                  warmup: bool = True, exact: bool = False) -> Service:
     """A ``Service`` over models already loaded (benchmarks build several over one pair). ``exact``: the

@@ -53,6 +53,9 @@ class StepOutput:
     accepted: list[list[int]]  # per slot, drafts accepted in each round it ran
     lengths: np.ndarray  # [slots] committed cache length after the step
     seconds: float  # wall time of the step (dispatch to results on the host)
+    # [slots, 2] with a drafter: (summed chance that the drafter's first draft is accepted, rounds) over
+    # the step's rounds without drafts (engine ``probe_acceptance``)
+    probe: np.ndarray | None = None
 
 
 class SlotEngine:
@@ -135,6 +138,7 @@ class SlotEngine:
             rounds=jnp.int32(0),
             sampling=RowSampling.fill(SamplingParams(), b),
             key=jax.random.split(jax.random.key(0), b),
+            probe=None if d is None else jnp.zeros((b, 2), jnp.float32),
         )
 
     def _program(self, key: tuple, build, args: tuple, covers: Sequence[tuple] = ()):
@@ -263,6 +267,7 @@ class SlotEngine:
                 rounds=st.rounds,
                 sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), st.sampling, rs),
                 key=st.key.at[slot].set(keys[0, 0]),
+                probe=st.probe,
             )
             return new, first, done
 
@@ -299,13 +304,13 @@ class SlotEngine:
                                    covers=self._covering(spec, greedy, span, rows))
         t0 = time.perf_counter()
         self.state = program(*args)
-        out, n_out, done, accepted, length = jax.device_get(
-            (self.state.out, self.state.n_out, self.state.done, self.state.accepted, self.state.length)
+        out, n_out, done, accepted, length, probe = jax.device_get(
+            (self.state.out, self.state.n_out, self.state.done, self.state.accepted, self.state.length, self.state.probe)
         )
         seconds = time.perf_counter() - t0
         tokens = [out[b, : n_out[b]].tolist() for b in range(self.slots)]
         acc = [[int(a) for a in row if a >= 0] for row in accepted]
-        return StepOutput(tokens, done, acc, length, seconds)
+        return StepOutput(tokens, done, acc, length, seconds, probe)
 
     def _covering(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int) -> list[tuple]:
         """Compiled step programs that can run this step, cheapest first: any span and row count at
@@ -325,7 +330,8 @@ class SlotEngine:
             tgt, drf = self._merge(t_state, d_state)
             # A step's outputs start empty; what the last step emitted comes off each row's budget.
             st = dataclasses.replace(st, limit=st.limit - st.n_out, n_out=jnp.zeros_like(st.n_out), done=st.done | cancel,
-                                     rounds=jnp.int32(0), accepted=jnp.full_like(st.accepted, -1))
+                                     rounds=jnp.int32(0), accepted=jnp.full_like(st.accepted, -1),
+                                     probe=None if st.probe is None else jnp.zeros_like(st.probe))
             # The rounds see the leading ``rows`` rows of every per-row array and the whole caches, which
             # they update in place (rows beyond are free slots: neither read nor written).
             sub = dataclasses.replace(st, **{f: jax.tree.map(lambda a: a[:rows], getattr(st, f)) for f in _PER_ROW})

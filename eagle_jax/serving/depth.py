@@ -1,0 +1,71 @@
+"""The server's default speculation (``--spec auto``): per step, the depth with the most expected
+tokens per second, from the costs measured at this number of computed rows and the live acceptance of
+the requests in the slots (``decoding/autospec.py``, which ``generate``'s default uses too).
+
+Every request keeps its own acceptance estimate, started from the server's (all traffic so far) and
+updated from its own rounds; a step's expected tokens at depth K are the sum over its requests of
+``expected_tokens(K)``. Steps without drafts keep feeding the drafter and observe its first draft
+(engine ``probe_acceptance``), so a batch of requests the drafter cannot follow decodes plainly and
+speculation returns as soon as the requests change. A depth whose cost at a row count is not known
+yet runs once (a step of real work) to measure it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from eagle_jax.config import SpecConfig
+from eagle_jax.decoding import autospec
+from eagle_jax.decoding.autospec import AcceptanceEstimate, CostTable
+
+
+class AutoDepth:
+    def __init__(self, depths: Sequence[int] = autospec.DEPTHS):
+        self.depths = tuple(depths)
+        self.tables: dict[tuple[int, bool], CostTable] = {}
+        self.estimate = AcceptanceEstimate(max(self.depths))  # all traffic: where a new request's estimate starts
+
+    @property
+    def specs(self) -> tuple[SpecConfig | None, ...]:
+        return (None, *(self.spec_of(d) for d in self.depths))
+
+    @staticmethod
+    def spec_of(depth: int) -> SpecConfig | None:
+        return None if depth == autospec.PLAIN else SpecConfig(num_speculative_tokens=depth)
+
+    @staticmethod
+    def depth_of(spec: SpecConfig | None) -> int:
+        return autospec.PLAIN if spec is None else spec.num_speculative_tokens
+
+    def describe(self) -> str:
+        return f"auto (per step: no drafts or a chain of {'/'.join(map(str, self.depths))}, from measured costs and live acceptance)"
+
+    def new_estimate(self) -> AcceptanceEstimate:
+        return self.estimate.copy()
+
+    def choose(self, estimates: Sequence[AcceptanceEstimate], rows: int, greedy: bool) -> SpecConfig | None:
+        """The next step's spec for requests with these estimates, computed over ``rows`` rows."""
+        table = self.tables.setdefault((rows, greedy), CostTable())
+        todo = [d for d in (*sorted(self.depths, reverse=True), autospec.PLAIN) if d not in table.seconds]
+        if todo:
+            return self.spec_of(todo[0])
+        return self.spec_of(autospec.choose_depth(table, lambda d: sum(e.expected_tokens(d) for e in estimates), self.depths))
+
+    def observe(self, spec: SpecConfig | None, rows: int, greedy: bool, seconds: float,
+                per_request: Sequence[tuple[AcceptanceEstimate, list[int], tuple[float, float] | None]]) -> None:
+        """After a step: its cost, and per request (its estimate, drafts accepted per round, (summed
+        first-draft acceptance, rounds) of a step without drafts)."""
+        depth = self.depth_of(spec)
+        ran = max((len(acc) for _, acc, _ in per_request), default=0)
+        self.tables.setdefault((rows, greedy), CostTable()).update(depth, seconds, ran)
+        if depth == autospec.PLAIN:
+            total = [p for _, _, p in per_request if p is not None and p[1] > 0]
+            for est, _, p in per_request:
+                if p is not None and p[1] > 0:
+                    est.observe_probe(p[0] / p[1], p[1])
+            if total:
+                self.estimate.observe_probe(sum(p[0] for p in total) / sum(p[1] for p in total), ran)
+            return
+        for est, acc, _ in per_request:
+            est.observe([[a] for a in acc], depth)
+        self.estimate.observe([[acc[r] for _, acc, _ in per_request if r < len(acc)] for r in range(ran)], depth)

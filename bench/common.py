@@ -106,6 +106,8 @@ def write_json(path: str | Path, obj) -> None:
 
 BUNDLED_DRAFTERS = ("assets/drafter-eagle3", "assets/drafter-eagle3.1")
 HELDOUT_MANIFEST = Path("assets/data/manifest.json")
+EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"  # the standard EAGLE question sets
+EVAL_SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 FALLBACK_TOKENIZER = Path("assets/tokenizer")
 RANDOM_WARNING = (
     "WARNING: no trained pair found ({missing}); using RANDOM models of the bundled shape. "

@@ -30,11 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import eagle_jax
-from bench.common import print_table, question_prompts, write_json
+from bench.common import EVAL, EVAL_SETS, print_table, question_prompts, write_json
 from eagle_jax.checkpoint.models import resolve_model
 
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
-SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 
 
 def timed(fn):
@@ -68,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
           f"(converted), {tok_cached:.2f} s (cached); transformers from_pretrained(gguf_file=) {hf_load:.2f} s")
 
     rows, results = [], []
-    for name in SETS:
+    for name in EVAL_SETS:
         for q in question_prompts(Path(args.eval_dir) / f"{name}.jsonl", tok, args.per_set):
             ids = list(q["ids"])
             with torch.no_grad():

@@ -4,7 +4,8 @@ release's serving measurement), speculative vs no speculation, on the bundled pa
     python -m bench.serve [--concurrency 1 4 16] [--ks 3 5 7] [--requests 8] [--max-new 256]
 
 For each served system (the target alone; EAGLE-3.1 at each fixed chain depth K; EAGLE-3.1 and EAGLE-3
-with the depth schedule of ``configs/serve/bundled.yaml``) a server is started on a loopback port and C
+with the depth schedule of ``configs/serve/bundled.yaml``; EAGLE-3.1 with ``--spec auto``, the server's
+default: depth per step from measured costs and live acceptance) a server is started on a loopback port and C
 users run a closed loop (each sends its next request when the last returns, streaming) over held-out
 code prompts. Per-user tokens/s = a user's generated tokens / its own wall time, mean over users;
 total = all tokens / the run's wall time; TTFT and inter-token latency percentiles from the stream.
@@ -28,6 +29,7 @@ import numpy as np
 from bench.common import heldout_code_prompts, print_table, pyplot, spec_name, write_json
 from eagle_jax.config import SpecConfig
 from eagle_jax.serving import SpecSchedule
+from eagle_jax.serving.depth import AutoDepth
 
 
 
@@ -145,6 +147,7 @@ def main(argv=None) -> None:
     systems = [("none", None, SpecSchedule.fixed(None))]
     systems += [(f"EAGLE-3.1 K={k}", d31, SpecSchedule.fixed(SpecConfig(num_speculative_tokens=k))) for k in args.ks]
     systems += [("EAGLE-3.1 schedule", d31, SpecSchedule.parse(schedule_text)), ("EAGLE-3 schedule", d3, SpecSchedule.parse(schedule_text))]
+    systems += [("EAGLE-3.1 auto", d31, AutoDepth())]  # the server's default
 
     results = {"config": vars(args) | {"schedule": schedule_text, "rounds_per_step": rounds, "eos": list(eos)}, "systems": {}}
     baseline_texts = {}
@@ -173,7 +176,7 @@ def main(argv=None) -> None:
                 if name == "none":
                     baseline_texts[c] = texts
                 r["same_text_as_none"] = texts == baseline_texts.get(c)
-                if not args.no_generate and len(schedule.rules) == 1:
+                if not args.no_generate and len(getattr(schedule, "rules", ())) == 1:
                     r["generate_per_user_tok_s"] = generate_per_user(target, drafter, schedule.rules[0][1], per_user, args.max_new, eos)
                     r["server_vs_generate"] = r["per_user_tok_s"] / r["generate_per_user_tok_s"]
                 rows[c] = r

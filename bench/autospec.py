@@ -1,0 +1,190 @@
+"""The default speculation (``spec="auto"``) against every fixed choice, over sequences of calls as a
+process meets them: held-out prompts from several sets, in several orders.
+
+    python -m bench.autospec                                  # bundled pair, the grid below
+    python -m bench.autospec --batch 1 4 12 --temps 0 1 --dtypes float32 bfloat16 --orders 5
+    python -m bench.autospec --target smollm2-135m-instruct --drafter assets/smollm2/drafter-eagle3.1
+
+The prompts: held-out code prompts and the first turns of ``../shared/data/eval`` mt_bench, gsm8k and
+sum (rendered with the tokenizer's chat template), ``--per-set`` of each. A sequence is ``--calls``
+calls of ``batch`` prompts each, taken in order from one ordering of the prompts; ``--orders``
+orderings are random, except the first, which puts the prompts with the lowest acceptance first (the
+case where one measurement on the first prompt used to decide the whole process).
+
+For each (dtype, temperature, batch): every order starts from a fresh ``autospec`` (no costs, no
+acceptance known: the first call pays the measurement), the programs already compiled (compile time is
+apart). Each call runs auto, then plain decoding and each fixed chain on the same prompts, side by
+side, so the machine's drift touches all alike. Fixed configurations do not depend on the order; auto
+does. Per order: tokens/s of auto, plain and each fixed chain over the whole sequence; auto against
+the best fixed configuration in hindsight (goal >= 0.95) and against plain (goal >= 1.0); the first
+call's time against plain decoding's of the same call (goal <= 1.3). Greedy outputs are checked
+equal to plain decoding's. The plot shows the depth auto ran (mean over its rounds) call by call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+import eagle_jax
+from bench.common import (
+    BUNDLED_DRAFTER,
+    EVAL,
+    TARGET_HELP,
+    heldout_code_prompts,
+    load_models,
+    print_table,
+    pyplot,
+    question_prompts,
+    stop_ids,
+    write_json,
+)
+from eagle_jax.config import SpecConfig
+from eagle_jax.decoding import autospec
+
+QUESTION_SETS = ("mt_bench", "gsm8k", "sum")
+
+
+def collect_prompts(tokenizer, per_set: int, max_prompt: int) -> list[dict]:
+    """``per_set`` held-out code prompts and first turns of each QUESTION_SETS file, at most
+    ``max_prompt`` tokens each, as {"ids", "set"}."""
+    out = [{"ids": p["ids"][:max_prompt], "set": "code"} for p in heldout_code_prompts(tokenizer, per_set, max_chars=1200)]
+    for name in QUESTION_SETS:
+        qs = [q for q in question_prompts(EVAL / f"{name}.jsonl", tokenizer) if len(q["ids"]) <= max_prompt]
+        out += [{"ids": q["ids"], "set": name} for q in qs[:per_set]]
+    return out
+
+
+def orders(prompts: list[dict], acceptance: list[float], n: int, seed: int) -> list[tuple[str, list[int]]]:
+    """The lowest-acceptance-first order, then n - 1 random ones (indices into prompts)."""
+    rng = np.random.default_rng(seed)
+    out = [("hardest first", [int(i) for i in np.argsort(acceptance, kind="stable")])]
+    out += [(f"random {i}", [int(i) for i in rng.permutation(len(prompts))]) for i in range(1, n)]
+    return out
+
+
+def calls_of(order: list[int], prompts: list[dict], batch: int, calls: int) -> list[list[list[int]]]:
+    """``calls`` calls of ``batch`` prompts, taken in order (cycling)."""
+    seq = [prompts[order[j % len(order)]]["ids"] for j in range(calls * batch)]
+    return [seq[c * batch : (c + 1) * batch] for c in range(calls)]
+
+
+def mean_depth(chunks: list[tuple[int | None, int]]) -> float:
+    """Drafts per round over a call's rounds (probe rounds count as 0)."""
+    rounds = sum(n for _, n in chunks)
+    return sum((d or 0) * n for d, n in chunks) / max(rounds, 1)
+
+
+def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperature: float, eos) -> dict:
+    """One sequence from a fresh autospec: per call, auto then every fixed configuration."""
+    autospec.reset()
+    kw = dict(max_new_tokens=max_new, temperature=temperature, eos_token_id=list(eos), seed=0)
+    rows = []
+    for prompts in calls:
+        row = {}
+        auto = eagle_jax.generate(target, drafter, prompts, **kw)
+        row["auto"] = (auto.run_s, auto.num_generated)
+        row["auto_depth"] = mean_depth(auto.stats["chunks"])
+        row["auto_chunks"] = auto.stats["chunks"]
+        for name, (d, spec) in fixed.items():
+            r = eagle_jax.generate(target, d, prompts, spec=spec, **kw)
+            row[name] = (r.run_s, r.num_generated)
+            if name == "plain" and temperature == 0:
+                row["equal_to_plain"] = r.tokens == auto.tokens
+        rows.append(row)
+    return rows
+
+
+def summarise(rows: list[dict], names: list[str]) -> dict:
+    rate = {n: sum(r[n][1] for r in rows) / sum(r[n][0] for r in rows) for n in ["auto", *names]}
+    best = max(names, key=rate.get)
+    return {"tok_s": rate, "best_fixed": best, "vs_best": rate["auto"] / rate[best], "vs_plain": rate["auto"] / rate["plain"],
+            "first_call_vs_plain": rows[0]["auto"][0] / rows[0]["plain"][0],
+            "equal_to_plain": all(r.get("equal_to_plain", True) for r in rows), "depths": [r["auto_depth"] for r in rows]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", help=TARGET_HELP)
+    ap.add_argument("--drafter", default=str(BUNDLED_DRAFTER))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 12])
+    ap.add_argument("--temps", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--orders", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=8, help="calls per sequence")
+    ap.add_argument("--per-set", type=int, default=4, help="prompts from each set")
+    ap.add_argument("--max-prompt", type=int, default=384, help="longest prompt, in tokens")
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--ks", type=int, nargs="+", default=list(autospec.DEPTHS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/autospec.json")
+    args = ap.parse_args(argv)
+
+    results = {"config": vars(args), "runs": []}
+    for dtype in args.dtypes:
+        target, drafters, tokenizer, source, _ = load_models(args.target, [args.drafter], dtype)
+        drafter = next(iter(drafters.values()))
+        eos = stop_ids(tokenizer)
+        prompts = collect_prompts(tokenizer, args.per_set, args.max_prompt)
+        # Per-prompt acceptance at K=5, greedy, batch 1: what the hardest-first order sorts by.
+        k5 = SpecConfig(num_speculative_tokens=max(args.ks))
+        al = [eagle_jax.generate(target, drafter, [p["ids"]], max_new_tokens=args.max_new, spec=k5, eos_token_id=list(eos)).acceptance_length
+              for p in prompts]
+        print(f"{dtype}: {len(prompts)} prompts ({', '.join(sorted({p['set'] for p in prompts}))}); AL at K={max(args.ks)}: "
+              f"min {min(al):.2f}, median {np.median(al):.2f}, max {max(al):.2f}", flush=True)
+        fixed = {"plain": (None, None), **{f"K={k}": (drafter, SpecConfig(num_speculative_tokens=k)) for k in args.ks}}
+        for temp in args.temps:
+            for batch in args.batch:
+                seqs = orders(prompts, al, args.orders, args.seed)
+                # Compile every program of this shape first (a throwaway sequence), so no order pays it.
+                run_sequence(target, drafter, calls_of(seqs[0][1], prompts, batch, 2), fixed, max_new=args.max_new,
+                             temperature=temp, eos=eos)
+                for name, order in seqs:
+                    t0 = time.perf_counter()
+                    rows = run_sequence(target, drafter, calls_of(order, prompts, batch, args.calls), fixed,
+                                        max_new=args.max_new, temperature=temp, eos=eos)
+                    s = summarise(rows, list(fixed))
+                    run = {"dtype": dtype, "temperature": temp, "batch": batch, "order": name, **s, "calls": rows,
+                           "seconds": time.perf_counter() - t0}
+                    results["runs"].append(run)
+                    print(f"{dtype} T={temp:g} B={batch:2d} {name:13s}: auto {s['tok_s']['auto']:7.1f} tok/s, "
+                          f"{s['vs_best']:.2f}x best fixed ({s['best_fixed']} {s['tok_s'][s['best_fixed']]:.1f}), "
+                          f"{s['vs_plain']:.2f}x plain; first call {s['first_call_vs_plain']:.2f}x plain's time; "
+                          f"depths {' '.join(f'{d:.1f}' for d in s['depths'])}" + ("" if s["equal_to_plain"] else "  OUTPUT DIFFERS"),
+                          flush=True)
+                    write_json(args.out, results | {"models": source})
+    report(results, Path(args.out).with_suffix(".png"))
+    write_json(args.out, results | {"models": source})
+    return results
+
+
+def report(results: dict, plot: Path) -> None:
+    runs = results["runs"]
+    header = ["dtype", "T", "batch", "orders", "auto / best fixed (min, median)", "auto / plain (min)", "first call / plain (max)", "best fixed"]
+    rows = []
+    for key in sorted({(r["dtype"], r["temperature"], r["batch"]) for r in runs}):
+        rs = [r for r in runs if (r["dtype"], r["temperature"], r["batch"]) == key]
+        vb = [r["vs_best"] for r in rs]
+        rows.append([key[0], f"{key[1]:g}", key[2], len(rs), f"{min(vb):.2f}, {np.median(vb):.2f}", f"{min(r['vs_plain'] for r in rs):.2f}",
+                     f"{max(r['first_call_vs_plain'] for r in rs):.2f}", ", ".join(sorted({r["best_fixed"] for r in rs}))])
+    print_table(header, rows)
+    plt = pyplot()
+    first = runs[0]
+    picked = [r for r in runs if (r["dtype"], r["temperature"], r["batch"]) == (first["dtype"], first["temperature"], first["batch"])]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for r in picked:
+        ax.plot(range(1, len(r["depths"]) + 1), r["depths"], marker="o", label=r["order"])
+    ax.set_xlabel("call in the sequence")
+    ax.set_ylabel("drafts per round chosen (mean)")
+    ax.set_title(f"spec=auto: depth over calls ({first['dtype']}, T={first['temperature']:g}, batch {first['batch']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(plot, dpi=120)
+    print(f"plot: {plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -217,3 +217,26 @@ def test_greedy_samples_are_the_targets_own_continuations():
     np.testing.assert_array_equal(s.loss_mask, [0, 0, 0] + [1] * 7)
     logits, _ = target(jnp.asarray(s.input_ids[None]))
     np.testing.assert_array_equal(np.argmax(np.asarray(logits[0, 2:-1]), -1), s.input_ids[3:])
+
+
+def test_long_context_stitching():
+    """Conversations chained until a drawn length: each record within bounds, every turn of the inputs
+    used at most once and in its order, system messages only at the start."""
+    from eagle_jax.training.long_context import stitch
+
+    convs = [[{"role": "system", "content": "sys"}, {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+             for i in range(40)]
+    lengths = [100 + 10 * (i % 7) for i in range(40)]
+    out = stitch(convs, lengths, count=10, min_tokens=300, max_tokens=500, seed=1)
+    assert 5 <= len(out) <= 10
+    seen = []
+    for r in out:
+        msgs = r["messages"]
+        assert msgs[0]["role"] == "system" and all(m["role"] != "system" for m in msgs[1:])
+        ids = [int(m["content"][1:]) for m in msgs if m["role"] == "user"]
+        assert [m["content"] for m in msgs if m["role"] == "assistant"] == [f"a{i}" for i in ids]
+        assert 300 <= sum(lengths[i] for i in ids) <= 500
+        seen += ids
+    assert len(seen) == len(set(seen))
+    with pytest.raises(DataError, match="min_tokens"):
+        stitch(convs, lengths, count=1, min_tokens=0, max_tokens=5)

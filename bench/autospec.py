@@ -13,7 +13,7 @@ case where one measurement on the first prompt used to decide the whole process)
 
 For each (dtype, temperature, batch): every order starts from a fresh ``autospec`` (no costs, no
 acceptance known: the first call pays the measurement), the programs already compiled (compile time is
-apart). Each call runs auto, then plain decoding and each fixed chain on the same prompts, side by
+apart, and so is each program's first run: ``warm``). Each call runs auto, then plain decoding and each fixed chain on the same prompts, side by
 side, so the machine's drift touches all alike. Fixed configurations do not depend on the order; auto
 does. Per order: tokens/s of auto, plain and each fixed chain over the whole sequence; auto against
 the best fixed configuration in hindsight (goal >= 0.95) and against plain (goal >= 1.0); the first
@@ -78,6 +78,27 @@ def mean_depth(chunks: list[tuple[int | None, int]]) -> float:
     return sum((d or 0) * n for d, n in chunks) / max(rounds, 1)
 
 
+def warm(target, drafter, calls, fixed: dict, *, max_new: int, temperature: float, eos) -> None:
+    """Compiles and runs once every program the calls' shapes need (each fixed configuration, and each of
+    auto's: its prefill, a chunk at every depth, plain decoding), on one call per prompt bucket: a
+    program's first run pays one-time costs (~0.3 s here) that are compile time, not decoding."""
+    import dataclasses
+
+    from eagle_jax.generate import _AutoRun, bucket
+
+    kw = dict(max_new_tokens=max_new, temperature=temperature, eos_token_id=list(eos), seed=0)
+    by_shape = {bucket(max(map(len, c))): c for c in calls}
+    for prompts in by_shape.values():
+        for d, spec in fixed.values():
+            eagle_jax.generate(target, d, prompts, spec=spec, **kw)
+        run = _AutoRun(target, drafter, prompts, max_new, dict(kw, top_k=0, top_p=1.0, tokenizer=None, mesh=None, exact=False))
+        st = run._begin()
+        for i, depth in enumerate((None, *autospec.DEPTHS)):
+            st, _ = run._chunk(depth, st, i + 1, True)
+        st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
+        run._chunk(autospec.PLAIN, st, len(autospec.DEPTHS) + 2, False)
+
+
 def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperature: float, eos) -> dict:
     """One sequence from a fresh autospec: per call, auto then every fixed configuration."""
     autospec.reset()
@@ -139,9 +160,8 @@ def main(argv=None) -> dict:
         for temp in args.temps:
             for batch in args.batch:
                 seqs = orders(prompts, al, args.orders, args.seed)
-                # Compile every program of this shape first (a throwaway sequence), so no order pays it.
-                run_sequence(target, drafter, calls_of(seqs[0][1], prompts, batch, 2), fixed, max_new=args.max_new,
-                             temperature=temp, eos=eos)
+                warm(target, drafter, [c for _, order in seqs for c in calls_of(order, prompts, batch, args.calls)], fixed,
+                     max_new=args.max_new, temperature=temp, eos=eos)
                 for name, order in seqs:
                     t0 = time.perf_counter()
                     rows = run_sequence(target, drafter, calls_of(order, prompts, batch, args.calls), fixed,

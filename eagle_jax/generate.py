@@ -279,7 +279,8 @@ class _AutoRun:
 
     def _chunk(self, depth: int | None, st, limit: int, fed: bool):
         """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
-        decoding proper) until ``limit`` rounds in all."""
+        decoding proper) until ``limit`` rounds in all; returns (state, whether the program was
+        compiled for this chunk)."""
         spec = None if depth in (None, autospec.PLAIN) else SpecConfig(num_speculative_tokens=depth)
         plan = dataclasses.replace(self.plan, spec=spec)
         t_graph, d_graph = self.t_graph, (self.d_graph if fed else None)
@@ -289,14 +290,12 @@ class _AutoRun:
             return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit)
 
         args = (self.t_state, self.d_state if fed else None, st, jnp.int32(limit))
+        fresh = False
         if (depth, fed) not in self._programs:
             compile0 = self.compile_s
-            self._programs[depth, fed] = program = self._compiled("auto_chunk", plan, fed, args, chunk)
-            if self.compile_s > compile0:  # compiled now: a first run pays one-time costs, kept out of the timed rounds
-                t0 = time.perf_counter()
-                jax.block_until_ready(program(*args[:3], jnp.int32(0)).out)  # no rounds: limit 0
-                self.compile_s += time.perf_counter() - t0
-        return self._programs[depth, fed](*args)
+            self._programs[depth, fed] = self._compiled("auto_chunk", plan, fed, args, chunk)
+            fresh = self.compile_s > compile0
+        return self._programs[depth, fed](*args), fresh
 
     def _next(self, fed: bool, active: int, observed: int) -> tuple[int | None, int]:
         """(depth, rounds) of the next chunk; depth None: probe rounds."""
@@ -328,14 +327,15 @@ class _AutoRun:
                 fed = False
                 st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
             compile0, t0 = self.compile_s, time.perf_counter()
-            st = self._chunk(depth, st, rounds + n, fed)
+            st, fresh = self._chunk(depth, st, rounds + n, fed)
             # Whole arrays: slicing on the device would compile a program per slice.
             done_rows, new_rounds, accepted, probe = jax.device_get((st.done, st.rounds, st.accepted, st.probe))
             accepted = accepted[:, rounds : rounds + n]
             seconds = time.perf_counter() - t0 - (self.compile_s - compile0)
             ran = int(new_rounds) - rounds
             self.run_s += seconds
-            self.costs.update(None if depth is None else depth, seconds, ran)
+            if not fresh:  # a program's first run pays one-time costs (~0.3 s on a CPU): not a round's cost
+                self.costs.update(depth, seconds, ran)
             if depth is None:
                 self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
                 st = dataclasses.replace(st, probe=jnp.zeros_like(st.probe))

@@ -100,7 +100,9 @@ def test_auto_output_is_plain_decodings(pair, plain):
     autospec.reset()
     out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[])
     assert out.tokens == plain.tokens and out.stats["spec"] == "auto"
-    assert [d for d, _ in out.stats["chunks"]][:2] == [None, max(autospec.DEPTHS)]  # a probe, then the deepest chain
+    # probes (a program's first run is not timed: measured again), then the deepest chain
+    ds = [d for d, _ in out.stats["chunks"]]
+    assert ds[0] is None and next(d for d in ds if d is not None) == max(autospec.DEPTHS)
     streamed = list(eagle_jax.generate_stream(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[]))
     assert [sum((c[b] for c in streamed), []) for b in range(len(PROMPTS))] == plain.tokens
 

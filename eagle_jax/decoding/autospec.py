@@ -104,9 +104,10 @@ CHUNK_ROUNDS = 8  # rounds of a generate call between two choices (one host sync
 EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
 PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance before plain decoding
 KEEP = 0.97  # weight of the past per round in the acceptance estimate (a memory of ~30 rounds)
+KEEP_UNTRIED = 0.85  # the same for draft positions a round did not reach: they fall back to the prior sooner
 PRIOR = 0.6  # acceptance of a draft assumed before any is observed
 PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
-COST_KEEP = 0.7  # weight of the past in a depth's running cost per round
+COST_RISE = 1.1  # a depth's cost per round may rise at most this much per measurement (see CostTable)
 
 
 class AcceptanceEstimate:
@@ -126,12 +127,16 @@ class AcceptanceEstimate:
         new.trials, new.hits = self.trials.copy(), self.hits.copy()
         return new
 
-    def _add(self, trials: np.ndarray, hits: np.ndarray) -> None:
-        """Adds rounds given as per-round trial / hit rates [R, max_depth] (oldest first)."""
+    def _add(self, trials: np.ndarray, hits: np.ndarray, reached: int) -> None:
+        """Adds rounds given as per-round trial / hit rates [R, max_depth] (oldest first) of rounds
+        that made ``reached`` drafts. Positions past them age faster (``KEEP_UNTRIED``): what a deeper
+        chain did on earlier prompts says little about these, and falling back to the prior (each
+        position as good as the one before, the fresh ones included) is what brings deep chains back."""
         r = len(trials)
-        w = KEEP ** np.arange(r - 1, -1, -1)[:, None]
-        self.trials = self.trials * KEEP**r + (w * trials).sum(0)
-        self.hits = self.hits * KEEP**r + (w * hits).sum(0)
+        keep = np.where(np.arange(len(self.trials)) < reached, KEEP, KEEP_UNTRIED)
+        w = keep[None, :] ** np.arange(r - 1, -1, -1)[:, None]
+        self.trials = self.trials * keep**r + (w * trials).sum(0)
+        self.hits = self.hits * keep**r + (w * hits).sum(0)
 
     def observe(self, accepted: Sequence[Sequence[int]], depth: int) -> None:
         """Rounds of chains of ``depth`` drafts: ``accepted[r]`` = drafts accepted by each row that ran
@@ -142,7 +147,7 @@ class AcceptanceEstimate:
         i = np.arange(len(self.trials))[None, :]
         trials = np.stack([((i <= a[:, None]) & (i < depth)).mean(0) for a in rounds])
         hits = np.stack([(i < a[:, None]).mean(0) for a in rounds])
-        self._add(trials, hits)
+        self._add(trials, hits, depth)
 
     def observe_probe(self, chance: float, rounds: float) -> None:
         """``rounds`` rounds without drafts whose first draft would have been accepted with this mean chance."""
@@ -153,7 +158,7 @@ class AcceptanceEstimate:
         trials[:, 0] = 1.0
         hits = np.zeros_like(trials)
         hits[:, 0] = chance
-        self._add(trials, hits)
+        self._add(trials, hits, 1)
 
     def age(self, rounds: int) -> None:
         """``rounds`` rounds passed without observing acceptance: the evidence fades toward the prior, so
@@ -175,9 +180,13 @@ class AcceptanceEstimate:
 
 @dataclass
 class CostTable:
-    """Seconds per round of each depth (``PLAIN`` = 0: plain decoding), a running average of what the
-    rounds took; ``probe_s``: a round without drafts that feeds the drafter, the stand-in for plain
-    decoding's cost until plain decoding has run."""
+    """Seconds per round of each depth (``PLAIN`` = 0: plain decoding); ``probe_s``: a round without
+    drafts that feeds the drafter, the stand-in for plain decoding's cost until plain decoding has run.
+
+    A measurement is a round's time plus whatever else the machine did meanwhile, so a depth's cost is
+    the lowest measured, allowed to rise by ``COST_RISE`` per measurement: one slow chunk cannot make
+    a depth look dear for good (it would never run again to correct it), and a machine that really
+    slowed down raises its costs within a few chunks."""
 
     seconds: dict[int, float] = field(default_factory=dict)
     probe_s: float | None = None
@@ -188,7 +197,7 @@ class CostTable:
             return
         per = seconds / rounds
         old = self.probe_s if depth is None else self.seconds.get(depth)
-        new = per if old is None else COST_KEEP * old + (1 - COST_KEEP) * per
+        new = per if old is None else min(per, COST_RISE * old)
         if depth is None:
             self.probe_s = new
         else:

@@ -297,7 +297,7 @@ class _AutoRun:
             fresh = self.compile_s > compile0
         return self._programs[depth, fed](*args), fresh
 
-    def _next(self, fed: bool, active: int, observed: int) -> tuple[int | None, int]:
+    def _next(self, fed: bool, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> tuple[int | None, int]:
         """(depth, rounds) of the next chunk; depth None: probe rounds."""
         if not fed:
             return autospec.PLAIN, self.plan.max_rounds
@@ -306,7 +306,7 @@ class _AutoRun:
         todo = autospec.unexplored(self.costs)
         if todo:
             return todo[0], autospec.EXPLORE_ROUNDS
-        depth = autospec.choose_depth(self.costs, lambda d: active * self.estimate.expected_tokens(d))
+        depth = autospec.fastest_to_finish(self.costs, rows)
         if depth == autospec.PLAIN and observed < autospec.PROBE_ROUNDS:
             return None, autospec.PROBE_ROUNDS  # plain decoding only on fresh evidence
         return depth, autospec.CHUNK_ROUNDS
@@ -319,17 +319,19 @@ class _AutoRun:
         self.run_s += time.perf_counter() - t0 - (self.compile_s - compile0)
         yield st
         fed, observed, rounds = True, 0, 0
-        done_rows = jax.device_get(st.done)
+        # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
+        row_est = [self.estimate.copy() for _ in range(self.plan.batch)]
+        done_rows, n_out = jax.device_get((st.done, st.n_out))
         while not np.all(done_rows) and rounds < self.plan.max_rounds:
-            active = int(np.sum(~done_rows))
-            depth, n = self._next(fed, active, observed)
+            remaining = [(self.plan.max_rounds - int(n_out[b]), row_est[b]) for b in range(self.plan.batch) if not done_rows[b]]
+            depth, n = self._next(fed, remaining, observed)
             if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
                 fed = False
                 st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
             compile0, t0 = self.compile_s, time.perf_counter()
             st, fresh = self._chunk(depth, st, rounds + n, fed)
             # Whole arrays: slicing on the device would compile a program per slice.
-            done_rows, new_rounds, accepted, probe = jax.device_get((st.done, st.rounds, st.accepted, st.probe))
+            done_rows, n_out, new_rounds, accepted, probe = jax.device_get((st.done, st.n_out, st.rounds, st.accepted, st.probe))
             accepted = accepted[:, rounds : rounds + n]
             seconds = time.perf_counter() - t0 - (self.compile_s - compile0)
             ran = int(new_rounds) - rounds
@@ -338,12 +340,17 @@ class _AutoRun:
                 self.costs.update(depth, seconds, ran)
             if depth is None:
                 self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
+                for b, (hits, count) in enumerate(probe):
+                    if count > 0:
+                        row_est[b].observe_probe(float(hits / count), float(count))
                 st = dataclasses.replace(st, probe=jnp.zeros_like(st.probe))
                 observed += ran
             elif depth == autospec.PLAIN:
                 self.estimate.age(ran)
             else:
                 self.estimate.observe([[int(a) for a in col if a >= 0] for col in accepted[:, :ran].T], depth)
+                for b, row in enumerate(accepted[:, :ran]):
+                    row_est[b].observe([[int(a)] for a in row if a >= 0], depth)
                 observed += ran
             self.chunks.append((depth, ran))
             rounds = int(new_rounds)

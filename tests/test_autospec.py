@@ -141,6 +141,11 @@ def test_acceptance_estimate_and_choice():
     est.age(300)
     assert est.p[0] == pytest.approx(autospec.PRIOR, abs=0.01)
     assert autospec.unexplored(autospec.CostTable({1: 1.0})) == [5, 3]
+    # A batch ends with its slowest row: one row the drafter cannot follow makes plain decoding fastest.
+    good, bad = autospec.AcceptanceEstimate(5), autospec.AcceptanceEstimate(5)
+    good.observe([[5]] * 100, 5)
+    bad.observe([[0]] * 100, 5)
+    assert autospec.fastest_to_finish(table, [(50, good)]) == 5 and autospec.fastest_to_finish(table, [(50, good), (50, bad)]) == autospec.PLAIN
     assert autospec.widths_for(6) == (1, 2, 4, 7) and autospec.widths_for(1) == (1, 2)
 
 

@@ -217,6 +217,15 @@ def choose_depth(costs: CostTable, expected: Callable[[int], float], depths: Ite
     return max(rates, key=rates.get) if rates else PLAIN
 
 
+def fastest_to_finish(costs: CostTable, rows: Sequence[tuple[int, AcceptanceEstimate]], depths: Iterable[int] = DEPTHS) -> int:
+    """The depth (``PLAIN`` or one of ``depths``) expected to finish a batch soonest: rows = (tokens
+    still to make, that row's estimate). A batch call ends with its slowest row, and every round costs
+    the whole batch, so the time at depth d is ``cost(d) x max over rows of remaining / expected_tokens(d)``,
+    not the batch's tokens per second: rows the drafter follows well finish early and then only wait."""
+    times = {d: costs.cost(d) * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if costs.cost(d)}
+    return min(times, key=times.get) if times else PLAIN
+
+
 def unexplored(costs: CostTable, depths: Iterable[int] = DEPTHS) -> list[int]:
     """Depths whose cost is not known yet, in the order to explore them (deepest first: cheapest to
     learn what a good drafter gives)."""

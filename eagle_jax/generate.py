@@ -299,14 +299,18 @@ class _AutoRun:
 
     def _next(self, fed: bool, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> tuple[int | None, int]:
         """(depth, rounds) of the next chunk; depth None: probe rounds."""
-        if not fed:
-            return autospec.PLAIN, self.plan.max_rounds
+        plain_known = autospec.PLAIN in self.costs.seconds
+        if not fed:  # a first run of plain decoding is not timed (a program's first run): a short chunk first
+            return autospec.PLAIN, (self.plan.max_rounds if plain_known else autospec.EXPLORE_ROUNDS)
         if self.costs.cost(autospec.PLAIN) is None:
             return None, autospec.PROBE_ROUNDS  # measures what a round without drafts costs, and observes acceptance
         todo = autospec.unexplored(self.costs)
         if todo:
             return todo[0], autospec.EXPLORE_ROUNDS
-        depth = autospec.fastest_to_finish(self.costs, rows)
+        times = autospec.finish_times(self.costs, rows)
+        depth = min(times, key=times.get)
+        if not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]:
+            return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # may win: measured (the rest of this call decodes plainly)
         if depth == autospec.PLAIN and observed < autospec.PROBE_ROUNDS:
             return None, autospec.PROBE_ROUNDS  # plain decoding only on fresh evidence
         return depth, autospec.CHUNK_ROUNDS

@@ -103,6 +103,9 @@ PLAIN = 0
 CHUNK_ROUNDS = 8  # rounds of a generate call between two choices (one host sync each)
 EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
 PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance before plain decoding
+# Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
+# estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
+PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth
 KEEP = 0.97  # weight of the past per round in the acceptance estimate (a memory of ~30 rounds)
 KEEP_UNTRIED = 0.85  # the same for draft positions a round did not reach: they fall back to the prior sooner
 PRIOR = 0.6  # acceptance of a draft assumed before any is observed
@@ -217,12 +220,18 @@ def choose_depth(costs: CostTable, expected: Callable[[int], float], depths: Ite
     return max(rates, key=rates.get) if rates else PLAIN
 
 
+def finish_times(costs: CostTable, rows: Sequence[tuple[int, AcceptanceEstimate]], depths: Iterable[int] = DEPTHS) -> dict[int, float]:
+    """Expected seconds to finish a batch at each depth of known cost (``PLAIN`` and ``depths``): rows =
+    (tokens still to make, that row's estimate). A batch call ends with its slowest row, and every round
+    costs the whole batch, so the time at depth d is ``cost(d) x max over rows of remaining /
+    expected_tokens(d)``, not the batch's tokens per second: rows the drafter follows well finish
+    early and then only wait."""
+    return {d: costs.cost(d) * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if costs.cost(d)}
+
+
 def fastest_to_finish(costs: CostTable, rows: Sequence[tuple[int, AcceptanceEstimate]], depths: Iterable[int] = DEPTHS) -> int:
-    """The depth (``PLAIN`` or one of ``depths``) expected to finish a batch soonest: rows = (tokens
-    still to make, that row's estimate). A batch call ends with its slowest row, and every round costs
-    the whole batch, so the time at depth d is ``cost(d) x max over rows of remaining / expected_tokens(d)``,
-    not the batch's tokens per second: rows the drafter follows well finish early and then only wait."""
-    times = {d: costs.cost(d) * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if costs.cost(d)}
+    """The depth with the least ``finish_times`` (PLAIN when none is known)."""
+    times = finish_times(costs, rows, depths)
     return min(times, key=times.get) if times else PLAIN
 
 

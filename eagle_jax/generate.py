@@ -423,6 +423,11 @@ def generate(
     return _result(state, plan, compile_s, run_s, tokenizer)
 
 
+def _new_tokens(out: np.ndarray, n_out: np.ndarray, sent: list[int]) -> tuple[list[list[int]], list[int]]:
+    """Each row's tokens past the ``sent`` already yielded, and the new counts."""
+    return [out[b, sent[b] : n_out[b]].tolist() for b in range(len(sent))], [int(n) for n in n_out]
+
+
 def generate_stream(
     target: Target,
     drafter: Drafter | None,
@@ -448,9 +453,7 @@ def generate_stream(
                   mesh=None, exact=exact)
         sent = [0] * len(prompts)
         for st in _AutoRun(target, drafter, prompts, max_new_tokens, kw):
-            n_out, out = jax.device_get((st.n_out, st.out))
-            new = [out[b, sent[b] : n_out[b]].tolist() for b in range(len(prompts))]
-            sent = [int(n) for n in n_out]
+            new, sent = _new_tokens(*jax.device_get((st.out, st.n_out)), sent)
             if any(new):
                 yield new
         return
@@ -476,9 +479,8 @@ def generate_stream(
         st = start_c(*args[:6], costs)
     sent = [0] * plan.batch
     while True:
-        n_out, out, done, rounds = jax.device_get((st.n_out, st.out, st.done, st.rounds))
-        new = [out[b, sent[b] : n_out[b]].tolist() for b in range(plan.batch)]
-        sent = [int(n) for n in n_out]
+        out, n_out, done, rounds = jax.device_get((st.out, st.n_out, st.done, st.rounds))
+        new, sent = _new_tokens(out, n_out, sent)
         if any(new):
             yield new
         if done.all() or rounds >= plan.max_rounds:

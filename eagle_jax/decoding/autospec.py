@@ -31,7 +31,6 @@ chain doing the same work (BENCHMARKS.md), so auto does not pick it; it stays op
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence

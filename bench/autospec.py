@@ -82,8 +82,6 @@ def warm(target, drafter, calls, fixed: dict, *, max_new: int, temperature: floa
     """Compiles and runs once every program the calls' shapes need (each fixed configuration, and each of
     auto's: its prefill, a chunk at every depth, plain decoding), on one call per prompt bucket: a
     program's first run pays one-time costs (~0.3 s here) that are compile time, not decoding."""
-    import dataclasses
-
     from eagle_jax.generate import _AutoRun, bucket
 
     kw = dict(max_new_tokens=max_new, temperature=temperature, eos_token_id=list(eos), seed=0)
@@ -91,12 +89,7 @@ def warm(target, drafter, calls, fixed: dict, *, max_new: int, temperature: floa
     for prompts in by_shape.values():
         for d, spec in fixed.values():
             eagle_jax.generate(target, d, prompts, spec=spec, **kw)
-        run = _AutoRun(target, drafter, prompts, max_new, dict(kw, top_k=0, top_p=1.0, tokenizer=None, mesh=None, exact=False))
-        st = run._begin()
-        for i, depth in enumerate((None, *autospec.DEPTHS)):
-            st, _ = run._chunk(depth, st, i + 1, True)
-        st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
-        run._chunk(autospec.PLAIN, st, len(autospec.DEPTHS) + 2, False)
+        _AutoRun(target, drafter, prompts, max_new, dict(kw, top_k=0, top_p=1.0, tokenizer=None, mesh=None, exact=False)).warm()
 
 
 def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperature: float, eos) -> dict:

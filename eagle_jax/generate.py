@@ -268,14 +268,28 @@ class _AutoRun:
         self.compile_s += seconds
         return compiled
 
-    def _begin(self):
-        plan, t_graph, d_graph = self.plan, self.t_graph, self.d_graph
+    def _begin(self, fed: bool):
+        plan, t_graph, d_graph = self.plan, self.t_graph, (self.d_graph if fed else None)
 
         def begin(t_state, d_state, prompt, lens, rs, key):
-            return start(nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state), plan, prompt, lens, rs, key, plan.max_rounds)
+            drf = None if d_graph is None else nnx.merge(d_graph, d_state)
+            return start(nnx.merge(t_graph, t_state), drf, plan, prompt, lens, rs, key, plan.max_rounds)
 
-        args = (self.t_state, self.d_state, *self._args)
-        return self._compiled("auto_start", plan, True, args, begin)(*args)
+        args = (self.t_state, self.d_state if fed else None, *self._args)
+        return self._compiled("auto_start", plan, fed, args, begin)(*args)
+
+    def _plain_from_start(self) -> bool:
+        """Whether this call decodes plainly without ever feeding the drafter: plain decoding has run at
+        this batch and wins here whatever the prompts (at the pair's estimate, and at the prior, so
+        that one hard prompt does not decide the next call: that one probes), and the estimate observed
+        acceptance within the last ``REPROBE_ROUNDS`` rounds (past them, a call probes again)."""
+        if autospec.PLAIN not in self.costs.seconds or self.estimate.unobserved >= autospec.REPROBE_ROUNDS:
+            return False
+        for est in (self.estimate, autospec.AcceptanceEstimate()):
+            times = autospec.finish_times(self.costs, [(self.plan.max_rounds, est)])
+            if min(times, key=times.get) != autospec.PLAIN:
+                return False
+        return True
 
     def _chunk(self, depth: int | None, st, limit: int, fed: bool):
         """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
@@ -296,6 +310,15 @@ class _AutoRun:
             self._programs[depth, fed] = self._compiled("auto_chunk", plan, fed, args, chunk)
             fresh = self.compile_s > compile0
         return self._programs[depth, fed](*args), fresh
+
+    def warm(self) -> None:
+        """Compiles and runs once every program this call's shapes may use (the prefill with and without
+        the drafter, a chunk at every depth, plain decoding): a program's first run pays one-time costs
+        (~0.3 s on a CPU) that benchmarks count as compile time, not decoding."""
+        st = self._begin(True)
+        for i, depth in enumerate((None, *autospec.DEPTHS)):
+            st, _ = self._chunk(depth, st, i + 1, True)
+        jax.block_until_ready(self._chunk(autospec.PLAIN, self._begin(False), 1, False)[0].out)
 
     def _next(self, fed: bool, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> tuple[int | None, int]:
         """(depth, rounds) of the next chunk; depth None: probe rounds."""
@@ -318,11 +341,12 @@ class _AutoRun:
     def __iter__(self) -> Iterator[Any]:
         t0 = time.perf_counter()
         compile0 = self.compile_s
-        st = self._begin()
+        fed = not self._plain_from_start()
+        st = self._begin(fed)
         jax.block_until_ready(st.out)
         self.run_s += time.perf_counter() - t0 - (self.compile_s - compile0)
         yield st
-        fed, observed, rounds = True, 0, 0
+        observed, rounds = 0, 0
         # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
         row_est = [self.estimate.copy() for _ in range(self.plan.batch)]
         done_rows, n_out = jax.device_get((st.done, st.n_out))

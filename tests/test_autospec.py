@@ -123,6 +123,20 @@ def test_a_hard_first_prompt_does_not_switch_speculation_off(fixed_costs):
     assert sum(d not in (None, autospec.PLAIN) for d in depths[-1]) >= len(depths[-1]) // 2
 
 
+def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed_costs, pair):
+    """Where drafts cost more than any acceptance repays (a large batch), a call whose estimate is fresh
+    decodes plainly from its start without the drafter (no drafter prefill, no probe); once
+    REPROBE_ROUNDS rounds passed unobserved, a call probes again."""
+    fixed_costs.seconds.update({1: 3.0, 3: 5.0, 5: 8.0})
+    monkeypatch.setattr(autospec, "REPROBE_ROUNDS", 64)
+    runs = [eagle_jax.generate(pair[0], pair[1], PROMPTS[:1], max_new_tokens=32, eos_token_id=[]) for _ in range(4)]
+    expect = eagle_jax.generate(pair[0], None, PROMPTS[:1], max_new_tokens=32, eos_token_id=[]).tokens
+    assert all(r.tokens == expect for r in runs)
+    probed = [r.stats["chunks"][0][0] is None for r in runs]
+    assert probed == [True, False, False, True]  # never fresh at first; then 27 + 31 < 64 <= 27 + 62 plain rounds
+    assert runs[1].stats["chunks"] == [(autospec.PLAIN, 31)]
+
+
 def test_acceptance_estimate_and_choice():
     """Per-position conditional acceptance from accepted counts; a prior for positions never reached;
     rounds without drafts observe the first draft; aging returns toward the prior."""

@@ -102,6 +102,10 @@ PLAIN = 0
 CHUNK_ROUNDS = 8  # rounds of a generate call between two choices (one host sync each)
 EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
 PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance before plain decoding
+# A call whose choice is plain decoding from its start skips the drafter altogether (its prefill and the
+# probe) while acceptance was observed within this many rounds: a batch size at which speculation never
+# pays then costs what plain decoding costs, and still probes about every REPROBE_ROUNDS rounds.
+REPROBE_ROUNDS = 256
 # Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
 # estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
 PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth
@@ -123,10 +127,11 @@ class AcceptanceEstimate:
     def __init__(self, max_depth: int = max(DEPTHS)):
         self.trials = np.zeros(max_depth)
         self.hits = np.zeros(max_depth)
+        self.unobserved = float("inf")  # rounds decoded since acceptance was last observed (``age``): never yet
 
     def copy(self) -> "AcceptanceEstimate":
         new = AcceptanceEstimate(len(self.trials))
-        new.trials, new.hits = self.trials.copy(), self.hits.copy()
+        new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
         return new
 
     def _add(self, trials: np.ndarray, hits: np.ndarray, reached: int) -> None:
@@ -135,6 +140,7 @@ class AcceptanceEstimate:
         chain did on earlier prompts says little about these, and falling back to the prior (each
         position as good as the one before, the fresh ones included) is what brings deep chains back."""
         r = len(trials)
+        self.unobserved = 0
         keep = np.where(np.arange(len(self.trials)) < reached, KEEP, KEEP_UNTRIED)
         w = keep[None, :] ** np.arange(r - 1, -1, -1)[:, None]
         self.trials = self.trials * keep**r + (w * trials).sum(0)
@@ -167,6 +173,7 @@ class AcceptanceEstimate:
         that plain decoding chosen on old evidence is tried against speculation again."""
         self.trials *= KEEP**rounds
         self.hits *= KEEP**rounds
+        self.unobserved += rounds
 
     @property
     def p(self) -> np.ndarray:

@@ -279,17 +279,9 @@ class _AutoRun:
         return self._compiled("auto_start", plan, fed, args, begin)(*args)
 
     def _plain_from_start(self) -> bool:
-        """Whether this call decodes plainly without ever feeding the drafter: plain decoding has run at
-        this batch and wins here whatever the prompts (at the pair's estimate, and at the prior, so
-        that one hard prompt does not decide the next call: that one probes), and the estimate observed
-        acceptance within the last ``REPROBE_ROUNDS`` rounds (past them, a call probes again)."""
-        if autospec.PLAIN not in self.costs.seconds or self.estimate.unobserved >= autospec.REPROBE_ROUNDS:
-            return False
-        for est in (self.estimate, autospec.AcceptanceEstimate()):
-            times = autospec.finish_times(self.costs, [(self.plan.max_rounds, est)])
-            if min(times, key=times.get) != autospec.PLAIN:
-                return False
-        return True
+        """Whether this call decodes plainly without ever feeding the drafter (``CostTable.plain_settled``),
+        while the pair's acceptance was observed within ``REPROBE_ROUNDS`` rounds (past them, a call probes)."""
+        return self.costs.plain_settled() and self.estimate.unobserved < autospec.REPROBE_ROUNDS
 
     def _chunk(self, depth: int | None, st, limit: int, fed: bool):
         """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
@@ -383,6 +375,8 @@ class _AutoRun:
             self.chunks.append((depth, ran))
             rounds = int(new_rounds)
             yield st
+        if observed:  # which depth would have finished this call soonest, had it been known from the start
+            self.costs.record_hindsight([(int(n), est) for n, est in zip(n_out, row_est)])
 
     def result(self, tokenizer) -> GenerationResult:
         st = None

@@ -124,13 +124,15 @@ def test_a_hard_first_prompt_does_not_switch_speculation_off(fixed_costs):
 
 
 def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed_costs, pair):
-    """Where drafts cost more than any acceptance repays (a large batch), a call whose estimate is fresh
-    decodes plainly from its start without the drafter (no drafter prefill, no probe); once
-    REPROBE_ROUNDS rounds passed unobserved, a call probes again."""
+    """Where drafts cost more than any acceptance repays (a large batch), once plain decoding was fastest
+    in hindsight on PLAIN_EVIDENCE_ROWS prompts, a call decodes plainly from its start without the
+    drafter (no drafter prefill, no probe); once REPROBE_ROUNDS rounds passed unobserved, a call probes
+    again."""
     fixed_costs.seconds.update({1: 3.0, 3: 5.0, 5: 8.0})
     monkeypatch.setattr(autospec, "REPROBE_ROUNDS", 64)
-    runs = [eagle_jax.generate(pair[0], pair[1], PROMPTS[:1], max_new_tokens=32, eos_token_id=[]) for _ in range(4)]
-    expect = eagle_jax.generate(pair[0], None, PROMPTS[:1], max_new_tokens=32, eos_token_id=[]).tokens
+    monkeypatch.setattr(autospec, "PLAIN_EVIDENCE_ROWS", 3)
+    runs = [eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=32, eos_token_id=[]) for _ in range(4)]
+    expect = eagle_jax.generate(pair[0], None, PROMPTS, max_new_tokens=32, eos_token_id=[]).tokens
     assert all(r.tokens == expect for r in runs)
     probed = [r.stats["chunks"][0][0] is None for r in runs]
     assert probed == [True, False, False, True]  # never fresh at first; then 27 + 31 < 64 <= 27 + 62 plain rounds

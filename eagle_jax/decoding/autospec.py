@@ -102,9 +102,12 @@ PLAIN = 0
 CHUNK_ROUNDS = 8  # rounds of a generate call between two choices (one host sync each)
 EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
 PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance before plain decoding
-# A call whose choice is plain decoding from its start skips the drafter altogether (its prefill and the
-# probe) while acceptance was observed within this many rounds: a batch size at which speculation never
-# pays then costs what plain decoding costs, and still probes about every REPROBE_ROUNDS rounds.
+# A call skips the drafter altogether (its prefill and the probe) and decodes plainly from its start
+# where plain decoding was fastest in hindsight on the last calls at its batch size, together at least
+# PLAIN_EVIDENCE_ROWS prompts (one hard prompt must not decide the next call), and acceptance was
+# observed within REPROBE_ROUNDS rounds: a batch size at which speculation does not pay then costs what
+# plain decoding costs, and still probes about every REPROBE_ROUNDS rounds.
+PLAIN_EVIDENCE_ROWS = 8
 REPROBE_ROUNDS = 256
 # Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
 # estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
@@ -199,6 +202,15 @@ class CostTable:
 
     seconds: dict[int, float] = field(default_factory=dict)
     probe_s: float | None = None
+    plain_rows: int = 0  # prompts of the latest calls in a row that plain decoding would have finished soonest
+
+    def record_hindsight(self, rows: Sequence[tuple[int, "AcceptanceEstimate"]]) -> None:
+        """A call that observed acceptance ended: ``rows`` = (tokens it made, the row's estimate)."""
+        self.plain_rows = self.plain_rows + len(rows) if fastest_to_finish(self, rows) == PLAIN else 0
+
+    def plain_settled(self) -> bool:
+        """Whether plain decoding was fastest on enough recent prompts to start a call without the drafter."""
+        return PLAIN in self.seconds and self.plain_rows >= PLAIN_EVIDENCE_ROWS
 
     def update(self, depth: int | None, seconds: float, rounds: int) -> None:
         """``depth`` None: probe rounds."""

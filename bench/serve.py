@@ -128,6 +128,7 @@ def main(argv=None) -> None:
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--rounds-per-step", type=int, default=None)
     ap.add_argument("--schedule", default=None, help="depth schedule of the schedule rows (default: the bundled profile's)")
+    ap.add_argument("--systems", nargs="*", default=None, help="the systems to run, by name (default: all)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-at-batch-C comparison")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args(argv)
@@ -148,6 +149,11 @@ def main(argv=None) -> None:
     systems += [(f"EAGLE-3.1 K={k}", d31, SpecSchedule.fixed(SpecConfig(num_speculative_tokens=k))) for k in args.ks]
     systems += [("EAGLE-3.1 schedule", d31, SpecSchedule.parse(schedule_text)), ("EAGLE-3 schedule", d3, SpecSchedule.parse(schedule_text))]
     systems += [("EAGLE-3.1 auto", d31, AutoDepth())]  # the server's default
+    if args.systems is not None:
+        unknown = set(args.systems) - {name for name, _, _ in systems}
+        if unknown:
+            raise SystemExit(f"--systems: unknown {sorted(unknown)}; known: {[name for name, _, _ in systems]}")
+        systems = [s for s in systems if s[0] in args.systems]
 
     results = {"config": vars(args) | {"schedule": schedule_text, "rounds_per_step": rounds, "eos": list(eos)}, "systems": {}}
     baseline_texts = {}

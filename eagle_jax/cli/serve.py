@@ -11,7 +11,7 @@ the speculative engine.
 number of busy slots and the busy requests' live acceptance (``serving/depth.py``). Overrides: vLLM's
 speculative config (one depth for every step), or a schedule of chain depths by number of occupied
 slots, e.g. ``1:5,4:3,9:0`` (K=5 while 1-3 slots are busy, K=3 from 4, none from 9).
-``--drafter none`` serves the target alone. Checkpoints are directories or Hugging Face Hub repo ids; a
+``--drafter none`` serves the target alone (a profile's speculation schedule is then ignored). Checkpoints are directories or Hugging Face Hub repo ids; a
 target may also be a .gguf file or a named model (``smollm2-135m-instruct``); relative paths in a profile
 are relative to the profile's folder. The served model name (``/v1/models``) defaults to the target's
 directory name, the .gguf file's stem, or the named model's name.
@@ -72,6 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     if target is None:
         ap.error("no --target and the profile names none")
     drafter = checkpoint(pick(args.drafter, "drafter"))
+    spec = pick(args.spec, "spec")
+    if drafter is None and args.spec is None and spec is not None and str(spec).strip() != "none":
+        # A profile's schedule is for its drafter: serving the target alone decodes plainly.
+        logging.getLogger("serve").info("no drafter is served: the profile's speculation schedule %r is ignored", spec)
+        spec = None
 
     import uvicorn
 
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         service = build_service(
-            target, drafter, spec=pick(args.spec, "spec"), slots=pick(args.slots, "slots", 16), max_len=pick(args.max_len, "max_len"),
+            target, drafter, spec=spec, slots=pick(args.slots, "slots", 16), max_len=pick(args.max_len, "max_len"),
             rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), dtype=pick(args.dtype, "dtype", "float32"),
             max_queue=args.max_queue, model_name=args.model_name, tokenizer_dir=pick(args.tokenizer, "tokenizer"),
             exact=bool(pick(args.exact, "exact", False)),

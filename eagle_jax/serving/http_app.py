@@ -4,12 +4,13 @@ responses and server-sent events. It never touches arrays; the engine thread nev
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -18,9 +19,10 @@ from pydantic import BaseModel, ValidationError
 
 from eagle_jax.config import ConfigError
 from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.generate import acceptance_summary
 from eagle_jax.serving import Handle, QueueFull, Request, Scheduler
 from eagle_jax.serving.metrics import Metrics
-from eagle_jax.serving.protocol import APIError, ChatRequest, CompletionRequest
+from eagle_jax.serving.protocol import APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from eagle_jax.serving.text import TextStream
 
 DISCONNECT_POLL_S = 0.5
@@ -48,36 +50,43 @@ def _parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        return model.model_validate(obj)
+        body = model.model_validate(obj)
     except ValidationError as exc:
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         msg = err["msg"].removeprefix("Value error, ")
         where = f"{param}: " if param else ""
         raise APIError(400, f"{where}{msg}", param=param) from None
+    body.screen()
+    return body
 
 
 def _sampling(body) -> SamplingParams:
     return SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
 
 
-class _Generation:
-    """One request's path through the scheduler: submission, token events, text with stop strings."""
+def _budget(service: Service, prompt: Sequence[int], max_tokens: int | None) -> int:
+    """The tokens a request may generate (all the context leaves when max_tokens is not given)."""
+    limit = service.max_len
+    if len(prompt) >= limit:
+        raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is {limit} tokens", param="prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        return limit - len(prompt)
+    if len(prompt) + max_tokens > limit:
+        raise APIError(
+            400, f"this model's context is {limit} tokens; the prompt has {len(prompt)} and max_tokens asks for {max_tokens} more",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    return max_tokens
 
-    def __init__(self, service: Service, prompt: list[int], max_tokens: int | None, body):
-        limit = service.max_len
-        if len(prompt) >= limit:
-            raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is {limit} tokens", param="prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = limit - len(prompt)
-        elif len(prompt) + max_tokens > limit:
-            raise APIError(
-                400, f"this model's context is {limit} tokens; the prompt has {len(prompt)} and max_tokens asks for {max_tokens} more",
-                param="max_tokens", code="context_length_exceeded",
-            )
+
+class _Generation:
+    """One prompt's path through the scheduler: submission, token events, text with stop strings and tokens."""
+
+    def __init__(self, service: Service, prompt: list[int], max_tokens: int, body):
         self.service, self.prompt, self.body = service, prompt, body
-        self.text = TextStream(service.tokenizer, body.stops)
         self.events: asyncio.Queue = asyncio.Queue()
+        self.received = 0  # tokens generated so far
         loop = asyncio.get_running_loop()
         metrics = service.metrics
 
@@ -87,7 +96,10 @@ class _Generation:
             loop.call_soon_threadsafe(self.events.put_nowait, (tokens, finished))
 
         seed = body.seed if body.seed is not None else secrets.randbits(63)
-        request = Request(tuple(prompt), int(max_tokens), _sampling(body), seed)
+        request = Request(tuple(prompt), max_tokens, _sampling(body), seed, ignore_eos=body.ignore_eos,
+                          stop_token_ids=tuple(body.stop_token_ids))
+        self.text = TextStream(service.tokenizer, body.stops, stop_ids=request.stop_ids(service.scheduler.engine.eos_ids),
+                               include_stop=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens)
         try:
             self.handle = service.scheduler.submit(request, listener)
         except QueueFull as exc:
@@ -106,6 +118,7 @@ class _Generation:
                     self.handle.cancel()
                     return
                 continue
+            self.received += len(tokens)
             piece = self.text.push(tokens)
             if self.text.stopped:
                 self.handle.cancel("stop")
@@ -130,15 +143,109 @@ class _Generation:
         return reason if reason in ("stop", "length") else "stop"
 
     def usage(self) -> dict[str, int]:
-        done = self.text.tokens_at_stop if self.text.stopped else len(self.handle.tokens)
+        """So far (the stream's continuous usage) or in all (once the pieces are done)."""
+        done = self.text.tokens_at_stop if self.text.stopped else self.received
         return {"prompt_tokens": len(self.prompt), "completion_tokens": done, "total_tokens": len(self.prompt) + done}
 
-    def speculation(self) -> dict[str, Any]:
-        """Per-response acceptance statistics (an extra field beside OpenAI's)."""
-        h = self.handle
-        al, pos = h.acceptance(self.service.scheduler.engine.max_width - 1)
-        return {"acceptance_length": round(al, 4), "rounds": len(h.accepted), "accepted_per_round": list(h.accepted),
-                "position_acceptance": [round(x, 4) for x in pos]}
+
+def _start(service: Service, prompts: list[list[int]], max_tokens: int | None, body) -> list[_Generation]:
+    """Submits one generation per prompt, all or none (each checked against the context first)."""
+    budgets = [_budget(service, p, max_tokens) for p in prompts]
+    gens: list[_Generation] = []
+    try:
+        for prompt, budget in zip(prompts, budgets):
+            gens.append(_Generation(service, prompt, budget, body))
+    except APIError:
+        for gen in gens:
+            gen.handle.cancel()
+        raise
+    return gens
+
+
+def _total_usage(gens: Sequence[_Generation]) -> dict[str, int]:
+    usages = [g.usage() for g in gens]
+    return {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def _speculation(service: Service, gens: Sequence[_Generation]) -> dict[str, Any]:
+    """Acceptance statistics over the response's generations (an extra field beside OpenAI's)."""
+    accepted = [a for g in gens for a in g.handle.accepted]
+    al, pos = acceptance_summary(accepted, service.scheduler.engine.max_width - 1)
+    return {"acceptance_length": round(al, 4), "rounds": len(accepted), "accepted_per_round": accepted,
+            "position_acceptance": [round(x, 4) for x in pos]}
+
+
+async def _merged(gens: Sequence[_Generation], http: HTTPRequest) -> AsyncIterator[tuple[int, str | None]]:
+    """(index, piece) from every generation as they come; (index, None) once generation ``index`` ended."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: _Generation) -> None:
+        try:
+            async for piece in gen.pieces(http):
+                queue.put_nowait((i, piece))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        for _ in range(len(gens)):
+            while True:
+                i, piece = await queue.get()
+                yield i, piece
+                if piece is None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _texts(gens: Sequence[_Generation], http: HTTPRequest) -> list[str]:
+    texts = [""] * len(gens)
+    async for i, piece in _merged(gens, http):
+        if piece:
+            texts[i] += piece
+    return texts
+
+
+_CHAT_RESERVED: frozenset[str] | None = None
+
+
+def _template_kwargs(tokenizer, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs: variables for the template, never apply_chat_template's own arguments."""
+    global _CHAT_RESERVED
+    if _CHAT_RESERVED is None:
+        _CHAT_RESERVED = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    clash = sorted(set(kwargs or {}) & _CHAT_RESERVED)
+    if clash:
+        raise APIError(400, f"chat_template_kwargs: {clash} are not template variables", param="chat_template_kwargs")
+    return dict(kwargs or {})
+
+
+def _chat_ids(service: Service, body, add_special_tokens: bool) -> list[int]:
+    """The prompt of chat messages: the template rendered, then tokenized (as vLLM does)."""
+    tok = service.tokenizer
+    try:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    if tok.chat_template is None:
+        raise APIError(400, f"the model {service.model_name!r} has no chat template; use /v1/completions", param="messages")
+    kwargs = _template_kwargs(tok, body.chat_template_kwargs)
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                                       continue_final_message=body.continue_final_message, **kwargs)
+    except Exception as exc:  # the template's own checks (e.g. role order) are the client's mistake
+        raise APIError(400, f"messages: the chat template rejected them: {exc}", param="messages") from None
+    return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _prompt_ids(service: Service, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    if isinstance(prompt, str):
+        return list(service.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+    vocab = service.scheduler.engine.target.config.vocab_size
+    if any(not 0 <= t < vocab for t in prompt):
+        raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+    return list(prompt)
 
 
 def create_app(service: Service) -> FastAPI:
@@ -178,91 +285,111 @@ def create_app(service: Service) -> FastAPI:
     async def completions(http: HTTPRequest):
         body = _parse(await http.body(), CompletionRequest)
         check_model(body)
-        prompt = body.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = service.tokenizer(prompt)["input_ids"]
-        else:
-            vocab = service.scheduler.engine.target.config.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
-                raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
-            ids = list(prompt)
-        gen = _Generation(service, ids, body.max_tokens, body)
+        prompts = [_prompt_ids(service, p, body.add_special_tokens) for p in body.prompt]
+        gens = _start(service, prompts, body.max_tokens, body)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text: str, reason: str | None) -> dict:
-            return {"id": cid, "object": "text_completion", "created": created, "model": name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+        def envelope(choices: list[dict]) -> dict:
+            return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": choices}
+
+        def choice(i: int, text: str | None, reason: str | None) -> dict:
+            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}
 
         if body.stream:
-            return _sse(gen, http, lambda piece: chunk(piece, None), lambda: chunk("", gen.finish_reason))
-        text = "".join([p async for p in gen.pieces(http)])
-        out = chunk(text, gen.finish_reason)
-        out["usage"], out["speculation"] = gen.usage(), gen.speculation()
+            return _sse(service, gens, http, body, envelope, choice)
+        texts = await _texts(gens, http)
+        out = envelope([choice(i, text, g.finish_reason) for i, (g, text) in enumerate(zip(gens, texts))])
+        out["usage"], out["speculation"] = _total_usage(gens), _speculation(service, gens)
         return out
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest):
         body = _parse(await http.body(), ChatRequest)
         check_model(body)
-        try:
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        if service.tokenizer.chat_template is None:
-            raise APIError(400, f"the model {name!r} has no chat template; use /v1/completions", param="messages")
-        try:
-            ids = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # the template's own checks (e.g. role order) are the client's mistake
-            raise APIError(400, f"messages: the chat template rejected them: {exc}", param="messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        gen = _Generation(service, list(ids), body.limit, body)
+        gens = _start(service, [_chat_ids(service, body, body.add_special_tokens)], body.limit, body)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(delta: dict, reason: str | None) -> dict:
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        def envelope(choices: list[dict]) -> dict:
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": choices}
+
+        def choice(i: int, text: str | None, reason: str | None) -> dict:
+            return {"index": i, "delta": {} if text is None else {"content": text}, "logprobs": None, "finish_reason": reason}
 
         if body.stream:
-            return _sse(gen, http, lambda piece: chunk({"content": piece}, None), lambda: chunk({}, gen.finish_reason),
-                        first=chunk({"role": "assistant", "content": ""}, None))
-        text = "".join([p async for p in gen.pieces(http)])
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            return _sse(service, gens, http, body, envelope, choice, first=first)
+        text = (await _texts(gens, http))[0]
         return {"id": cid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": gen.finish_reason}],
-                "usage": gen.usage(), "speculation": gen.speculation()}
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": gens[0].finish_reason}],
+                "usage": _total_usage(gens), "speculation": _speculation(service, gens)}
+
+    @app.post("/tokenize")
+    async def tokenize(http: HTTPRequest):
+        """vLLM's: the prompt's token ids (a text prompt, or chat messages through the template)."""
+        body = _parse(await http.body(), TokenizeRequest)
+        if body.model is not None:
+            check_model(body)
+        if body.messages is not None:
+            ids = _chat_ids(service, body, bool(body.add_special_tokens))
+        else:
+            ids = _prompt_ids(service, body.prompt, body.add_special_tokens is not False)
+        strs = service.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": service.max_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(http: HTTPRequest):
+        """vLLM's: the text of token ids, special tokens included."""
+        body = _parse(await http.body(), DetokenizeRequest)
+        if body.model is not None:
+            check_model(body)
+        size = len(service.tokenizer)
+        if any(not 0 <= t < size for t in body.tokens):
+            raise APIError(400, f"tokens: token ids must be in [0, {size})", param="tokens")
+        return {"prompt": service.tokenizer.decode(body.tokens)}
 
     return app
 
 
-def _sse(gen: _Generation, http: HTTPRequest, piece_chunk: Callable[[str], dict], last_chunk: Callable[[], dict],
-         first: dict | None = None) -> StreamingResponse:
-    """OpenAI's server-sent events: one chunk per released piece, the finish chunk, usage if asked, [DONE]."""
+def _sse(service: Service, gens: list[_Generation], http: HTTPRequest, body, envelope: Callable[[list[dict]], dict],
+         choice: Callable[[int, str | None, str | None], dict], first: dict | None = None) -> StreamingResponse:
+    """OpenAI's server-sent events: per generation, a chunk per released piece and its finish chunk; then
+    the usage chunk if asked (``include_usage``), and [DONE]. vLLM's ``continuous_usage_stats`` adds each
+    chunk's generation's usage so far to it (with or without ``include_usage``, which vLLM requires)."""
 
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
+    def chunk(c: dict, gen: _Generation) -> dict:
+        out = envelope([c])
+        if body.continuous_usage:
+            out["usage"] = gen.usage()
+        elif body.include_usage:
+            out["usage"] = None  # OpenAI: null on every chunk but the last
+        return out
+
     async def events():
         try:
             if first is not None:
-                yield event(first)
-            async for piece in gen.pieces(http):
-                yield event(piece_chunk(piece))
-            try:
-                last = last_chunk()
-            except APIError as exc:
-                yield event(exc.body())
-                yield "data: [DONE]\n\n"
-                return
-            yield event(last)
-            if gen.body.stream_options is not None and gen.body.stream_options.include_usage:
-                usage = {k: v for k, v in last.items() if k != "choices"}
-                usage.update(choices=[], usage=gen.usage(), speculation=gen.speculation())
-                yield event(usage)
+                yield event(chunk(first, gens[0]))
+            async for i, piece in _merged(gens, http):
+                if piece is None:
+                    try:
+                        reason = gens[i].finish_reason
+                    except APIError as exc:
+                        yield event(exc.body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    yield event(chunk(choice(i, None, reason), gens[i]))
+                else:
+                    yield event(chunk(choice(i, piece, None), gens[i]))
+            if body.include_usage:
+                last = envelope([])
+                last.update(usage=_total_usage(gens), speculation=_speculation(service, gens))
+                yield event(last)
             yield "data: [DONE]\n\n"
         finally:
-            if not gen.handle.finished and not gen.handle.cancelled:
-                gen.handle.cancel()  # the client went away mid-stream
+            for gen in gens:
+                if not gen.handle.finished and not gen.handle.cancelled:
+                    gen.handle.cancel()  # the client went away mid-stream
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -4,6 +4,10 @@ One thread owns the ``SlotEngine``; callers ``submit`` requests from any thread 
 that collects tokens as they come (and calls an optional listener from the engine thread). Between two
 steps the loop frees finished and cancelled slots, prefills waiting requests into free slots in arrival
 order, and picks the speculation config for the number of occupied slots (``SpecSchedule``).
+
+Stop tokens (EOS unless a request ignores it, and its own ``stop_token_ids``) are enforced here: each
+delivery is cut after a request's first stop token and the slot is freed. The device stops rows at EOS
+too where every busy request stops there, which only ends their rounds early.
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ class Request:
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     seed: int = 0
+    ignore_eos: bool = False  # generate through EOS up to max_tokens
+    stop_token_ids: tuple[int, ...] = ()  # stop after any of these as after EOS
+
+    def stop_ids(self, eos_ids: Sequence[int]) -> frozenset[int]:
+        """The tokens that end this request (the last token it returns)."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_ids))
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,7 @@ class Handle:
 
     request: Request
     listener: Callable[["Handle", list[int], bool], None] | None = None
+    stops: frozenset[int] = frozenset()  # ``request.stop_ids`` of the engine's EOS
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round
     estimate: AcceptanceEstimate | None = None  # live acceptance (``AutoDepth``), from admission on
@@ -160,6 +171,7 @@ class Scheduler:
         self._waiting: collections.deque[Handle] = collections.deque()
         self._slots: list[Handle | None] = [None] * engine.slots
         self._lengths = np.zeros((engine.slots,), np.int64)
+        self._stale: set[int] = set()  # freed slots whose device row may still run: stopped at the next step
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -169,7 +181,7 @@ class Scheduler:
     def submit(self, request: Request, listener: Callable[[Handle, list[int], bool], None] | None = None) -> Handle:
         """Queues a request (raises ConfigError if it can never run here, QueueFull past the bound)."""
         self.engine.check_prompt(request.prompt, request.max_tokens)
-        handle = Handle(request, listener)
+        handle = Handle(request, listener, request.stop_ids(self.engine.eos_ids))
         with self._cv:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting (the bound is {self.max_queue})")
@@ -223,6 +235,7 @@ class Scheduler:
                 h._finish(reason, now, message)
                 self._slots[slot] = None
         self.engine.reset()
+        self._stale.clear()
         with self._cv:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for h in waiting:
@@ -240,6 +253,7 @@ class Scheduler:
                 self._free(slot, h._cancel)
                 cancel[slot] = True
         self._admit(cancel)
+        cancel[sorted(self._stale)] = True
         active = [slot for slot, h in enumerate(self._slots) if h is not None]
         if not active:
             return
@@ -251,7 +265,9 @@ class Scheduler:
         else:
             spec = self.schedule.choose(len(active))
         span = self.engine.span_for([int(self._lengths[s]) for s in active], spec)
-        out = self.engine.step(spec, greedy, span, rows, cancel)
+        stop_at_eos = not any(self._slots[s].request.ignore_eos for s in active)
+        out = self.engine.step(spec, greedy, span, rows, cancel, stop_at_eos=stop_at_eos)
+        self._stale.clear()
         now = time.perf_counter()
         if auto:
             probe = out.probe
@@ -261,16 +277,25 @@ class Scheduler:
             ])
         for slot in active:
             h = self._slots[slot]
-            h.accepted.extend(out.accepted[slot])
-            h._deliver(out.tokens[slot], now)
+            tokens, accepted = out.tokens[slot], out.accepted[slot]
+            end = _stop_end(tokens, h.stops)
+            if end is not None:
+                tokens, accepted = tokens[:end], _rounds_within(accepted, end)
+            h.accepted.extend(accepted)
+            h._deliver(tokens, now)
             self._lengths[slot] = out.lengths[slot]
-            if out.done[slot]:
-                self._free(slot, self._reason(h))
+            if end is not None or out.done[slot]:
+                self._release(slot, bool(out.done[slot]))
         if self.on_step is not None:
             self.on_step(len(active), spec, out)
 
-    def _reason(self, h: Handle) -> str:
-        return "stop" if h.tokens and h.tokens[-1] in self.engine.eos_ids else "length"
+    def _release(self, slot: int, row_done: bool) -> None:
+        """Frees a slot whose request ended (at a stop token: ``stop``, else ``length``); a device row
+        that did not stop by itself is stopped at the next step."""
+        h = self._slots[slot]
+        if not row_done:
+            self._stale.add(slot)
+        self._free(slot, "stop" if h.tokens and h.tokens[-1] in h.stops else "length")
 
     def _admit(self, cancel: np.ndarray) -> None:
         for slot in range(self.engine.slots):
@@ -285,7 +310,7 @@ class Scheduler:
                 continue
             r = h.request
             try:
-                first, done = self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed)
+                first, done = self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos)
             except ConfigError as exc:
                 h._finish("error", time.perf_counter(), str(exc))
                 continue
@@ -293,13 +318,34 @@ class Scheduler:
                 h._finish("error", time.perf_counter(), f"{type(exc).__name__}: {exc}")
                 raise
             cancel[slot] = False  # the slot holds the new request now
+            self._stale.discard(slot)
             if isinstance(self.schedule, AutoDepth):
                 h.estimate = self.schedule.new_estimate()
             self._slots[slot] = h
             self._lengths[slot] = len(r.prompt)
             h._deliver([first], time.perf_counter())
-            if done:
-                self._free(slot, self._reason(h))
+            if done or first in h.stops:
+                self._release(slot, done)
+
+
+def _stop_end(tokens: Sequence[int], stops: frozenset[int]) -> int | None:
+    """How many of ``tokens`` to keep: through the first stop token; None when there is none."""
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return i + 1
+    return None
+
+
+def _rounds_within(accepted: Sequence[int], kept: int) -> list[int]:
+    """The rounds (drafts accepted in each, emitting that + 1 tokens) that produced the first ``kept``
+    tokens of a step."""
+    rounds, emitted = [], 0
+    for a in accepted:
+        if emitted >= kept:
+            break
+        rounds.append(a)
+        emitted += a + 1
+    return rounds
 
 
 __all__: Sequence[str] = ["Handle", "QueueFull", "Request", "Scheduler", "SpecSchedule"]

@@ -54,7 +54,7 @@ def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule | AutoDe
     text = (text or "").strip()
     if not drafter_present:
         if text not in ("", "none"):
-            raise ConfigError("--spec was given but no drafter is served (--drafter none)")
+            raise ConfigError(f"--spec {text!r} was given but no drafter is served (--drafter none): leave --spec out or give --spec none")
         return SpecSchedule.fixed(None)
     if text == "none":
         return SpecSchedule.fixed(None)

@@ -7,12 +7,14 @@ runs, with per-slot sampling parameters, keys and token limits as arrays and fre
 host (``scheduler.Scheduler``) admits, streams and frees between steps.
 
 Programs are compiled per prompt bucket for ``insert`` and per (speculation config, greedy or not,
-span, rows) for ``step``: the span is the number of leading cache slots the rounds read (a multiple
-of ``SPAN_STEP`` over the longest occupied slot) and rows the number of leading slots they compute (a
-power of two over the highest occupied slot), so a short request alone costs a short batch-1 forward,
-not the whole allocation. Any program with a larger span and more rows computes the same tokens, so
-a shape seen for the first time runs on the smallest compiled one that covers it while its own is
-compiled in the background.
+span, rows, stopping rows at EOS or not) for ``step``: the span is the number of leading cache slots
+the rounds read (a multiple of ``SPAN_STEP`` over the longest occupied slot) and rows the number of
+leading slots they compute (a power of two over the highest occupied slot), so a short request alone
+costs a short batch-1 forward, not the whole allocation. Any program with a larger span and more rows
+computes the same tokens, so a shape seen for the first time runs on the smallest compiled one that
+covers it while its own is compiled in the background. A program that does not stop rows at EOS also
+covers one that does: its rows run on past an EOS, and the caller (``Scheduler``) cuts every row's
+tokens at its stop tokens itself.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ _PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in 
 class StepOutput:
     """Host copies of what one step produced, per slot."""
 
-    tokens: list[list[int]]  # new tokens of each slot (empty for free slots)
+    tokens: list[list[int]]  # new tokens of each slot (empty for free slots); may run past an EOS (see ``step``)
     done: np.ndarray  # [slots] bool: the slot stopped (EOS or its token limit) during or before the step
     accepted: list[list[int]]  # per slot, drafts accepted in each round it ran
     lengths: np.ndarray  # [slots] committed cache length after the step
@@ -181,13 +183,14 @@ class SlotEngine:
 
     def warmup(self) -> None:
         """Compiles the programs that cover every request (longest prompt bucket; all slots over the
-        whole context, sampling, per speculation config), so no request waits for a compilation;
-        smaller, faster programs are then compiled in the background as they are first needed."""
+        whole context, sampling, not stopping at EOS, per speculation config), so no request waits for a
+        compilation; smaller, faster programs are then compiled in the background as they are first needed."""
         p = self._insert_bucket(self.max_len - 1)
-        self._program(("insert", p), self._insert_fn(p), self._insert_args(p, [0], 1, SamplingParams(), 0, 0))
+        self._program(("insert", p), self._insert_fn(p), self._insert_args(p, [0], 1, SamplingParams(), 0, 0, True))
         for spec in self.specs:
             args = (self._t_state, self._d_state, self.state, np.zeros((self.slots,), bool))
-            self._program(("step", spec, False, self.cache_len, self.slots), self._step_fn(spec, False, self.cache_len, self.slots), args)
+            key = ("step", spec, False, self.cache_len, self.slots, False)
+            self._program(key, self._step_fn(*key[1:]), args)
 
     def _merge(self, t_state, d_state):
         drf = None if self._d_graph is None else nnx.merge(self._d_graph, d_state)
@@ -211,16 +214,18 @@ class SlotEngine:
                 f"exceeds the context limit of {self.max_len} tokens"
             )
 
-    def insert(self, slot: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int) -> tuple[int, bool]:
-        """Prefills ``prompt`` into ``slot`` (free); returns (first token, done already)."""
+    def insert(self, slot: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int,
+               stop_at_eos: bool = True) -> tuple[int, bool]:
+        """Prefills ``prompt`` into ``slot`` (free); returns (first token, done already). With
+        ``stop_at_eos`` False an EOS first token does not end the request (``ignore_eos``)."""
         self.check_prompt(prompt, max_tokens)
         p = self._insert_bucket(len(prompt))
         largest = self._insert_bucket(self.max_len - 1)
         larger = [("insert", b) for b in sorted({self._insert_bucket(b) for b in PROMPT_BUCKETS}) if p < b <= largest]
-        args = self._insert_args(p, prompt, max_tokens, sampling, seed, slot)
+        args = self._insert_args(p, prompt, max_tokens, sampling, seed, slot, stop_at_eos)
         key, program = self._program(("insert", p), self._insert_fn(p), args, covers=larger)
         if key[1] != p:  # a larger bucket's program: pad further
-            args = self._insert_args(key[1], prompt, max_tokens, sampling, seed, slot)
+            args = self._insert_args(key[1], prompt, max_tokens, sampling, seed, slot, stop_at_eos)
         self.state, first, done = program(*args)
         first, done = jax.device_get((first, done))
         return int(first), bool(done)
@@ -228,22 +233,23 @@ class SlotEngine:
     def _insert_bucket(self, n: int) -> int:
         return min(bucket(n), self.cache_len)
 
-    def _insert_args(self, p: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int, slot: int) -> tuple:
+    def _insert_args(self, p: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int, slot: int,
+                     stop_at_eos: bool) -> tuple:
         ids = np.zeros((1, p), np.int32)
         ids[0, : len(prompt)] = prompt
         return (self._t_state, self._d_state, self.state, jnp.int32(slot), jnp.asarray(ids), jnp.asarray([len(prompt)], jnp.int32),
-                RowSampling.fill(sampling, 1), jax.random.key(seed), jnp.int32(max_tokens))
+                RowSampling.fill(sampling, 1), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
 
     def _insert_fn(self, p: int):
         eos = self.eos_ids
         plan = Plan(batch=1, cache_len=p, max_rounds=0, spec=None, greedy=False, eos_ids=eos, exact=self.exact)
 
-        def insert(t_state, d_state, st: LoopState, slot, prompt, plen, rs, key, max_tokens):
+        def insert(t_state, d_state, st: LoopState, slot, prompt, plen, rs, key, max_tokens, stop_at_eos):
             tgt, drf = self._merge(t_state, d_state)
             keys = split_rows(key[None], 2)
             pre = prefill(tgt, drf, plan, prompt, plen, rs, keys[:, 1])
             first = pre.first[0]
-            done = (max_tokens <= 1) | jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32))
+            done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
 
             def put(big, small):  # small [1, ...] into row ``slot`` of big [slots, ...]
                 start = (slot,) + (0,) * (big.ndim - 1)
@@ -292,16 +298,18 @@ class SlotEngine:
         return min(rows, self.slots)
 
     def step(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int | None = None,
-             cancel: np.ndarray | None = None) -> StepOutput:
+             cancel: np.ndarray | None = None, stop_at_eos: bool = True) -> StepOutput:
         """Up to ``rounds_per_step`` rounds over the first ``rows`` slots (default all); slots in
-        ``cancel`` are stopped first."""
+        ``cancel`` are stopped first. With ``stop_at_eos`` False no row stops at EOS (a request with
+        ``ignore_eos`` is running); with True rows may still run past an EOS when a program that does not
+        stop there covers this step, so the caller cuts each row's tokens at its stop tokens."""
         if spec not in self.specs:
             raise ConfigError(f"spec {spec} is not one of this engine's configured specs {self.specs}")
         rows = self.slots if rows is None else rows
         cancel = np.zeros((self.slots,), bool) if cancel is None else np.asarray(cancel, bool)
         args = (self._t_state, self._d_state, self.state, jnp.asarray(cancel))
-        _, program = self._program(("step", spec, greedy, span, rows), self._step_fn(spec, greedy, span, rows), args,
-                                   covers=self._covering(spec, greedy, span, rows))
+        key = ("step", spec, greedy, span, rows, stop_at_eos and bool(self.eos_ids))
+        _, program = self._program(key, self._step_fn(*key[1:]), args, covers=self._covering(*key[1:]))
         t0 = time.perf_counter()
         self.state = program(*args)
         out, n_out, done, accepted, length, probe = jax.device_get(
@@ -312,18 +320,19 @@ class SlotEngine:
         acc = [[int(a) for a in row if a >= 0] for row in accepted]
         return StepOutput(tokens, done, acc, length, seconds, probe)
 
-    def _covering(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int) -> list[tuple]:
+    def _covering(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int, eos: bool) -> list[tuple]:
         """Compiled step programs that can run this step, cheapest first: any span and row count at
-        least as large, and sampling programs for greedy rows (whose p and q are then one-hot)."""
+        least as large, sampling programs for greedy rows (whose p and q are then one-hot), and programs
+        that do not stop at EOS for rows that do (the caller cuts their tokens at EOS)."""
         with self._lock:
             keys = [k for k in self._programs if k[0] == "step" and k[1] == spec and k[3] >= span and k[4] >= rows
-                    and (k[2] == greedy or not k[2])]
-        return sorted(keys, key=lambda k: (k[3] * k[4], k[2] != greedy))
+                    and (k[2] == greedy or not k[2]) and (k[5] == eos or not k[5])]
+        return sorted(keys, key=lambda k: (k[3] * k[4], k[2] != greedy, k[5] != eos))
 
-    def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int):
+    def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int, eos: bool):
         plan = Plan(
             batch=rows, cache_len=self.cache_len, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy,
-            eos_ids=self.eos_ids, span=span, exact=self.exact,
+            eos_ids=self.eos_ids if eos else (), span=span, exact=self.exact,
         )
 
         def step(t_state, d_state, st: LoopState, cancel):

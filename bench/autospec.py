@@ -17,13 +17,14 @@ apart, and so is each program's first run: ``warm``). Each call runs auto, then 
 side, so the machine's drift touches all alike. Fixed configurations do not depend on the order; auto
 does. Per order: tokens/s of auto, plain and each fixed chain over the whole sequence; auto against
 the best fixed configuration in hindsight (goal >= 0.95) and against plain (goal >= 1.0); the first
-call's time against plain decoding's of the same call (goal <= 1.3). Greedy outputs are checked
+call's time per token against plain decoding's on the same call (goal <= 1.3). Greedy outputs are checked
 equal to plain decoding's. The plot shows the depth auto ran (mean over its rounds) call by call.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -116,7 +117,8 @@ def summarise(rows: list[dict], names: list[str]) -> dict:
     rate = {n: sum(r[n][1] for r in rows) / sum(r[n][0] for r in rows) for n in ["auto", *names]}
     best = max(names, key=rate.get)
     return {"tok_s": rate, "best_fixed": best, "vs_best": rate["auto"] / rate[best], "vs_plain": rate["auto"] / rate["plain"],
-            "first_call_vs_plain": rows[0]["auto"][0] / rows[0]["plain"][0],
+            # per token: sampled calls may stop at EOS after different numbers of tokens
+            "first_call_vs_plain": (rows[0]["auto"][0] / rows[0]["auto"][1]) / (rows[0]["plain"][0] / rows[0]["plain"][1]),
             "equal_to_plain": all(r.get("equal_to_plain", True) for r in rows), "depths": [r["auto_depth"] for r in rows]}
 
 
@@ -135,7 +137,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--ks", type=int, nargs="+", default=list(autospec.DEPTHS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/autospec.json")
+    ap.add_argument("--plot", default="bench/figures/autospec.png")
+    ap.add_argument("--report-only", action="store_true", help="re-summarise --out's runs (table and plot), measure nothing")
     args = ap.parse_args(argv)
+    if args.report_only:
+        results = json.loads(Path(args.out).read_text())
+        names = ["plain", *(f"K={k}" for k in results["config"]["ks"])]
+        for run in results["runs"]:
+            run.update(summarise(run["calls"], names))
+        report(results, Path(args.plot))
+        write_json(args.out, results)
+        return results
 
     results = {"config": vars(args), "runs": []}
     for dtype in args.dtypes:
@@ -169,7 +181,7 @@ def main(argv=None) -> dict:
                           f"depths {' '.join(f'{d:.1f}' for d in s['depths'])}" + ("" if s["equal_to_plain"] else "  OUTPUT DIFFERS"),
                           flush=True)
                     write_json(args.out, results | {"models": source})
-    report(results, Path(args.out).with_suffix(".png"))
+    report(results, Path(args.plot))
     write_json(args.out, results | {"models": source})
     return results
 
@@ -186,14 +198,18 @@ def report(results: dict, plot: Path) -> None:
     print_table(header, rows)
     plt = pyplot()
     first = runs[0]
-    picked = [r for r in runs if (r["dtype"], r["temperature"], r["batch"]) == (first["dtype"], first["temperature"], first["batch"])]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for r in picked:
-        ax.plot(range(1, len(r["depths"]) + 1), r["depths"], marker="o", label=r["order"])
-    ax.set_xlabel("call in the sequence")
-    ax.set_ylabel("drafts per round chosen (mean)")
-    ax.set_title(f"spec=auto: depth over calls ({first['dtype']}, T={first['temperature']:g}, batch {first['batch']})")
-    ax.legend(fontsize=7)
+    batches = sorted({r["batch"] for r in runs if (r["dtype"], r["temperature"]) == (first["dtype"], first["temperature"])})
+    fig, axes = plt.subplots(1, len(batches), figsize=(3.6 * len(batches), 3.4), sharey=True, squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for r in runs:
+            if (r["dtype"], r["temperature"], r["batch"]) == (first["dtype"], first["temperature"], batch):
+                ax.plot(range(1, len(r["depths"]) + 1), r["depths"], marker="o", label=r["order"])
+        ax.set_xlabel("call in the sequence")
+        ax.set_xticks(range(1, max(len(r["depths"]) for r in runs) + 1))
+        ax.set_title(f"batch {batch}", fontsize=9)
+    axes[0][0].set_ylabel("drafts per round chosen (mean)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"spec=auto: depth over calls ({first['dtype']}, T={first['temperature']:g})", fontsize=10)
     fig.tight_layout()
     fig.savefig(plot, dpi=120)
     print(f"plot: {plot}")

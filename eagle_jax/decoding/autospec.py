@@ -103,12 +103,14 @@ CHUNK_ROUNDS = 8  # rounds of a generate call between two choices (one host sync
 EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
 PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance before plain decoding
 # A call skips the drafter altogether (its prefill and the probe) and decodes plainly from its start
-# where plain decoding was fastest in hindsight on the last calls at its batch size, together at least
-# PLAIN_EVIDENCE_ROWS prompts (one hard prompt must not decide the next call), and acceptance was
-# observed within REPROBE_ROUNDS rounds: a batch size at which speculation does not pay then costs what
-# plain decoding costs, and still probes about every REPROBE_ROUNDS rounds.
+# where plain decoding was clearly fastest in hindsight (by PLAIN_MARGIN: a near tie must not lock
+# speculation out) on the last calls at its batch size, together at least PLAIN_EVIDENCE_ROWS prompts
+# (one hard prompt must not decide the next call), and acceptance was observed within REPROBE_ROUNDS
+# rounds: a batch size at which speculation does not pay then costs what plain decoding costs, and
+# still probes about every REPROBE_ROUNDS rounds.
 PLAIN_EVIDENCE_ROWS = 8
-REPROBE_ROUNDS = 256
+PLAIN_MARGIN = 1.1
+REPROBE_ROUNDS = 128
 # Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
 # estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
 PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth
@@ -206,7 +208,10 @@ class CostTable:
 
     def record_hindsight(self, rows: Sequence[tuple[int, "AcceptanceEstimate"]]) -> None:
         """A call that observed acceptance ended: ``rows`` = (tokens it made, the row's estimate)."""
-        self.plain_rows = self.plain_rows + len(rows) if fastest_to_finish(self, rows) == PLAIN else 0
+        times = finish_times(self, rows)
+        spec = min((t for d, t in times.items() if d != PLAIN), default=None)
+        clear = PLAIN in times and spec is not None and PLAIN_MARGIN * times[PLAIN] <= spec
+        self.plain_rows = self.plain_rows + len(rows) if clear else 0
 
     def plain_settled(self) -> bool:
         """Whether plain decoding was fastest on enough recent prompts to start a call without the drafter."""
@@ -245,12 +250,6 @@ def finish_times(costs: CostTable, rows: Sequence[tuple[int, AcceptanceEstimate]
     expected_tokens(d)``, not the batch's tokens per second: rows the drafter follows well finish
     early and then only wait."""
     return {d: costs.cost(d) * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if costs.cost(d)}
-
-
-def fastest_to_finish(costs: CostTable, rows: Sequence[tuple[int, AcceptanceEstimate]], depths: Iterable[int] = DEPTHS) -> int:
-    """The depth with the least ``finish_times`` (PLAIN when none is known)."""
-    times = finish_times(costs, rows, depths)
-    return min(times, key=times.get) if times else PLAIN
 
 
 def unexplored(costs: CostTable, depths: Iterable[int] = DEPTHS) -> list[int]:

@@ -82,6 +82,9 @@ DEFAULTS: dict[str, Any] = {
         "batching": "pad",
         "buckets": None,  # bucket lengths (batching: bucket); None = max_length halved 3 times
         "synthetic": None,  # {num_samples, prompt_length}: random prompts + the target's greedy continuations
+        # a directory for the target's outputs on the data, computed once (resumably) and read back by every
+        # step and every run on the same data (training.features); None = the target runs in every step
+        "features": None,
     },
     "train": {
         "steps": 1000,

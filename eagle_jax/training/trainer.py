@@ -46,6 +46,7 @@ from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 from eagle_jax.sharding import BATCH_AXES, logical_to_spec, put, tree_shardings
 from eagle_jax.training.data import Batcher, DataPosition
+from eagle_jax.training.features import compute_features, draft_vocab_head, draft_vocab_logits
 from eagle_jax.training.recipe import (
     DEFAULTS,
     TrainConfigError,
@@ -89,14 +90,15 @@ def _attention_flops(config: TargetConfig | DrafterConfig, keys: float) -> float
     return 2 * keys * config.num_heads * (qk + v)
 
 
-def train_flops_per_token(target: Target, drafter: Drafter, seq_len: int, ttt_length: int) -> float:
+def train_flops_per_token(target: Target, drafter: Drafter, seq_len: int, ttt_length: int, with_target: bool = True) -> float:
     """Model FLOPs per token of one train step (matmuls only; norms, softmax, RoPE ignored).
 
     Target: forward only, 2 x the weights a token uses (MoE: its activated experts) (+ lm_head, or the
     tied embedding as lm_head) plus causal attention over T/2 keys per layer. Drafter: fc once, and per
     TTT step the layer and lm_head, each forward + backward = 6 x weights, plus attention over
     T/2 + steps keys (forward + backward = 3 x). MLA attention is counted in the expanded per-head form
-    both compute here.
+    both compute here. ``with_target`` False (training from precomputed features): the drafter's part,
+    plus the target's logits over the draft vocabulary from its stored hidden states.
     """
     tc, dc = target.config, drafter.config
     t_params = _matmul_params(target) + (tc.vocab_size * tc.hidden_size if tc.tie_word_embeddings else 0)
@@ -104,7 +106,10 @@ def train_flops_per_token(target: Target, drafter: Drafter, seq_len: int, ttt_le
     fc = dc.fc_in_features * dc.hidden_size
     layer = _matmul_params(drafter) - fc
     d_attn = _attention_flops(dc, seq_len / 2 + ttt_length / 2)
-    return 2 * t_params + t_attn + 6 * fc + ttt_length * (6 * layer + 3 * d_attn)
+    drafter_part = 6 * fc + ttt_length * (6 * layer + 3 * d_attn)
+    if not with_target:
+        return 2 * dc.draft_vocab_size * tc.hidden_size + drafter_part
+    return 2 * t_params + t_attn + drafter_part
 
 
 def measure_matmul_peak(dtype=jnp.float32) -> float:
@@ -144,8 +149,13 @@ def make_train_step(
     normalize: str,
     compute_dtype,
     remat: bool = False,
+    from_features: bool = False,
 ) -> Callable:
     """The pure train step: (params, opt_state, frozen, target_state, batch) -> (params, opt_state, metrics).
+
+    ``from_features``: the target's outputs come precomputed in the batch (``aux``, ``target_hidden``,
+    ``target_argmax``, from ``training.features``) and ``target_state`` is only the target's output
+    rows for the draft vocabulary (``features.draft_vocab_head``); the target itself never runs.
 
     batch: input_ids / loss_mask / positions / segment_ids [grad_accum, micro_batch, T] (``data.collate``;
     without positions and segment_ids: one sequence per row at positions 0..T-1). The target and the
@@ -156,19 +166,23 @@ def make_train_step(
     def cast(tree):
         return jax.tree.map(lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
-    def loss_fn(params, frozen, aux, t_logits, mb):
+    def loss_fn(params, frozen, aux, t_logits, t_argmax, mb):
         drafter = nnx.merge(graphdef_d, cast(params), frozen)
         out = ttt_loss(drafter, aux, mb["input_ids"], t_logits, mb["loss_mask"], ttt_length=ttt_length, decay=decay,
-                       normalize=normalize, positions=mb["positions"], segment_ids=mb["segment_ids"], remat=remat)
+                       normalize=normalize, positions=mb["positions"], segment_ids=mb["segment_ids"], remat=remat,
+                       target_argmax=t_argmax)
         return out.total, out
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def micro(params, frozen, target_state, mb):
-        target = nnx.merge(graphdef_t, target_state)  # the frozen target, no gradient
-        t_logits, aux = target(mb["input_ids"], aux_layer_ids, mb["positions"], mb["segment_ids"])
+        if from_features:
+            t_logits, aux, t_argmax = draft_vocab_logits(mb["target_hidden"], target_state), mb["aux"], mb["target_argmax"]
+        else:
+            target = nnx.merge(graphdef_t, target_state)  # the frozen target, no gradient
+            (t_logits, aux), t_argmax = target(mb["input_ids"], aux_layer_ids, mb["positions"], mb["segment_ids"]), None
         t_logits, aux = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(aux.astype(compute_dtype))
-        (_, out), grads = grad_fn(params, frozen, aux, t_logits, mb)
+        (_, out), grads = grad_fn(params, frozen, aux, t_logits, t_argmax, mb)
         return grads, out
 
     def step(params, opt_state, frozen, target_state, batch):
@@ -400,19 +414,28 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     tx, schedule = make_optimizer(cfg)
     graphdef_d, params, frozen = nnx.split(drafter, nnx.Param, ...)
     graphdef_t, target_state = nnx.split(target)
+    aux_layer_ids = aux_layer_ids_for(drafter.config, target.config)
     param_sh = tree_shardings(params, mesh)
     params = jax.tree.map(put, params, param_sh)
     frozen = jax.tree.map(put, frozen, tree_shardings(frozen, mesh))
-    target_state = jax.tree.map(put, target_state, tree_shardings(target_state, mesh))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    features = None
+    if cfg["data"]["features"]:  # the target's outputs computed once (or read back): the target never runs in a step
+        features = compute_features(target, samples, aux_layer_ids, cfg["data"]["features"],
+                                    length=int(cfg["data"]["max_length"]), progress=is_main and cfg["log"]["progress"])
+        used = np.arange(drafter.config.draft_vocab_size) + np.asarray(drafter.d2t[...])
+        target_state = put(draft_vocab_head(target, used), replicated)
+        log(f"target features from {features.directory} ({int(features.offsets[-1])} tokens)")
+    else:
+        target_state = jax.tree.map(put, target_state, tree_shardings(target_state, mesh))
     opt_sh = tree_shardings(jax.eval_shape(tx.init, params), mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-    replicated = NamedSharding(mesh, PartitionSpec())
     batch_sh = NamedSharding(mesh, PartitionSpec(None, *logical_to_spec(BATCH_AXES, (batch_size // accum, 1), mesh)))
 
     step_fn = make_train_step(
-        graphdef_d, graphdef_t, tx, aux_layer_ids=aux_layer_ids_for(drafter.config, target.config),
-        ttt_length=int(t_cfg["ttt_length"]), decay=float(t_cfg["decay"]),
-        normalize=t_cfg["normalize"], compute_dtype=compute_dtype, remat=t_cfg["remat"],
+        graphdef_d, graphdef_t, tx, aux_layer_ids=aux_layer_ids, ttt_length=int(t_cfg["ttt_length"]),
+        decay=float(t_cfg["decay"]), normalize=t_cfg["normalize"], compute_dtype=compute_dtype, remat=t_cfg["remat"],
+        from_features=features is not None,
     )
     jitted = jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, replicated))
 
@@ -443,7 +466,7 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
 
     total_steps = int(t_cfg["steps"])
     seq_len = int(cfg["data"]["max_length"])
-    flops_tok = train_flops_per_token(target, drafter, seq_len, int(t_cfg["ttt_length"]))
+    flops_tok = train_flops_per_token(target, drafter, seq_len, int(t_cfg["ttt_length"]), with_target=features is None)
     peak = measure_matmul_peak(compute_dtype) * jax.device_count()
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     log(f"mesh {dict(mesh.shape)}; drafter {n_params / 1e6:.2f}M trainable params; "
@@ -461,7 +484,9 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     while step < total_steps:
         host_batch = batcher.batch(pos)
         length = host_batch["input_ids"].shape[1]
-        batch = {k: put(v.reshape(accum, batch_size // accum, length), batch_sh) for k, v in host_batch.items()}
+        if features is not None:
+            host_batch.update(features.collate(batcher.plan(pos.epoch)[pos.index][1], length))
+        batch = {k: put(v.reshape(accum, batch_size // accum, *v.shape[1:]), batch_sh) for k, v in host_batch.items()}
         params, opt_state, _ = timer.run(lambda: jitted(params, opt_state, frozen, target_state, batch), length,
                                          host_batch["input_ids"].size, int(host_batch["loss_mask"].sum()))
         step += 1

@@ -199,10 +199,14 @@ def ttt_loss(
     positions: Array | None = None,
     segment_ids: Array | None = None,
     remat: bool = False,
+    target_argmax: Array | None = None,
 ) -> TTTOutput:
     """TTT loss of SPEC 7 (see the module docstring for the alignment).
 
     aux [B,T,N*Ht] and target_logits [B,T,V] from the frozen target on ``input_ids`` [B,T];
+    or, with ``target_argmax`` [B,T] (the target's argmax over its whole vocabulary), target_logits
+    [B,T,Vd] already restricted to the draft vocabulary in draft-id order (precomputed features,
+    ``training.features``): the same loss without the full-vocabulary logits;
     loss_mask [B,T] is 1 on tokens to learn (assistant tokens), aligned with input_ids.
     ``positions`` / ``segment_ids`` [B,T]: packed rows, several documents per row (the target's
     outputs must come from the same document-aware forward); None = one sequence per row.
@@ -222,12 +226,16 @@ def ttt_loss(
 
     # Computed once for every target position; step i reads them i+1 positions further on.
     # d2t is sorted, so gathering the used ids keeps draft-id order: column i = draft id i.
-    used = jnp.arange(vd) + drafter.d2t[...]
     tl = jax.lax.stop_gradient(target_logits).astype(jnp.float32)
-    p_all = jax.nn.softmax(jnp.take(tl, used, axis=-1), axis=-1)  # [B,T,Vd]
+    if target_argmax is None:
+        used = jnp.arange(vd) + drafter.d2t[...]
+        target_argmax, tl = jnp.argmax(tl, axis=-1), jnp.take(tl, used, axis=-1)
+    elif tl.shape[-1] != vd:
+        raise ValueError(f"ttt_loss: with target_argmax, target_logits must hold the {vd} draft-vocabulary columns, got {tl.shape[-1]}")
+    p_all = jax.nn.softmax(tl, axis=-1)  # [B,T,Vd]
     p_arg = jnp.argmax(p_all, axis=-1)
     lmask_all = loss_mask.astype(jnp.float32)
-    mask_all = lmask_all * drafter.t2d[...][jnp.argmax(tl, axis=-1)].astype(jnp.float32)
+    mask_all = lmask_all * drafter.t2d[...][target_argmax].astype(jnp.float32)
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids
 
     def per_step(i, logits):

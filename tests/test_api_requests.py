@@ -13,6 +13,9 @@ import json
 import logging
 
 import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
 import openai
 import pytest
 
@@ -206,7 +209,7 @@ def test_guidellm_stream_bodies(server):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("best_of", 2), ("echo", True), ("logprobs", 1), ("logprobs", 0), ("top_logprobs", 2), ("presence_penalty", 0.5),
+    ("best_of", 2), ("top_logprobs", 2), ("presence_penalty", 0.5),
     ("frequency_penalty", -1), ("repetition_penalty", 1.1), ("logit_bias", {"1": 5}), ("min_tokens", 3), ("min_p", 0.1),
     ("suffix", "x"), ("response_format", {"type": "json_object"}), ("guided_regex", "a+"), ("bogus_field", 1),
 ])
@@ -231,8 +234,77 @@ def test_default_values_and_no_effect_fields_are_accepted(server, caplog, monkey
     assert sorted(m.split("'")[1] for m in logged) == ["metadata", "store", "user"]  # once each, over two requests
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": False, "service_tier": "auto"}
     assert _post(server, "/v1/chat/completions", chat).status_code == 200
-    r = _post(server, "/v1/chat/completions", {**chat, "logprobs": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    for path, body in (("/v1/chat/completions", {**chat, "top_logprobs": 2}),  # needs logprobs: true
+                       ("/v1/chat/completions", {**chat, "logprobs": True, "stream": True}),
+                       ("/v1/completions", {**base, "logprobs": 21}), ("/v1/completions", {**base, "n": 0})):
+        r = _post(server, path, body)
+        assert r.status_code == 400, (body, r.text)
+
+
+# ------------------------------------------------------------------------- logprobs, echo, n
+
+
+def _log_softmax_of(server, ids: list[int]) -> np.ndarray:
+    """The target's log-softmax at every position of ``ids``, from its plain forward (the reference)."""
+    logits, _ = server.service.scheduler.engine.target(jnp.asarray([ids], jnp.int32))
+    return np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+
+
+def test_echo_and_logprobs_are_the_targets_log_softmax(server, client):
+    """lm-evaluation-harness's loglikelihood body (echo, logprobs 1, one new token, token-id prompts): every
+    prompt token's log-probability (the first null) and the new token's, as the target's plain forward
+    gives them (fp32: 1e-5), and the greedy token on top; the generated tokens' numbers equal those of
+    the same tokens sent back as a prompt, speculation or not."""
+    tok = server.service.tokenizer
+    prompts = [tok("hello world")["input_ids"], tok(PROMPT)["input_ids"]]
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
+                                          "temperature": 0, "seed": 1234}).json()
+    for ids, c in zip(prompts, r["choices"]):
+        lp = c["logprobs"]
+        new = tok(c["text"][len(tok.decode(ids)):])["input_ids"]
+        full = ids + new
+        assert len(new) == 1 and c["text"] == tok.decode(ids) + tok.decode(new)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and len(lp["token_logprobs"]) == len(full)
+        ref = _log_softmax_of(server, full)
+        np.testing.assert_allclose(lp["token_logprobs"][1:], ref[np.arange(len(full) - 1), full[1:]], atol=1e-5)
+        top = lp["top_logprobs"][-1]  # the greedy new token is the most likely one
+        assert list(top) == [tok.decode(new)] and top[tok.decode(new)] == lp["token_logprobs"][-1]
+        assert lp["tokens"] == [tok.decode([t]) for t in full] and lp["text_offset"][1] == len(lp["tokens"][0])
+    # Sampled with speculation, then the same tokens scored as a prompt: the same numbers.
+    gen = _post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "logprobs": 3, "max_tokens": 12, "temperature": 1.0,
+                                            "seed": 3, "ignore_eos": True, "skip_special_tokens": False}).json()["choices"][0]
+    ids = tok(PROMPT)["input_ids"] + tok(gen["text"])["input_ids"]
+    echo = _post(server, "/v1/completions", {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 3, "max_tokens": 1}).json()
+    again = echo["choices"][0]["logprobs"]
+    n = len(gen["logprobs"]["tokens"])
+    assert n == 12 and gen["logprobs"]["tokens"] == again["tokens"][len(ids) - n: len(ids)]
+    np.testing.assert_allclose(gen["logprobs"]["token_logprobs"], again["token_logprobs"][len(ids) - n: len(ids)], atol=1e-6)
+    assert all(3 <= len(t) <= 4 for t in gen["logprobs"]["top_logprobs"])  # top 3, plus the sampled token if not among them
+    ids_named = _post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "logprobs": 0, "max_tokens": 2, "temperature": 0,
+                                                  "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in ids_named["tokens"])
+
+
+def test_chat_logprobs_and_n(server, client):
+    messages = [{"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob and c.token == c.top_logprobs[0].token for c in content)  # greedy
+    assert "".join(c.token for c in content).startswith(r.choices[0].message.content)
+    # n copies: copy j samples with seed + j (so each is that request alone); greedy copies agree.
+    many = client.completions.create(model=MODEL, prompt=[PROMPT, "xy"], n=3, max_tokens=8, temperature=1.0, seed=5)
+    assert [c.index for c in many.choices] == list(range(6))
+    for i, c in enumerate(many.choices):
+        alone = client.completions.create(model=MODEL, prompt=[PROMPT, "xy"][i // 3], max_tokens=8, temperature=1.0, seed=5 + i % 3)
+        assert c.text == alone.choices[0].text
+    assert len({c.text for c in many.choices[:3]}) > 1
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in greedy.choices] == [0, 1] and greedy.choices[0].message.content == greedy.choices[1].message.content
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True))
+    assert chunks[0].choices[0].text == PROMPT
+    assert "".join(c.choices[0].text for c in chunks) == client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True).choices[0].text
 
 
 # ----------------------------------------------------------------------- /tokenize, /detokenize
@@ -249,6 +321,8 @@ def test_tokenize_and_detokenize(server):
     r = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}).json()
     assert tok.decode(r["tokens"]) == "user hi. assistant yo"
     assert _post(server, "/detokenize", {"model": MODEL, "tokens": tok("a q")["input_ids"]}).json() == {"prompt": "a q"}
+    info = httpx.get(server.url + "/tokenizer_info", timeout=60).json()  # what lm-eval's remote tokenizer reads
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template and info["model_max_length"] == MAX_LEN
     for path, body, param in (("/tokenize", {"prompt": "x", "messages": messages}, None), ("/tokenize", {}, None),
                               ("/detokenize", {"tokens": [0, 10_000]}, "tokens"), ("/detokenize", {"model": "other", "tokens": [1]}, "model"),
                               ("/tokenize", {"messages": messages, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")):

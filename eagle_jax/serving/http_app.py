@@ -19,8 +19,10 @@ from pydantic import BaseModel, ValidationError
 
 from eagle_jax.config import ConfigError
 from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.decoding.scoring import TokenLogprobs
 from eagle_jax.generate import acceptance_summary
 from eagle_jax.serving import Handle, QueueFull, Request, Scheduler
+from eagle_jax.serving.logprobs import TokenNames, chat_logprobs, completion_logprobs
 from eagle_jax.serving.metrics import Metrics
 from eagle_jax.serving.protocol import APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from eagle_jax.serving.text import TextStream
@@ -83,7 +85,7 @@ def _budget(service: Service, prompt: Sequence[int], max_tokens: int | None) -> 
 class _Generation:
     """One prompt's path through the scheduler: submission, token events, text with stop strings and tokens."""
 
-    def __init__(self, service: Service, prompt: list[int], max_tokens: int, body):
+    def __init__(self, service: Service, prompt: list[int], max_tokens: int, body, seed: int | None):
         self.service, self.prompt, self.body = service, prompt, body
         self.events: asyncio.Queue = asyncio.Queue()
         self.received = 0  # tokens generated so far
@@ -95,7 +97,7 @@ class _Generation:
                 metrics.on_finish(h)
             loop.call_soon_threadsafe(self.events.put_nowait, (tokens, finished))
 
-        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        seed = seed if seed is not None else secrets.randbits(63)
         request = Request(tuple(prompt), max_tokens, _sampling(body), seed, ignore_eos=body.ignore_eos,
                           stop_token_ids=tuple(body.stop_token_ids))
         self.text = TextStream(service.tokenizer, body.stops, stop_ids=request.stop_ids(service.scheduler.engine.eos_ids),
@@ -147,14 +149,23 @@ class _Generation:
         done = self.text.tokens_at_stop if self.text.stopped else self.received
         return {"prompt_tokens": len(self.prompt), "completion_tokens": done, "total_tokens": len(self.prompt) + done}
 
+    async def scores(self) -> tuple[list[int], TokenLogprobs]:
+        """(prompt + the choice's tokens, the target's scores of them), once the generation ended."""
+        ids = self.prompt + self.handle.tokens[: self.usage()["completion_tokens"]]
+        future = self.service.scheduler.run_on_engine(lambda engine: engine.score(ids))
+        return ids, await asyncio.wrap_future(future)
+
 
 def _start(service: Service, prompts: list[list[int]], max_tokens: int | None, body) -> list[_Generation]:
-    """Submits one generation per prompt, all or none (each checked against the context first)."""
+    """Submits ``body.n`` generations per prompt (choice index = prompt index * n + copy; copy j samples
+    with ``seed + j``), all or none (each prompt checked against the context first)."""
     budgets = [_budget(service, p, max_tokens) for p in prompts]
     gens: list[_Generation] = []
     try:
         for prompt, budget in zip(prompts, budgets):
-            gens.append(_Generation(service, prompt, budget, body))
+            for copy in range(body.n):
+                seed = None if body.seed is None else (body.seed + copy) % 2**63
+                gens.append(_Generation(service, prompt, budget, body, seed))
     except APIError:
         for gen in gens:
             gen.handle.cancel()
@@ -288,17 +299,28 @@ def create_app(service: Service) -> FastAPI:
         prompts = [_prompt_ids(service, p, body.add_special_tokens) for p in body.prompt]
         gens = _start(service, prompts, body.max_tokens, body)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        # echo: the prompt as sent (a text prompt) or as its tokens read (token ids), before each choice
+        echoed = [(p if isinstance(p, str) else service.tokenizer.decode(ids)) if body.echo else ""
+                  for p, ids in zip(body.prompt, prompts) for _ in range(body.n)]
 
         def envelope(choices: list[dict]) -> dict:
             return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": choices}
 
-        def choice(i: int, text: str | None, reason: str | None) -> dict:
-            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}
+        def choice(i: int, text: str | None, reason: str | None, logprobs: dict | None = None) -> dict:
+            return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
         if body.stream:
-            return _sse(service, gens, http, body, envelope, choice)
+            return _sse(service, gens, http, body, envelope, choice, prefixes=echoed if body.echo else None)
         texts = await _texts(gens, http)
-        out = envelope([choice(i, text, g.finish_reason) for i, (g, text) in enumerate(zip(gens, texts))])
+        names = TokenNames(service.tokenizer, body.return_tokens_as_token_ids)
+        choices = []
+        for i, (g, text) in enumerate(zip(gens, texts)):
+            logprobs = None
+            if body.logprobs is not None:
+                ids, scores = await g.scores()
+                logprobs = completion_logprobs(scores, ids, 0 if body.echo else len(g.prompt), body.logprobs, names)
+            choices.append(choice(i, echoed[i] + text, g.finish_reason, logprobs))
+        out = envelope(choices)
         out["usage"], out["speculation"] = _total_usage(gens), _speculation(service, gens)
         return out
 
@@ -316,11 +338,20 @@ def create_app(service: Service) -> FastAPI:
             return {"index": i, "delta": {} if text is None else {"content": text}, "logprobs": None, "finish_reason": reason}
 
         if body.stream:
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                     for i in range(len(gens))]
             return _sse(service, gens, http, body, envelope, choice, first=first)
-        text = (await _texts(gens, http))[0]
-        return {"id": cid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": gens[0].finish_reason}],
+        texts = await _texts(gens, http)
+        names = TokenNames(service.tokenizer, body.return_tokens_as_token_ids)
+        choices = []
+        for i, (g, text) in enumerate(zip(gens, texts)):
+            logprobs = None
+            if body.logprobs:
+                ids, scores = await g.scores()
+                logprobs = chat_logprobs(scores, ids, len(g.prompt), body.top_logprobs or 0, names)
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                            "finish_reason": g.finish_reason})
+        return {"id": cid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
                 "usage": _total_usage(gens), "speculation": _speculation(service, gens)}
 
     @app.post("/tokenize")
@@ -335,6 +366,16 @@ def create_app(service: Service) -> FastAPI:
             ids = _prompt_ids(service, body.prompt, body.add_special_tokens is not False)
         strs = service.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": service.max_len, "tokens": ids, "token_strs": strs}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: the tokenizer's special tokens and chat template (lm-evaluation-harness's remote
+        tokenizer reads it, then tokenizes through /tokenize and /detokenize)."""
+        tok = service.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "unk_token": tok.unk_token, "chat_template": tok.chat_template,
+                "model_max_length": service.max_len, "vocab_size": len(tok),
+                "add_bos_token": getattr(tok, "add_bos_token", None), "add_eos_token": getattr(tok, "add_eos_token", None)}
 
     @app.post("/detokenize")
     async def detokenize(http: HTTPRequest):
@@ -351,10 +392,12 @@ def create_app(service: Service) -> FastAPI:
 
 
 def _sse(service: Service, gens: list[_Generation], http: HTTPRequest, body, envelope: Callable[[list[dict]], dict],
-         choice: Callable[[int, str | None, str | None], dict], first: dict | None = None) -> StreamingResponse:
-    """OpenAI's server-sent events: per generation, a chunk per released piece and its finish chunk; then
-    the usage chunk if asked (``include_usage``), and [DONE]. vLLM's ``continuous_usage_stats`` adds each
-    chunk's generation's usage so far to it (with or without ``include_usage``, which vLLM requires)."""
+         choice: Callable[[int, str | None, str | None], dict], first: list[dict] | None = None,
+         prefixes: list[str] | None = None) -> StreamingResponse:
+    """OpenAI's server-sent events: per generation, its ``first`` chunk (chat: the role) or its prefix
+    (completions' echo: the prompt), a chunk per released piece and its finish chunk; then the usage chunk
+    if asked (``include_usage``), and [DONE]. vLLM's ``continuous_usage_stats`` adds each chunk's
+    generation's usage so far to it (with or without ``include_usage``, which vLLM requires)."""
 
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -369,8 +412,11 @@ def _sse(service: Service, gens: list[_Generation], http: HTTPRequest, body, env
 
     async def events():
         try:
-            if first is not None:
-                yield event(chunk(first, gens[0]))
+            for i, gen in enumerate(gens):
+                if first is not None:
+                    yield event(chunk(first[i], gen))
+                if prefixes is not None and prefixes[i]:
+                    yield event(chunk(choice(i, prefixes[i], None), gen))
             async for i, piece in _merged(gens, http):
                 if piece is None:
                     try:

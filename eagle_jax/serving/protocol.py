@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from eagle_jax.decoding.scoring import MAX_TOP_LOGPROBS
+
 log = logging.getLogger("eagle_jax.serving")
 
 
@@ -33,13 +35,13 @@ class APIError(Exception):
 # Fields that do not change what is generated (bookkeeping, routing, caching, logprob formatting).
 NO_EFFECT = frozenset({
     "user", "metadata", "service_tier", "store", "safety_identifier", "prompt_cache_key", "priority", "request_id",
-    "cache_salt", "kv_transfer_params", "parallel_tool_calls", "prediction", "return_tokens_as_token_ids",
+    "cache_salt", "kv_transfer_params", "parallel_tool_calls", "prediction",
 })
 
 # Fields that would change the output and are not implemented, with the values that leave it unchanged.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,), "return_token_ids": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""),
+    "top_logprobs": (None, 0), "prompt_logprobs": (None,), "return_token_ids": (None, False),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
     "min_tokens": (None, 0), "min_p": (None, 0), "length_penalty": (None, 1), "use_beam_search": (None, False),
     "allowed_token_ids": (None,), "bad_words": (None, []), "truncate_prompt_tokens": (None,), "logits_processors": (None,),
@@ -122,6 +124,8 @@ class _Sampling(_Screened):
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = Field(default=1, ge=1)  # choices per prompt: copy j samples with seed + j when a seed is given
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:<id>"
 
     @field_validator("stop")
     @classmethod
@@ -135,7 +139,13 @@ class _Sampling(_Screened):
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.stream and self.wants_logprobs:
+            raise ValueError("logprobs: not available with stream: true here (ask without streaming)")
         return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return False
 
     @property
     def stops(self) -> list[str]:
@@ -161,6 +171,12 @@ class CompletionRequest(_Sampling):
     prompt: list[str | list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. around a text prompt
+    echo: bool = False  # the prompt's text before the completion (and its tokens in logprobs)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -205,6 +221,18 @@ class _ChatPrompt(_Screened):
 class ChatRequest(_Sampling, _ChatPrompt):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
 
     @property
     def limit(self) -> int | None:

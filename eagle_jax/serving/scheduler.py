@@ -16,8 +16,9 @@ import collections
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.serving.slots import SlotEngine, StepOutput
 
 log = logging.getLogger("eagle_jax.serving")
+T = TypeVar("T")
 
 
 class QueueFull(RuntimeError):
@@ -172,6 +174,7 @@ class Scheduler:
         self._slots: list[Handle | None] = [None] * engine.slots
         self._lengths = np.zeros((engine.slots,), np.int64)
         self._stale: set[int] = set()  # freed slots whose device row may still run: stopped at the next step
+        self._jobs: collections.deque[tuple[Callable[[SlotEngine], object], Future]] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -188,6 +191,17 @@ class Scheduler:
             self._waiting.append(handle)
             self._cv.notify()
         return handle
+
+    def run_on_engine(self, fn: Callable[[SlotEngine], T]) -> Future:
+        """Runs ``fn(engine)`` on the engine thread between two steps (work on the engine's device state,
+        e.g. ``SlotEngine.score``); the future holds its result or its exception."""
+        future: Future = Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the scheduler is stopping")
+            self._jobs.append((fn, future))
+            self._cv.notify()
+        return future
 
     @property
     def queue_depth(self) -> int:
@@ -217,16 +231,29 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self._waiting and not any(self._slots):
+                while not self._stopping and not self._waiting and not any(self._slots) and not self._jobs:
                     self._cv.wait()
                 if self._stopping:
                     break
+                jobs, self._jobs = list(self._jobs), collections.deque()
+            for fn, future in jobs:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except Exception as exc:  # noqa: BLE001 - the caller's to report
+                        future.set_exception(exc)
+            if not self._waiting and not any(self._slots):
+                continue
             try:
                 self._iterate()
             except Exception as exc:  # noqa: BLE001 - an engine failure must not hang the clients
                 log.exception("engine step failed")
                 self._fail_all(f"{type(exc).__name__}: {exc}")
         self._fail_all("the server is shutting down", reason="cancelled")
+        with self._cv:
+            jobs, self._jobs = list(self._jobs), collections.deque()
+        for _, future in jobs:
+            future.cancel()
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
         now = time.perf_counter()

@@ -34,6 +34,7 @@ from flax import nnx
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding.engine import Plan, prefill, run_rounds, scratch_slots
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams, split_rows
+from eagle_jax.decoding.scoring import TokenLogprobs, token_logprobs
 from eagle_jax.decoding.state import LoopState
 from eagle_jax.generate import PROMPT_BUCKETS, bucket
 from eagle_jax.modeling.drafter import Drafter
@@ -278,6 +279,32 @@ class SlotEngine:
             return new, first, done
 
         return insert
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, ids: Sequence[int]) -> TokenLogprobs:
+        """The target's log-probabilities of ``ids`` (``scoring.token_logprobs``), as numpy arrays of
+        ``len(ids)`` entries; the sequence is padded to a prompt bucket (one program per bucket)."""
+        if not 1 <= len(ids) <= self.max_len:
+            raise ConfigError(f"a scored sequence must have 1..{self.max_len} tokens, got {len(ids)}")
+        p = self._insert_bucket(len(ids))
+        with self._lock:
+            program = self._programs.get(("score", p))
+        if program is None:
+            t0 = time.perf_counter()
+            compute = jnp.float32 if self.exact else None
+            program = jax.jit(lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute))
+            program = program.lower(self._t_state, jax.ShapeDtypeStruct((1, p), jnp.int32)).compile()
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                self._programs[("score", p)] = program
+                self.compile_events.append(("score", seconds))
+            if self.on_compile is not None:
+                self.on_compile("score", seconds)
+        padded = np.zeros((1, p), np.int32)
+        padded[0, : len(ids)] = ids
+        out = jax.device_get(program(self._t_state, jnp.asarray(padded)))
+        return TokenLogprobs(*(np.asarray(x[0, : len(ids)]) for x in out))
 
     # ------------------------------------------------------------------ step
 

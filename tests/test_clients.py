@@ -1,0 +1,155 @@
+"""The standard clients against a real server, run as their users run them.
+
+- lm-evaluation-harness 0.4.13, ``--model local-completions``, on three tasks this test writes (multiple
+  choice, ``loglikelihood_rolling``, ``generate_until``), with token-id prompts (tokenized through the
+  server: its remote tokenizer backend) and with text prompts: per sample
+  what its ``hf`` backend gives on the same weights (the Markov target saved as an HF Llama checkpoint).
+  Log-likelihoods agree within 1e-3 (float32 on both sides; observed ~1e-6: one forward each, summed
+  in another order), is_greedy flags and greedy texts exactly.
+- guidellm 0.8.1, its concurrent profile with streaming (its default), completes every request with 0
+  errors.
+
+Both clients come from the ``clients`` extra (installed by the README's test command); without it
+these tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle_jax import SpecConfig
+from eagle_jax.serving import SpecSchedule
+from eagle_jax.serving.server import Server, make_service
+from engine_models import markov_drafter, markov_target
+from serving_models import VOCAB, build_tokenizer
+
+import eagle_jax
+
+MODEL = "markov"
+MAX_LEN = 128
+# lm-eval's two backends cut loglikelihood_rolling windows differently: max_length - 2 tokens scored per
+# window by the API backend (which also asks for one new token), max_length by the hf backend. API
+# max_length 128 (the server's context) and hf max_length 126 give both the same windows.
+HF_EVAL_LEN = MAX_LEN - 2
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[clients]')")
+
+TASKS = {
+    "tiny_mc": ("multiple_choice", {"doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}",
+                                    "metric_list": [{"metric": "acc"}]},
+                [{"question": q, "choices": c, "answer": a} for q, c, a in (
+                    ("the cat sat on the", [" mat", " dog", " hat"], 0), ("a b c d", [" e", " f g", " abc"], 1),
+                    ("hello wor", ["ld", "m", "ld and more"], 2), ("xyz", [" a", " b"], 0))]),
+    "tiny_rolling": ("loglikelihood_rolling", {"doc_to_text": "", "doc_to_target": "{{text}}",
+                                               "metric_list": [{"metric": "word_perplexity"}]},
+                     [{"text": t} for t in ("the quick brown fox jumps over the lazy dog.", "hello there, how are you today?",
+                                            "abc def ghi jkl mno pqr stu vwx yz " * 5)]),
+    "tiny_gen": ("generate_until", {"doc_to_text": "{{prompt}}", "doc_to_target": "{{target}}",
+                                    "generation_kwargs": {"until": ["."], "max_gen_toks": 16, "do_sample": False},
+                                    "metric_list": [{"metric": "exact_match"}]},
+                 [{"prompt": p, "target": "x"} for p in ("once upon a time", "the answer is", "q")]),
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The Markov pair behind a server (chain K=2), its target also saved as an HF checkpoint with a
+    tokenizer whose BOS (lm-eval's rolling-window prefix) is in the model's vocabulary."""
+    root = tmp_path_factory.mktemp("clients")
+    target, succ = markov_target(vocab=VOCAB, hidden=64, seed=0, eps=0.1)
+    drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.25)
+    tok = build_tokenizer()
+    tok.bos_token = "<pad>"  # id VOCAB - 1
+    eagle_jax.save_target(target, root / "target")
+    tok.save_pretrained(root / "target")
+    service = make_service(target, drafter, tok, SpecSchedule.fixed(SpecConfig(num_speculative_tokens=2)), (), slots=2,
+                           max_len=MAX_LEN, rounds_per_step=2, model_name=MODEL, warmup=False)
+    server = Server(service).start()
+    yield server, root / "target"
+    server.stop()
+
+
+def _write_tasks(root: Path) -> Path:
+    import yaml
+
+    for name, (kind, fields, docs) in TASKS.items():
+        data = root / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+        spec = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+                "test_split": "test", "output_type": kind, **fields}
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    return root
+
+
+def _samples(model: str, model_args: str, tasks_dir: Path) -> dict[str, list]:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    out = simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS), batch_size=1, log_samples=True,
+                          task_manager=TaskManager(include_path=str(tasks_dir)), random_seed=0, numpy_random_seed=0,
+                          torch_random_seed=0, fewshot_random_seed=0)
+    return {name: [s["resps"] for s in sorted(out["samples"][name], key=lambda s: s["doc_id"])] for name in TASKS}
+
+
+def _flatten(resps) -> list:
+    """Every response of a task's samples, in order: (log-likelihood, is_greedy) pairs, floats or texts."""
+    flat = []
+    for sample in resps:
+        for r in sample:
+            r = r[0] if isinstance(r, list) and len(r) == 1 else r
+            flat.append(tuple(r) if isinstance(r, (list, tuple)) else r)
+    return flat
+
+
+def test_lm_eval_local_completions_equals_its_hf_backend(served, tmp_path, monkeypatch):
+    server, hf_dir = served
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    tasks_dir = _write_tasks(tmp_path)
+    reference = _samples("hf", f"pretrained={hf_dir},dtype=float32,max_length={HF_EVAL_LEN},device=cpu", tasks_dir)
+    base = f"model={MODEL},base_url={server.url}/v1/completions,max_length={MAX_LEN},num_concurrent=1,max_retries=1"
+    # Token-id prompts tokenized through the server (/tokenizer_info, /tokenize, /detokenize), and text prompts.
+    for tokenized, tokenizer in ((True, "tokenizer_backend=remote"), (False, f"tokenizer_backend=huggingface,tokenizer={hf_dir}")):
+        got = _samples("local-completions", f"{base},{tokenizer},tokenized_requests={tokenized}", tasks_dir)
+        worst = 0.0
+        for name in TASKS:
+            want, have = _flatten(reference[name]), _flatten(got[name])
+            assert len(want) == len(have) > 0, name
+            for w, h in zip(want, have):
+                if isinstance(w, str):
+                    assert h == w, (name, tokenized)
+                elif isinstance(w, tuple):  # (log-likelihood, is_greedy)
+                    assert abs(h[0] - w[0]) < 1e-3 and bool(h[1]) == bool(w[1]), (name, tokenized, w, h)
+                    worst = max(worst, abs(h[0] - w[0]))
+                else:
+                    assert abs(h - w) < 1e-3, (name, tokenized, w, h)
+                    worst = max(worst, abs(h - w))
+        print(f"lm-eval local-completions vs hf, tokenized_requests={tokenized}: largest log-likelihood difference {worst:.2e}")
+
+
+def test_guidellm_concurrent_streaming_completes_without_errors(served, tmp_path):
+    server, hf_dir = served
+    exe = Path(sys.executable).with_name("guidellm")
+    if not exe.exists():
+        pytest.skip("guidellm is not installed (pip install -e '.[clients]')")
+    out = tmp_path / "guidellm.json"
+    cmd = [str(exe), "run", "--backend", f"kind=openai_http,target={server.url},model={MODEL}",
+           "--profile", "kind=concurrent,streams=2", "--constraint", "kind=max_requests,count=6",
+           "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=8", "--tokenizer", f"kind=huggingface_auto,model={hf_dir}",
+           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    requests = bench["requests"]
+    assert len(requests["errored"]) == 0 and len(requests["incomplete"]) == 0
+    assert len(requests["successful"]) == 6
+    first = requests["successful"][0]
+    assert json.loads(first["request_args"])["stream"] is True  # streamed, as guidellm runs by default
+    assert all(r["output"] for r in requests["successful"])

@@ -1,7 +1,7 @@
 """The main job: complete a code prompt with the bundled target + EAGLE-3.1 drafter, with and without
 speculation, and print the text, the acceptance length and tokens/s of both.
 
-    python -m eagle_jax [--target T --drafter DIR|ORG/NAME] [--prompt TEXT] [--max-new-tokens N] [--k K | --tree]
+    python -m eagle_jax [--target T --drafter DIR|ORG/NAME] [--prompt TEXT | --chat MESSAGE] [--max-new-tokens N] [--k K | --tree]
 
 (also installed as ``eagle-jax``). T: an HF checkpoint directory or Hub repo id, a .gguf file, or a
 named model (``smollm2-135m-instruct``). The bundled pair is found beside the package
@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct "
                                      "(default: the bundled target)")
     ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id (default: the bundled EAGLE-3.1 drafter)")
-    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="raw text to continue")
+    ap.add_argument("--chat", metavar="MESSAGE", help="a user message, sent through the target's chat template "
+                                                      "(its default system prompt included) instead of --prompt")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5, help="chain speculation depth")
     ap.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree (top_k 8, depth 5, 48 nodes)")
@@ -94,7 +96,13 @@ def main(argv: list[str] | None = None) -> None:
         target = eagle_jax.load_target(target_dir, dtype="float32")
         drafter = eagle_jax.load_drafter(drafter_dir, target, dtype="float32")
         tokenizer = eagle_jax.load_tokenizer(target_dir)
-        prompts = [tokenizer.encode(args.prompt, add_special_tokens=False)]
+        if args.chat is not None:
+            if tokenizer.chat_template is None:
+                ap.error(f"--chat: the target {target_dir} has no chat template; use --prompt")
+            prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True,
+                                                          tokenize=True, return_dict=True)["input_ids"])]
+        else:
+            prompts = [tokenizer.encode(args.prompt, add_special_tokens=False)]
     spec = SpecConfig(method="tree") if args.tree else SpecConfig(num_speculative_tokens=args.k)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, tokenizer=tokenizer)
     runs = {}
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     spec_run, plain = runs["speculative"], runs["plain"]
     if tokenizer is not None:
         print("=" * 72)
-        print(args.prompt + spec_run.text[0])
+        print((f"user: {args.chat}\nassistant: " if args.chat is not None else args.prompt) + spec_run.text[0])
         print("=" * 72)
     else:
         print("tokens:", spec_run.tokens[0][:32], "...")

@@ -186,6 +186,19 @@ def _speculation(service: Service, gens: Sequence[_Generation]) -> dict[str, Any
             "position_acceptance": [round(x, 4) for x in pos]}
 
 
+async def _logprobs(service: Service, gens: Sequence[_Generation], body, fmt: Callable) -> list[dict | None]:
+    """Each ended generation's ``logprobs`` object, ``fmt(scores, ids, gen, names)``, or None per choice when
+    the request did not ask for them."""
+    if not body.wants_logprobs:
+        return [None] * len(gens)
+    names = TokenNames(service.tokenizer, body.return_tokens_as_token_ids)
+    out = []
+    for g in gens:
+        ids, scores = await g.scores()
+        out.append(fmt(scores, ids, g, names))
+    return out
+
+
 async def _merged(gens: Sequence[_Generation], http: HTTPRequest) -> AsyncIterator[tuple[int, str | None]]:
     """(index, piece) from every generation as they come; (index, None) once generation ``index`` ended."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -312,15 +325,10 @@ def create_app(service: Service) -> FastAPI:
         if body.stream:
             return _sse(service, gens, http, body, envelope, choice, prefixes=echoed if body.echo else None)
         texts = await _texts(gens, http)
-        names = TokenNames(service.tokenizer, body.return_tokens_as_token_ids)
-        choices = []
-        for i, (g, text) in enumerate(zip(gens, texts)):
-            logprobs = None
-            if body.logprobs is not None:
-                ids, scores = await g.scores()
-                logprobs = completion_logprobs(scores, ids, 0 if body.echo else len(g.prompt), body.logprobs, names)
-            choices.append(choice(i, echoed[i] + text, g.finish_reason, logprobs))
-        out = envelope(choices)
+        logprobs = await _logprobs(service, gens, body, lambda scores, ids, g, names: completion_logprobs(
+            scores, ids, 0 if body.echo else len(g.prompt), body.logprobs, names))
+        out = envelope([choice(i, echoed[i] + text, g.finish_reason, lp)
+                        for i, (g, text, lp) in enumerate(zip(gens, texts, logprobs))])
         out["usage"], out["speculation"] = _total_usage(gens), _speculation(service, gens)
         return out
 
@@ -342,15 +350,10 @@ def create_app(service: Service) -> FastAPI:
                      for i in range(len(gens))]
             return _sse(service, gens, http, body, envelope, choice, first=first)
         texts = await _texts(gens, http)
-        names = TokenNames(service.tokenizer, body.return_tokens_as_token_ids)
-        choices = []
-        for i, (g, text) in enumerate(zip(gens, texts)):
-            logprobs = None
-            if body.logprobs:
-                ids, scores = await g.scores()
-                logprobs = chat_logprobs(scores, ids, len(g.prompt), body.top_logprobs or 0, names)
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                            "finish_reason": g.finish_reason})
+        logprobs = await _logprobs(service, gens, body, lambda scores, ids, g, names: chat_logprobs(
+            scores, ids, len(g.prompt), body.top_logprobs or 0, names))
+        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": g.finish_reason}
+                   for i, (g, text, lp) in enumerate(zip(gens, texts, logprobs))]
         return {"id": cid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
                 "usage": _total_usage(gens), "speculation": _speculation(service, gens)}
 

@@ -252,7 +252,7 @@ class _AutoRun:
             self.t_state, self.d_state = shard_tree(self.t_state, kw["mesh"]), shard_tree(self.d_state, kw["mesh"])
         greedy = self.plan.greedy
         pair = (self.t_graph, self.d_graph, id(target), id(drafter))
-        self.costs = autospec.cost_table((*pair, self.plan.batch, greedy, self.plan.exact, kw["mesh"], jax.default_backend()))
+        self.costs = autospec.cost_model((*pair, greedy, self.plan.exact, kw["mesh"], jax.default_backend()))
         self.estimate = autospec.acceptance_estimate((*pair, greedy))
         self.compile_s = 0.0
         self.run_s = 0.0
@@ -279,9 +279,9 @@ class _AutoRun:
         return self._compiled("auto_start", plan, fed, args, begin)(*args)
 
     def _plain_from_start(self) -> bool:
-        """Whether this call decodes plainly without ever feeding the drafter (``CostTable.plain_settled``),
+        """Whether this call decodes plainly without ever feeding the drafter (``CostModel.plain_settled``),
         while the pair's acceptance was observed within ``REPROBE_ROUNDS`` rounds (past them, a call probes)."""
-        return self.costs.plain_settled() and self.estimate.unobserved < autospec.REPROBE_ROUNDS
+        return self.costs.plain_settled(self.plan.batch) and self.estimate.unobserved < autospec.REPROBE_ROUNDS
 
     def _chunk(self, depth: int | None, st, limit: int, fed: bool):
         """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
@@ -314,15 +314,17 @@ class _AutoRun:
 
     def _next(self, fed: bool, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> tuple[int | None, int]:
         """(depth, rounds) of the next chunk; depth None: probe rounds."""
-        plain_known = autospec.PLAIN in self.costs.seconds
+        batch = self.plan.batch
+        plain_known = self.costs.measured(autospec.PLAIN, batch)
         if not fed:  # a first run of plain decoding is not timed (a program's first run): a short chunk first
             return autospec.PLAIN, (self.plan.max_rounds if plain_known else autospec.EXPLORE_ROUNDS)
-        if self.costs.cost(autospec.PLAIN) is None:
-            return None, autospec.PROBE_ROUNDS  # measures what a round without drafts costs, and observes acceptance
-        todo = autospec.unexplored(self.costs)
+        if not self.costs.probed(batch):
+            # what a round without drafts costs at this batch size (the base of every modelled depth), and acceptance
+            return None, autospec.PROBE_ROUNDS
+        todo = autospec.unexplored(self.costs, batch)
         if todo:
             return todo[0], autospec.EXPLORE_ROUNDS
-        times = autospec.finish_times(self.costs, rows)
+        times = autospec.finish_times(self.costs, batch, rows)
         depth = min(times, key=times.get)
         if not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]:
             return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # may win: measured (the rest of this call decodes plainly)
@@ -357,7 +359,7 @@ class _AutoRun:
             ran = int(new_rounds) - rounds
             self.run_s += seconds
             if not fresh:  # a program's first run pays one-time costs (~0.3 s on a CPU): not a round's cost
-                self.costs.update(depth, seconds, ran)
+                self.costs.update(depth, self.plan.batch, seconds, ran)
             if depth is None:
                 self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
                 for b, (hits, count) in enumerate(probe):

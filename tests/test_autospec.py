@@ -74,22 +74,32 @@ def test_costly_drafter_steps_stop_drafting(monkeypatch, pair, plain):
     assert max(a for row in out.accepted for a in row) == 1
 
 
-class FixedCosts(autospec.CostTable):
-    """A cost table that does not learn from the clock: per-round seconds by depth (0 = plain)."""
+class FixedCosts(autospec.CostModel):
+    """A cost model that does not learn from the clock: per-round seconds by depth (0 = plain), at any rows."""
 
     def __init__(self, seconds):
-        super().__init__(dict(seconds), seconds[0])
+        super().__init__()
+        self.fixed = dict(seconds)
 
-    def update(self, depth, seconds, rounds):
+    def update(self, depth, rows, seconds, rounds):
         pass
+
+    def measured(self, depth, rows):
+        return depth in self.fixed
+
+    def probed(self, rows):
+        return True
+
+    def cost(self, depth, rows):
+        return self.fixed.get(depth)
 
 
 @pytest.fixture
 def fixed_costs(monkeypatch):
     """Rounds cost what a weight-bound device charges (drafts nearly free); the estimates start empty."""
     autospec.reset()
-    table = FixedCosts({0: 1.0, 1: 1.1, 3: 1.3, 5: 1.6})
-    monkeypatch.setattr(autospec, "cost_table", lambda key: table)
+    table = FixedCosts({0: 1.0, 1: 1.1, 3: 1.3, 5: 1.6, 7: 1.9})
+    monkeypatch.setattr(autospec, "cost_model", lambda key: table)
     yield table
     autospec.reset()
 
@@ -128,7 +138,7 @@ def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed
     in hindsight on PLAIN_EVIDENCE_ROWS prompts, a call decodes plainly from its start without the
     drafter (no drafter prefill, no probe); once REPROBE_ROUNDS rounds passed unobserved, a call probes
     again."""
-    fixed_costs.seconds.update({1: 3.0, 3: 5.0, 5: 8.0})
+    fixed_costs.fixed.update({1: 3.0, 3: 5.0, 5: 8.0, 7: 11.0})
     monkeypatch.setattr(autospec, "REPROBE_ROUNDS", 64)
     monkeypatch.setattr(autospec, "PLAIN_EVIDENCE_ROWS", 3)
     runs = [eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=32, eos_token_id=[]) for _ in range(4)]
@@ -149,25 +159,44 @@ def test_acceptance_estimate_and_choice():
     assert est.p[:3] == pytest.approx(1.0, abs=0.04) and est.expected_tokens(3) == pytest.approx(4.0, abs=0.15)
     est.observe([[0]] * 200, 3)  # then none accepted: p[0] -> 0
     assert est.p[0] < 0.06
-    table = FixedCosts({0: 1.0, 1: 1.1, 3: 1.3, 5: 1.6})
-    assert autospec.choose_depth(table, est.expected_tokens) == autospec.PLAIN
+    table = FixedCosts({0: 1.0, 1: 1.1, 3: 1.3, 5: 1.6, 7: 1.9})
+    assert autospec.choose_depth(table, 1, est.expected_tokens) == autospec.PLAIN
     est.observe_probe(0.9, 100)
-    assert est.p[0] == pytest.approx(0.9, abs=0.08) and autospec.choose_depth(table, est.expected_tokens) != autospec.PLAIN
+    assert est.p[0] == pytest.approx(0.9, abs=0.08) and autospec.choose_depth(table, 1, est.expected_tokens) != autospec.PLAIN
     est.observe([[0]] * 200, 3)
     est.age(300)
     assert est.p[0] == pytest.approx(autospec.PRIOR, abs=0.01)
-    assert autospec.unexplored(autospec.CostTable({1: 1.0})) == [5, 3]
     # A batch ends with its slowest row: one row the drafter cannot follow makes plain decoding fastest.
-    good, bad = autospec.AcceptanceEstimate(5), autospec.AcceptanceEstimate(5)
-    good.observe([[5]] * 100, 5)
-    bad.observe([[0]] * 100, 5)
+    good, bad = autospec.AcceptanceEstimate(), autospec.AcceptanceEstimate()
+    good.observe([[7]] * 100, 7)
+    bad.observe([[0]] * 100, 7)
 
     def fastest(rows):
-        times = autospec.finish_times(table, rows)
+        times = autospec.finish_times(table, len(rows), rows)
         return min(times, key=times.get)
 
-    assert fastest([(50, good)]) == 5 and fastest([(50, good), (50, bad)]) == autospec.PLAIN
+    assert fastest([(50, good)]) == 7 and fastest([(50, good), (50, bad)]) == autospec.PLAIN
     assert autospec.widths_for(6) == (1, 2, 4, 7) and autospec.widths_for(1) == (1, 2)
+
+
+def test_cost_model_needs_one_depth_and_one_probe_per_row_count():
+    """Costs never run are modelled: linear in K through the probe round and the depths measured at these
+    rows, else the probe here plus the per-draft slope of the nearest row counts."""
+    m = autospec.CostModel()
+    assert m.cost(5, 1) is None and autospec.unexplored(m, 1) == [max(autospec.DEPTHS)]
+    m.update(None, 1, 2.0, 2)  # probe rounds: 1.0 s each at one row
+    m.update(5, 1, 2.0, 1)
+    assert autospec.unexplored(m, 1) == [] and autospec.unexplored(m, 4) == []
+    assert [m.cost(d, 1) for d in (0, 1, 3, 5, 7)] == pytest.approx([1.0, 1.2, 1.6, 2.0, 2.4])
+    m.update(None, 4, 2.0, 1)  # a new batch size: its probe, and the slope of one row (0.2 s per draft)
+    assert [m.cost(d, 4) for d in (0, 3, 7)] == pytest.approx([2.0, 2.6, 3.4])
+    m.update(3, 4, 3.0, 1)
+    assert [m.cost(d, 4) for d in (1, 3, 5)] == pytest.approx([2 + 1 / 3, 3.0, 2 + 5 / 3])
+    # between measured row counts: probe and slope both interpolated (rows 2: 4/3 s + 0.244 s per draft)
+    assert m.cost(5, 2) == pytest.approx(4 / 3 + 5 * (0.2 + (1 / 3 - 0.2) / 3))
+    m.update(3, 4, 9.0, 1)  # a slow measurement raises a cost by COST_RISE at most
+    assert m.cost(3, 4) == pytest.approx(3.0 * autospec.COST_RISE)
+    assert m.cost(autospec.PLAIN, 4) == 2.0 and not m.measured(autospec.PLAIN, 4)  # plain: the probe's until it runs
 
 
 def test_draft_confidence_is_the_top2_share():

@@ -5,10 +5,11 @@ of the server), and the cost calibration of adaptive chains (``SpecConfig(adapti
 of each depth costs) and on the traffic (how many drafts the target accepts). The two are learnt
 apart, because they change at different speeds:
 
-- ``CostTable``: seconds per round of each depth (0 = plain decoding, K = a chain of K drafts), per
-  model pair, batch size, sampling mode and device; measured from the rounds that ran at that depth
-  (a running average), and for a depth not yet run, by running it once for ``EXPLORE_ROUNDS``
-  rounds of real work.
+- ``CostModel``: seconds per round of each depth (0 = plain decoding, K = a chain of K drafts) at
+  each number of rows, per model pair, sampling mode and device; measured from the rounds that ran,
+  and modelled where they did not (linear in K at these rows, else the same depth at the nearest row
+  counts), so a new batch size or depth costs no exploration: only the deepest chain runs once
+  (``EXPLORE_ROUNDS`` rounds of real work) before any choice, to measure what a drafter step costs.
 - ``AcceptanceEstimate``: the chance that draft i is accepted once drafts 0..i-1 were, from the
   accepted counts of every round that ran (decaying with ``KEEP`` per round, so it follows a change
   of workload), blended with a prior. Rounds that make no drafts still observe the first draft
@@ -97,7 +98,7 @@ def calibrate(key: Any, run: Runner, widths: tuple[int, ...], max_drafts: int) -
 
 # ------------------------------------------------------------------------------------------------ auto
 
-DEPTHS = (1, 3, 5)  # chains auto chooses among, besides plain decoding (0)
+DEPTHS = (1, 3, 5, 7)  # chains auto chooses among, besides plain decoding (0)
 PLAIN = 0
 CHUNK_ROUNDS = 8  # rounds of a generate call between two choices (one host sync each)
 EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
@@ -118,7 +119,7 @@ KEEP = 0.97  # weight of the past per round in the acceptance estimate (a memory
 KEEP_UNTRIED = 0.85  # the same for draft positions a round did not reach: they fall back to the prior sooner
 PRIOR = 0.6  # acceptance of a draft assumed before any is observed
 PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
-COST_RISE = 1.1  # a depth's cost per round may rise at most this much per measurement (see CostTable)
+COST_RISE = 1.1  # a depth's cost per round may rise at most this much per measurement (see CostModel)
 
 
 class AcceptanceEstimate:
@@ -192,79 +193,137 @@ class AcceptanceEstimate:
         return 1.0 + float(np.cumprod(self.p[:depth]).sum()) if depth > 0 else 1.0
 
 
+def _along(points: dict[int, float], x: int, extrapolate: bool = False) -> float | None:
+    """``points`` (x -> seconds) read at ``x``: exact, linear between the nearest points around it, else
+    the nearest point's value, or (``extrapolate``) the line through the two nearest."""
+    if not points:
+        return None
+    if x in points:
+        return points[x]
+    xs = sorted(points)
+    lo = max((p for p in xs if p < x), default=None)
+    hi = min((p for p in xs if p > x), default=None)
+    if lo is not None and hi is not None:
+        return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    near = [p for p in xs if p < x][-2:] if hi is None else [p for p in xs if p > x][:2]
+    if not extrapolate or len(near) < 2:
+        return points[lo if hi is None else hi]
+    a, b = near
+    return max(points[a] + (points[b] - points[a]) * (x - a) / (b - a), 1e-9)
+
+
 @dataclass
-class CostTable:
-    """Seconds per round of each depth (``PLAIN`` = 0: plain decoding); ``probe_s``: a round without
-    drafts that feeds the drafter, the stand-in for plain decoding's cost until plain decoding has run.
+class CostModel:
+    """Seconds per round by (rows, depth): ``PLAIN`` = 0 is plain decoding, ``probe`` a round without
+    drafts that feeds the drafter (its cost stands in for plain decoding's until plain decoding has
+    run). One model serves every batch size of a pair (``rows``: a ``generate`` call's batch, the
+    rows a server step computes), so that a new batch size or depth need not be explored:
 
-    A measurement is a round's time plus whatever else the machine did meanwhile, so a depth's cost is
-    the lowest measured, allowed to rise by ``COST_RISE`` per measurement: one slow chunk cannot make
-    a depth look dear for good (it would never run again to correct it), and a machine that really
-    slowed down raises its costs within a few chunks."""
+    - measured: the lowest seen, allowed to rise by ``COST_RISE`` per measurement (a measurement is a
+      round plus whatever else the machine did meanwhile: one slow chunk cannot make a depth look dear
+      for good, as it would never run again to correct it, while a machine that really slowed down
+      raises its costs within a few chunks);
+    - a depth not measured at these rows: a round is one target forward over 1 + K positions and K
+      drafter steps, so its cost is linear in K: between the depths measured at these rows, from the
+      probe round (K = 0) on, and extrapolated past the deepest;
+    - no depth measured at these rows: the probe's cost here (or at the nearest row counts) plus K
+      times the per-draft slope of the nearest row counts (linear between them, else the nearest:
+      rows above every measured count then look cheap, so the depth chosen there runs and is
+      measured; optimism corrects itself, pessimism would not).
 
-    seconds: dict[int, float] = field(default_factory=dict)
-    probe_s: float | None = None
-    plain_rows: int = 0  # prompts of the latest calls in a row that plain decoding would have finished soonest
+    Only one depth needs exploring per pair (the deepest: it measures the drafter's step cost)."""
 
-    def record_hindsight(self, rows: Sequence[tuple[int, "AcceptanceEstimate"]]) -> None:
-        """A call that observed acceptance ended: ``rows`` = (tokens it made, the row's estimate)."""
-        times = finish_times(self, rows)
-        spec = min((t for d, t in times.items() if d != PLAIN), default=None)
-        clear = PLAIN in times and spec is not None and PLAIN_MARGIN * times[PLAIN] <= spec
-        self.plain_rows = self.plain_rows + len(rows) if clear else 0
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    probe: dict[int, float] = field(default_factory=dict)
+    plain_rows: dict[int, int] = field(default_factory=dict)  # per batch: prompts of the latest calls in a row that plain decoding finished soonest
 
-    def plain_settled(self) -> bool:
-        """Whether plain decoding was fastest on enough recent prompts to start a call without the drafter."""
-        return PLAIN in self.seconds and self.plain_rows >= PLAIN_EVIDENCE_ROWS
-
-    def update(self, depth: int | None, seconds: float, rounds: int) -> None:
-        """``depth`` None: probe rounds."""
+    def update(self, depth: int | None, rows: int, seconds: float, rounds: int) -> None:
+        """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``."""
         if rounds < 1 or seconds <= 0:
             return
         per = seconds / rounds
-        old = self.probe_s if depth is None else self.seconds.get(depth)
-        new = per if old is None else min(per, COST_RISE * old)
-        if depth is None:
-            self.probe_s = new
-        else:
-            self.seconds[depth] = new
+        table, key = (self.probe, rows) if depth is None else (self.seconds, (rows, depth))
+        old = table.get(key)
+        table[key] = per if old is None else min(per, COST_RISE * old)
 
-    def cost(self, depth: int) -> float | None:
-        if depth == PLAIN and PLAIN not in self.seconds:
-            return self.probe_s
-        return self.seconds.get(depth)
+    def measured(self, depth: int, rows: int) -> bool:
+        return (rows, depth) in self.seconds
+
+    def probed(self, rows: int) -> bool:
+        """Whether a probe round's cost at ``rows`` is measured (the base of the depths modelled there)."""
+        return rows in self.probe
+
+    def _base(self, rows: int) -> float | None:
+        """A round of no drafts that feeds the drafter, at ``rows`` (or the nearest row counts)."""
+        return _along(self.probe, rows)
+
+    def _slope(self, rows: int) -> float | None:
+        """Seconds per draft over the probe round, from the deepest chain measured at ``rows``."""
+        base = self._base(rows)
+        measured = [d for r, d in self.seconds if r == rows and d != PLAIN]
+        if base is None or not measured:
+            return None
+        d = max(measured)
+        return max((self.seconds[rows, d] - base) / d, 0.0)
+
+    def cost(self, depth: int, rows: int) -> float | None:
+        """Seconds per round at ``depth`` over ``rows`` rows, measured or modelled; None: nothing to go on."""
+        if (rows, depth) in self.seconds:
+            return self.seconds[rows, depth]
+        base = self._base(rows)
+        if depth == PLAIN or base is None:
+            return base
+        here = {d: s for (r, d), s in self.seconds.items() if r == rows and d != PLAIN}
+        if here:  # piecewise linear in K through the probe and the depths measured here
+            return _along({0: base, **here}, depth, extrapolate=True)
+        slopes = {r: s for r in {r for r, d in self.seconds if d != PLAIN} if (s := self._slope(r)) is not None}
+        return None if not slopes else base + _along(slopes, rows) * depth
+
+    def record_hindsight(self, rows: Sequence[tuple[int, "AcceptanceEstimate"]]) -> None:
+        """A call of ``len(rows)`` prompts that observed acceptance ended: ``rows`` = (tokens it made, the row's estimate)."""
+        batch = len(rows)
+        times = finish_times(self, batch, rows)
+        spec = min((t for d, t in times.items() if d != PLAIN), default=None)
+        clear = self.measured(PLAIN, batch) and spec is not None and PLAIN_MARGIN * times[PLAIN] <= spec
+        self.plain_rows[batch] = self.plain_rows.get(batch, 0) + batch if clear else 0
+
+    def plain_settled(self, batch: int) -> bool:
+        """Whether plain decoding was fastest on enough recent prompts at this batch size to start a call without the drafter."""
+        return self.measured(PLAIN, batch) and self.plain_rows.get(batch, 0) >= PLAIN_EVIDENCE_ROWS
 
 
-def choose_depth(costs: CostTable, expected: Callable[[int], float], depths: Iterable[int] = DEPTHS) -> int:
-    """The depth (``PLAIN`` or one of ``depths``) with the most expected tokens per second;
-    ``expected(d)``: tokens one round of depth d emits over the rows. Depths of unknown cost are
-    left out (the caller explores them first)."""
-    rates = {d: expected(d) / costs.cost(d) for d in (PLAIN, *depths) if costs.cost(d)}
+def choose_depth(costs: CostModel, rows: int, expected: Callable[[int], float], depths: Iterable[int] = DEPTHS) -> int:
+    """The depth (``PLAIN`` or one of ``depths``) with the most expected tokens per second over ``rows``
+    rows; ``expected(d)``: tokens one round of depth d emits over them. Depths of unknown cost are left
+    out (the caller explores first)."""
+    rates = {d: expected(d) / c for d in (PLAIN, *depths) if (c := costs.cost(d, rows))}
     return max(rates, key=rates.get) if rates else PLAIN
 
 
-def finish_times(costs: CostTable, rows: Sequence[tuple[int, AcceptanceEstimate]], depths: Iterable[int] = DEPTHS) -> dict[int, float]:
-    """Expected seconds to finish a batch at each depth of known cost (``PLAIN`` and ``depths``): rows =
-    (tokens still to make, that row's estimate). A batch call ends with its slowest row, and every round
+def finish_times(costs: CostModel, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]],
+                 depths: Iterable[int] = DEPTHS) -> dict[int, float]:
+    """Expected seconds to finish a call of ``batch`` rows at each depth of known cost (``PLAIN`` and
+    ``depths``): rows = (tokens still to make, that row's estimate) of the rows not done. A batch call ends with its slowest row, and every round
     costs the whole batch, so the time at depth d is ``cost(d) x max over rows of remaining /
     expected_tokens(d)``, not the batch's tokens per second: rows the drafter follows well finish
     early and then only wait."""
-    return {d: costs.cost(d) * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if costs.cost(d)}
+    return {d: c * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if (c := costs.cost(d, batch))}
 
 
-def unexplored(costs: CostTable, depths: Iterable[int] = DEPTHS) -> list[int]:
-    """Depths whose cost is not known yet, in the order to explore them (deepest first: cheapest to
-    learn what a good drafter gives)."""
-    return sorted((d for d in depths if costs.cost(d) is None), reverse=True)
+def unexplored(costs: CostModel, rows: int, depths: Iterable[int] = DEPTHS) -> list[int]:
+    """Depths to run before choosing (the deepest, if no depth was ever measured at any row count: the
+    others are modelled from it), or none."""
+    depths = tuple(depths)
+    return [] if any(costs.cost(d, rows) is not None for d in depths) else [max(depths)]
 
 
-_TABLES: dict[Any, CostTable] = {}
+_MODELS: dict[Any, CostModel] = {}
 _ESTIMATES: dict[Any, AcceptanceEstimate] = {}
 
 
-def cost_table(key: Any) -> CostTable:
-    """The process's cost table for ``key`` (pair, batch, sampling mode, device)."""
-    return _TABLES.setdefault(key, CostTable())
+def cost_model(key: Any) -> CostModel:
+    """The process's cost model for ``key`` (pair, sampling mode, dtype mode, mesh, device): every batch size."""
+    return _MODELS.setdefault(key, CostModel())
 
 
 def acceptance_estimate(key: Any) -> AcceptanceEstimate:
@@ -274,6 +333,6 @@ def acceptance_estimate(key: Any) -> AcceptanceEstimate:
 
 def reset() -> None:
     """Forgets every cost and estimate (tests, benchmarks)."""
-    _TABLES.clear()
+    _MODELS.clear()
     _ESTIMATES.clear()
     _COSTS.clear()

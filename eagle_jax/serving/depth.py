@@ -1,13 +1,14 @@
 """The server's default speculation (``--spec auto``): per step, the depth with the most expected
-tokens per second, from the costs measured at this number of computed rows and the live acceptance of
-the requests in the slots (``decoding/autospec.py``, which ``generate``'s default uses too).
+tokens per second, from the round costs at this number of computed rows (``CostModel``: measured, or
+modelled from the other depths and row counts) and the live acceptance of the requests in the slots
+(``decoding/autospec.py``, which ``generate``'s default uses too).
 
 Every request keeps its own acceptance estimate, started from the server's (all traffic so far) and
 updated from its own rounds; a step's expected tokens at depth K are the sum over its requests of
 ``expected_tokens(K)``. Steps without drafts keep feeding the drafter and observe its first draft
 (engine ``probe_acceptance``), so a batch of requests the drafter cannot follow decodes plainly and
-speculation returns as soon as the requests change. A depth whose cost at a row count is not known
-yet runs once (a step of real work) to measure it.
+speculation returns as soon as the requests change. Nothing is explored per row count but one step
+without drafts; the deepest chain runs once per process, and every depth chosen is measured as it runs.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from typing import Sequence
 
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding import autospec
-from eagle_jax.decoding.autospec import AcceptanceEstimate, CostTable
+from eagle_jax.decoding.autospec import AcceptanceEstimate, CostModel
 
 
 class AutoDepth:
     def __init__(self, depths: Sequence[int] = autospec.DEPTHS):
         self.depths = tuple(depths)
-        self.tables: dict[tuple[int, bool], CostTable] = {}
+        self.models: dict[bool, CostModel] = {}  # by greedy: one model over every row count
         self.estimate = AcceptanceEstimate(max(self.depths))  # all traffic: where a new request's estimate starts
 
     @property
@@ -44,12 +45,16 @@ class AutoDepth:
         return self.estimate.copy()
 
     def choose(self, estimates: Sequence[AcceptanceEstimate], rows: int, greedy: bool) -> SpecConfig | None:
-        """The next step's spec for requests with these estimates, computed over ``rows`` rows."""
-        table = self.tables.setdefault((rows, greedy), CostTable())
-        todo = [d for d in (*sorted(self.depths, reverse=True), autospec.PLAIN) if d not in table.seconds]
+        """The next step's spec for requests with these estimates, computed over ``rows`` rows. At a row
+        count not seen yet a step without drafts runs first (the base of the modelled costs); the
+        deepest chain runs once per process (the drafter step's cost); every other cost is modelled."""
+        model = self.models.setdefault(greedy, CostModel())
+        if not model.probed(rows):
+            return None
+        todo = autospec.unexplored(model, rows, self.depths)
         if todo:
             return self.spec_of(todo[0])
-        return self.spec_of(autospec.choose_depth(table, lambda d: sum(e.expected_tokens(d) for e in estimates), self.depths))
+        return self.spec_of(autospec.choose_depth(model, rows, lambda d: sum(e.expected_tokens(d) for e in estimates), self.depths))
 
     def observe(self, spec: SpecConfig | None, rows: int, greedy: bool, seconds: float,
                 per_request: Sequence[tuple[AcceptanceEstimate, list[int], tuple[float, float] | None]]) -> None:
@@ -57,7 +62,8 @@ class AutoDepth:
         first-draft acceptance, rounds) of a step without drafts)."""
         depth = self.depth_of(spec)
         ran = max((len(acc) for _, acc, _ in per_request), default=0)
-        self.tables.setdefault((rows, greedy), CostTable()).update(depth, seconds, ran)
+        # The server's steps without drafts feed the drafter: they are the cost model's probe rounds.
+        self.models.setdefault(greedy, CostModel()).update(None if depth == autospec.PLAIN else depth, rows, seconds, ran)
         if depth == autospec.PLAIN:
             total = [p for _, _, p in per_request if p is not None and p[1] > 0]
             for est, _, p in per_request:

@@ -45,6 +45,8 @@ from bench.common import (
 )
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding import autospec
+from eagle_jax.decoding.penalties import Penalties
+from eagle_jax.decoding.sampling import SamplingParams
 
 QUESTION_SETS = ("mt_bench", "gsm8k", "sum")
 
@@ -90,7 +92,9 @@ def warm(target, drafter, calls, fixed: dict, *, max_new: int, temperature: floa
     for prompts in by_shape.values():
         for d, spec in fixed.values():
             eagle_jax.generate(target, d, prompts, spec=spec, **kw)
-        _AutoRun(target, drafter, prompts, max_new, dict(kw, top_k=0, top_p=1.0, tokenizer=None, mesh=None, exact=False)).warm()
+        rules = dict(sampling=SamplingParams(temperature), penalties=Penalties(), eos_token_id=list(eos), seed=0, tokenizer=None, mesh=None,
+                     exact=False)
+        _AutoRun(target, drafter, prompts, max_new, rules).warm()
 
 
 def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperature: float, eos) -> dict:

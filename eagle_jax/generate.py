@@ -15,6 +15,7 @@ from flax import nnx
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding import autospec
 from eagle_jax.decoding.engine import Plan, run_rounds, start
+from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
@@ -107,7 +108,16 @@ def eos_ids(target: Target, tokenizer=None, eos_token_id: int | Sequence[int] | 
     return tuple(sorted(ids))
 
 
-def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh=None, exact=False):
+def _rules(temperature: float, top_k: int, top_p: float, min_p: float, presence_penalty: float, frequency_penalty: float,
+           repetition_penalty: float, logit_bias: dict[int, float] | None, min_tokens: int) -> tuple[SamplingParams, Penalties]:
+    """A call's sampling rule and logits processors (validated)."""
+    bias = tuple((int(t), float(v)) for t, v in (logit_bias or {}).items())
+    return (SamplingParams(float(temperature), int(top_k), float(top_p), float(min_p)),
+            Penalties(float(presence_penalty), float(frequency_penalty), float(repetition_penalty), bias, int(min_tokens)))
+
+
+def _prepare(target, drafter, prompts, max_new_tokens, sampling: SamplingParams, pen: Penalties, spec, eos_token_id, tokenizer,
+             mesh=None, exact=False):
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if drafter is not None:
@@ -136,7 +146,6 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
             f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the target's "
             f"max_position_embeddings={limit}"
         )
-    sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     if isinstance(spec, str) and spec != "auto":
         raise ConfigError(f"spec must be a SpecConfig, a dict, 'auto' or None, got {spec!r}")
     spec_cfg = None if drafter is None else SpecConfig.parse(spec)  # "auto" is resolved before this
@@ -156,7 +165,10 @@ def _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p
     for i, p in enumerate(ids):
         prompt[i, : len(p)] = p
     lens = np.array([len(p) for p in ids], np.int32)
-    return plan, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch)
+    rows = None
+    if pen.active:  # min_tokens holds back the call's stop tokens
+        rows = RowPenalties.build([dataclasses.replace(pen, stop_ids=plan.eos_ids)] * plan.batch, ids, target.config.vocab_size)
+    return plan, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch, rows)
 
 
 def _placeholder_costs(plan: Plan):
@@ -242,7 +254,7 @@ class _AutoRun:
 
     def __init__(self, target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict):
         top = SpecConfig(num_speculative_tokens=max(autospec.DEPTHS))
-        self.plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, kw["temperature"], kw["top_k"], kw["top_p"],
+        self.plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, kw["sampling"], kw["penalties"],
                                                top, kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
         self.t_graph, self.t_state = _split(target)
         self.d_graph, self.d_state = _split(drafter)
@@ -398,6 +410,12 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int = 0,
     spec: SpecConfig | dict | str | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     seed: int = 0,
@@ -429,12 +447,17 @@ def generate(
 
     ``eos_token_id``: None = the model's own (generation_config.json / config.json) and the
     tokenizer's; an id or a list; ``[]`` = never stop before ``max_new_tokens``.
+
+    ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``
+    ({token id: bias}) and ``min_tokens`` as vLLM defines them (``decoding/penalties.py``): they act
+    on the target's logits at every verified position, so the output is plain decoding's under the
+    same processors (greedy) or the processed distribution (sampling).
     """
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer,
-              mesh=mesh, exact=exact)
+    sampling, pen = _rules(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens)
+    kw = dict(sampling=sampling, penalties=pen, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=mesh, exact=exact)
     if _wants_auto(drafter, spec):
         return _AutoRun(target, drafter, prompts, max_new_tokens, kw).result(tokenizer)
-    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, mesh, exact)
+    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, sampling, pen, spec, eos_token_id, tokenizer, mesh, exact)
     compiled, args, compile_s = _program(target, drafter, plan, prompt, lens, rs, seed, mesh)
     t0 = time.perf_counter()
     state = compiled(*args)
@@ -458,6 +481,12 @@ def generate_stream(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int = 0,
     spec: SpecConfig | dict | str | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     seed: int = 0,
@@ -468,16 +497,16 @@ def generate_stream(
     ``spec`` as in ``generate`` ("auto" streams each of its chunks of rounds, whatever ``rounds_per_chunk``)."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
+    sampling, pen = _rules(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens)
     if _wants_auto(drafter, spec):  # streams _AutoRun's chunks
-        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer,
-                  mesh=None, exact=exact)
+        kw = dict(sampling=sampling, penalties=pen, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=None, exact=exact)
         sent = [0] * len(prompts)
         for st in _AutoRun(target, drafter, prompts, max_new_tokens, kw):
             new, sent = _new_tokens(*jax.device_get((st.out, st.n_out)), sent)
             if any(new):
                 yield new
         return
-    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, temperature, top_k, top_p, spec, eos_token_id, tokenizer, None, exact)
+    plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, sampling, pen, spec, eos_token_id, tokenizer, None, exact)
     t_graph, t_state = _split(target)
     d_graph, d_state = _split(drafter)
 

@@ -23,11 +23,14 @@ from eagle_jax import ConfigError, Drafter, SpecConfig
 from eagle_jax.config import aux_layer_ids_for
 from eagle_jax.decoding import autospec, engine
 from eagle_jax.decoding.engine import RoundCosts, one_round, start
+from eagle_jax.decoding.penalties import Penalties
+from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.generate import _prepare
 
 generate_module = importlib.import_module("eagle_jax.generate")  # the module (eagle_jax.generate is the function)
 
 from engine_models import drafter_config, markov_drafter, markov_target, random_pair, target_config
+import penalty_reference
 
 MAX_NEW = 24
 # Ragged batch: lengths 5, 12 (bucket 16) and 17, 30 (bucket 32): the batch is padded to 32.
@@ -208,7 +211,7 @@ def test_growing_spans_change_nothing(monkeypatch, markov, name, temperature):
     monkeypatch.setattr(engine, "SPAN_MIN_CACHE", 0)
     monkeypatch.setattr(engine, "SPAN_ALIGN", 8)
     monkeypatch.setattr(generate_module, "_PROGRAMS", generate_module._Programs())  # trace again, with the phases
-    plan = _prepare(markov[0], markov[1], prompts, new, temperature, 0, 1.0, SPECS[name], [], None)[0]
+    plan = _prepare(markov[0], markov[1], prompts, new, SamplingParams(temperature), Penalties(), SPECS[name], [], None)[0]
     assert engine.growing_spans(plan), plan
     phased = eagle_jax.generate(markov[0], markov[1], prompts, **kw)
     assert phased.tokens == whole.tokens and phased.accepted == whole.accepted
@@ -277,7 +280,7 @@ def _check_invariant(recompute, prompts, st, atol=2e-5):
 def test_caches_equal_recompute_after_each_round(markov, recompute, spec, temperature):
     """prefill + 4 rounds by hand (jitted over nnx.split states); the invariant holds after each."""
     target, drafter = markov[0], markov[1]
-    plan, prompt, lens, rs = _prepare(target, drafter, PROMPTS, MAX_NEW, temperature, 0, 1.0, spec, None, None)
+    plan, prompt, lens, rs = _prepare(target, drafter, PROMPTS, MAX_NEW, SamplingParams(temperature), Penalties(), spec, None, None)
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(drafter)
     pre = jax.jit(lambda ts, ds, prompt, lens, key: start(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, prompt, lens, rs, key, MAX_NEW))
@@ -440,6 +443,30 @@ SAMPLING_CASES = {
     "adaptive-cut": dict(spec=SpecConfig(num_speculative_tokens=2, adaptive=True), top_k=0, top_p=1.0,
                          costs=RoundCosts((1, 2, 3), (1.0, 1.0, 50.0), 0.0, 1.0)),
 }
+# Logits processors on the verification logits (decoding/penalties.py): every position of a round sees
+# the counts of the drafts on its path; min_tokens = 3 holds token 7 (the EOS here) back at all three.
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.3, logit_bias={3: 1.0, 5: -2.0}, min_tokens=3,
+                 min_p=0.05, eos_token_id=[7])
+SAMPLING_CASES["chain-penalties"] = dict(SAMPLING_CASES["chain"], pen=PENALTIES)
+SAMPLING_CASES["tree-penalties"] = dict(SAMPLING_CASES["tree"], pen=PENALTIES)
+
+
+def _exact_joint3_penalised(logits, pen: dict) -> np.ndarray:
+    """``_exact_joint3`` at temperature 1 under ``pen``: position i's logits processed after t1..t_i."""
+    v = logits.shape[-1]
+    rules = {k: val for k, val in pen.items() if k not in ("min_p", "eos_token_id")}
+
+    def p(row, pos, generated):
+        return penalty_reference.probs(penalty_reference.processed(logits[row, pos], SAMPLE_PROMPT, generated, stop_ids=pen["eos_token_id"],
+                                                                   **rules), min_p=pen["min_p"])
+
+    out = np.zeros((v, v, v))
+    p1 = p(0, 0, [])
+    for t1 in range(v):
+        p2 = p(t1 * v, 1, [t1])
+        for t2 in range(v):
+            out[t1, t2] = p1[t1] * p2[t2] * p(t1 * v + t2, 2, [t1, t2])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -455,7 +482,7 @@ def sampled(sampling_pair):
                     mp.setattr(autospec, "calibrate", lambda *a, **k: case["costs"])
                 res = eagle_jax.generate(
                     target, drafter, [SAMPLE_PROMPT] * N_SAMPLES, max_new_tokens=3, temperature=1.0,
-                    top_k=case["top_k"], top_p=case["top_p"], spec=case["spec"], seed=42,
+                    top_k=case["top_k"], top_p=case["top_p"], spec=case["spec"], seed=42, **case.get("pen", {}),
                 )
             memo[name] = res
         return memo[name]
@@ -469,7 +496,11 @@ def test_sampling_keeps_target_distribution(sampling_pair, sample_logits, sample
     target, _ = sampling_pair
     case = SAMPLING_CASES[name]
     res = sampled(name)
-    exact = _exact_joint3(sample_logits, 1.0, case["top_k"], case["top_p"])
+    if "pen" in case:
+        exact = _exact_joint3_penalised(sample_logits, case["pen"])
+        assert g_test_pvalue(_counts3(res.tokens, target.config.vocab_size), _exact_joint3(sample_logits, 1.0, 0, 1.0)) < 1e-6
+    else:
+        exact = _exact_joint3(sample_logits, 1.0, case["top_k"], case["top_p"])
     counts = _counts3(res.tokens, target.config.vocab_size)
     pval = g_test_pvalue(counts, exact)
     assert pval > P_THRESHOLD, f"{name}: G-test p-value {pval:.2e}"

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle_jax.config import SpecConfig, aux_layer_ids_for
+from eagle_jax.decoding import penalties
 from eagle_jax.decoding.sampling import RowSampling, accept_chain, draft_probs, sample, split_rows, target_probs
 from eagle_jax.decoding.state import LoopState, emit
 from eagle_jax.decoding.tree import TreeShape, accept as accept_tree, grow, verify_mask
@@ -120,8 +121,14 @@ def causal_cache_mask(q_pos: Array, cache_len: int, window: int | None) -> Array
     return window_mask(q_pos, slots, window)
 
 
+def processed(logits: Array, rs: RowSampling, block: Array | None = None, paths: Array | None = None) -> Array:
+    """The target's logits under the rows' penalties (``penalties.apply``); unchanged without them."""
+    return logits if rs.penalties is None else penalties.apply(logits, rs.penalties, block, paths)
+
+
 def pick(logits: Array, plan: Plan, rs: RowSampling, keys: Array | None) -> Array:
-    """The target's next token from logits [B, V]: argmax, or a sample from each row's p."""
+    """The target's next token from logits [B, V] (penalties applied here): argmax, or a sample from each row's p."""
+    logits = processed(logits, rs)
     if plan.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return sample(keys, target_probs(logits, rs))
@@ -209,7 +216,13 @@ def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, le
         probe=None if drafter is None else jnp.zeros((b, 2), jnp.float32),
     )
     state.out, state.n_out, state.done = emit(state, pre.first[:, None], jnp.ones((b,), jnp.int32), plan.eos_ids)
+    state.sampling = _counted(rs, pre.first[:, None], state.n_out)
     return state
+
+
+def _counted(rs: RowSampling, tokens: Array, n: Array) -> RowSampling:
+    """``rs`` with each row's first ``n`` emitted ``tokens`` added to its penalties' counts."""
+    return rs if rs.penalties is None else dataclasses.replace(rs, penalties=rs.penalties.count(tokens, n))
 
 
 def _draft_chain(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int):
@@ -281,7 +294,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     hidden, aux, t_cache = _forward(
         target, drafter, plan, block, pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
     )
-    logits = target.logits(hidden)
+    logits = processed(target.logits(hidden), st.sampling, block, penalties.chain_paths(k + 1))
     if plan.greedy:
         pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         n = jnp.sum(jnp.cumprod(drafts == pred[:, :k], axis=1), axis=1).astype(jnp.int32)
@@ -414,6 +427,7 @@ def _round_adaptive(target: Target, drafter: Drafter, plan: Plan, st: LoopState,
         return run
 
     logits, aux, t_cache = jax.lax.switch(j, [verify(w) for w in plan.widths], st.t_cache)
+    logits = processed(logits, st.sampling, block, penalties.chain_paths(k + 1))
     if plan.greedy:
         pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         match = (drafts == pred[:, :k]) & (jnp.arange(k)[None, :] < proposed)
@@ -488,7 +502,10 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
     if target.config.sliding_window is not None:
         mask &= causal_cache_mask(pos, span, target.config.sliding_window) | (jnp.arange(span) >= st.length[:, None])[:, None, :]
     hidden, aux, t_cache = _forward(target, drafter, plan, tree.tokens, pos, mask, st.t_cache, st.length)
-    path, n, bonus = accept_tree(keys, tree, target.logits(hidden), None if plan.greedy else st.sampling, shape)
+    # A node's penalties count the drafted nodes on its path (its ancestors and itself, the root, already out, aside).
+    on_path = tree.ancestors & (jnp.arange(tree.tokens.shape[1]) > 0)[None, None, :]
+    logits = processed(target.logits(hidden), st.sampling, tree.tokens, on_path)
+    path, n, bonus = accept_tree(keys, tree, logits, None if plan.greedy else st.sampling, shape)
     t_cache = _gather_path(t_cache, path, st.length)
     path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)
     w = shape.depth + 1
@@ -539,7 +556,7 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         # Drafts that became output: a round cut short by EOS or the limit counts what it emitted.
         accepted=st.accepted.at[:, st.rounds].set(jnp.where(active, n_out - st.n_out - 1, -1)),
         rounds=st.rounds + 1,
-        sampling=st.sampling,
+        sampling=_counted(st.sampling, emitted, n_out - st.n_out),
         key=key,
         worth=worth,
         costs=st.costs,

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle_jax.config import ConfigError
+from eagle_jax.decoding.penalties import RowPenalties
 
 Array = jax.Array
 NEG_INF = -jnp.inf
@@ -26,6 +27,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability (vLLM's min_p)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -34,6 +36,8 @@ class SamplingParams:
             raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -52,13 +56,19 @@ class RowSampling:
     temperature: Array  # [B] float32; 0 = greedy
     top_k: Array  # [B] int32; 0 = off
     top_p: Array  # [B] float32 in (0, 1]
+    min_p: Array  # [B] float32 in [0, 1]; 0 = off
+    # Presence / frequency / repetition penalties, logit_bias, min_tokens (``penalties.py``); None: a
+    # program without them. They act on greedy rows too.
+    penalties: RowPenalties | None = None
 
     @classmethod
-    def fill(cls, sp: SamplingParams, batch: int) -> "RowSampling":
+    def fill(cls, sp: SamplingParams, batch: int, penalties: RowPenalties | None = None) -> "RowSampling":
         return cls(
             jnp.full((batch,), sp.temperature, jnp.float32),
             jnp.full((batch,), sp.top_k, jnp.int32),
             jnp.full((batch,), sp.top_p, jnp.float32),
+            jnp.full((batch,), sp.min_p, jnp.float32),
+            penalties,
         )
 
 
@@ -83,11 +93,17 @@ def _truncate(x: Array, top_k: Array, top_p: Array) -> Array:
     return jnp.where(x < cutoff, NEG_INF, x)
 
 
+def _min_p(x: Array, min_p: Array) -> Array:
+    """Drops tokens whose probability is below min_p x the largest (x: scaled logits; log 0 keeps all)."""
+    return jnp.where(x < jnp.max(x, axis=-1, keepdims=True) + jnp.log(_per_row(min_p, x)), NEG_INF, x)
+
+
 def target_probs(logits: Array, rs: RowSampling) -> Array:
-    """p over the vocabulary after temperature, top-k and top-p (fp32), per row. logits: [B, ..., V]."""
+    """p over the vocabulary after temperature, min-p, top-k and top-p (fp32), per row. logits: [B, ..., V]."""
     t = _per_row(rs.temperature, logits)
     greedy = t == 0
     x = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, t)
+    x = jax.lax.cond(jnp.any(rs.min_p > 0), _min_p, lambda x, m: x, x, rs.min_p)
     # The sort only runs when some row truncates (a runtime branch, not a recompile).
     x = jax.lax.cond(jnp.any((rs.top_k > 0) | (rs.top_p < 1.0)), _truncate, lambda x, k, p: x, x, rs.top_k, rs.top_p)
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)

@@ -19,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 
+import eagle_jax
 from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving import protocol
@@ -209,8 +210,7 @@ def test_guidellm_stream_bodies(server):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("best_of", 2), ("top_logprobs", 2), ("presence_penalty", 0.5),
-    ("frequency_penalty", -1), ("repetition_penalty", 1.1), ("logit_bias", {"1": 5}), ("min_tokens", 3), ("min_p", 0.1),
+    ("best_of", 2), ("top_logprobs", 2), ("length_penalty", 2.0), ("allowed_token_ids", [1, 2]), ("bad_words", ["ab"]),
     ("suffix", "x"), ("response_format", {"type": "json_object"}), ("guided_regex", "a+"), ("bogus_field", 1),
 ])
 def test_fields_that_would_change_the_output_are_refused(server, field, value):
@@ -239,6 +239,34 @@ def test_default_values_and_no_effect_fields_are_accepted(server, caplog, monkey
                        ("/v1/completions", {**base, "logprobs": 21}), ("/v1/completions", {**base, "n": 0})):
         r = _post(server, path, body)
         assert r.status_code == 400, (body, r.text)
+
+
+# --------------------------------------------------------------------------- logits processors
+
+
+def test_penalties_equal_generate_with_the_same_processors(server, pair):
+    """presence / frequency / repetition penalties, logit_bias (OpenAI's string keys), min_tokens and
+    min_p reach the engine: the greedy text is plain decoding's under the same processors."""
+    tok = server.service.tokenizer
+    eos = tok.convert_tokens_to_ids(EOS_CHAR)
+    a, b = tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b")
+    rules = dict(presence_penalty=0.3, frequency_penalty=0.5, repetition_penalty=1.4, min_tokens=9, min_p=0.1)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logit_bias": {str(a): 3.0, str(b): -100}, **rules}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    ref = eagle_jax.generate(pair[0], None, [ids], max_new_tokens=16, eos_token_id=[eos], logit_bias={a: 3.0, b: -100.0}, **rules).tokens[0]
+    plain = eagle_jax.generate(pair[0], None, [ids], max_new_tokens=16, eos_token_id=[eos]).tokens[0]
+    assert ref != plain and len(ref) >= 9
+    assert r.json()["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "presence_penalty": 1.0}
+    assert _post(server, "/v1/chat/completions", chat).status_code == 200
+    for bad, param in (({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                       ({"logit_bias": {"1": 101}}, "logit_bias"), ({"logit_bias": {"99999": 1}}, None),
+                       ({"min_tokens": 20, "max_tokens": 10}, None), ({"min_p": 1.5}, "min_p")):
+        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert param is None or r.json()["error"]["param"] == param, r.text
 
 
 # ------------------------------------------------------------------------- logprobs, echo, n

@@ -86,3 +86,34 @@ def test_bad_processor_values_are_refused(pair):
                       (dict(logit_bias={1: 150.0}), "logit_bias values"), (dict(min_tokens=-1), "min_tokens")]:
         with pytest.raises(ConfigError, match=match):
             eagle_jax.generate(target, drafter, PROMPTS, max_new_tokens=4, spec=SPECS["chain"][1], **kw)
+
+
+def test_served_requests_equal_generate_under_penalties(pair):
+    """Through the slot engine (depth by occupancy, requests with and without processors sharing steps):
+    each request's tokens are generate's plain decoding under its own processors."""
+    from eagle_jax.decoding.penalties import Penalties
+    from eagle_jax.decoding.sampling import SamplingParams
+    from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
+
+    target, drafter = pair
+    schedule = SpecSchedule.parse("1:3,3:0")
+    engine = SlotEngine(target, drafter, slots=3, max_len=96, specs=schedule.specs, rounds_per_step=3, eos_ids=(EOS,))
+    sched = Scheduler(engine, schedule).start()
+    kinds = [PEN, {}, dict(PEN, min_p=0.2, logit_bias={}), dict(repetition_penalty=0.7, min_tokens=30)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(kinds))]
+
+    def request(prompt, pen):
+        rules = Penalties(pen.get("presence_penalty", 0.0), pen.get("frequency_penalty", 0.0), pen.get("repetition_penalty", 1.0),
+                          tuple(pen.get("logit_bias", {}).items()), pen.get("min_tokens", 0))
+        return Request(tuple(prompt), MAX_NEW, SamplingParams(min_p=pen.get("min_p", 0.0)), penalties=rules)
+
+    try:
+        handles = [sched.submit(request(p, pen)) for p, pen in zip(prompts, kinds)]
+        for h in handles:
+            h.wait(300)
+    finally:
+        sched.stop()
+    for p, pen, h in zip(prompts, kinds, handles):
+        assert h.tokens == eagle_jax.generate(target, None, [p], max_new_tokens=MAX_NEW, eos_token_id=[EOS], **pen).tokens[0]
+    assert len(handles[3].tokens) == MAX_NEW  # min_tokens beyond the limit: no EOS at all
+    assert sum(a for h in handles for a in h.accepted) > 0

@@ -216,11 +216,11 @@ def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, le
         probe=None if drafter is None else jnp.zeros((b, 2), jnp.float32),
     )
     state.out, state.n_out, state.done = emit(state, pre.first[:, None], jnp.ones((b,), jnp.int32), plan.eos_ids)
-    state.sampling = _counted(rs, pre.first[:, None], state.n_out)
+    state.sampling = counted(rs, pre.first[:, None], state.n_out)
     return state
 
 
-def _counted(rs: RowSampling, tokens: Array, n: Array) -> RowSampling:
+def counted(rs: RowSampling, tokens: Array, n: Array) -> RowSampling:
     """``rs`` with each row's first ``n`` emitted ``tokens`` added to its penalties' counts."""
     return rs if rs.penalties is None else dataclasses.replace(rs, penalties=rs.penalties.count(tokens, n))
 
@@ -556,7 +556,7 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         # Drafts that became output: a round cut short by EOS or the limit counts what it emitted.
         accepted=st.accepted.at[:, st.rounds].set(jnp.where(active, n_out - st.n_out - 1, -1)),
         rounds=st.rounds + 1,
-        sampling=_counted(st.sampling, emitted, n_out - st.n_out),
+        sampling=counted(st.sampling, emitted, n_out - st.n_out),
         key=key,
         worth=worth,
         costs=st.costs,

@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from eagle_jax.decoding.penalties import MAX_LOGIT_BIAS
 from eagle_jax.decoding.scoring import MAX_TOP_LOGPROBS
 
 log = logging.getLogger("eagle_jax.serving")
@@ -42,8 +43,7 @@ NO_EFFECT = frozenset({
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "best_of": (None, 1), "suffix": (None, ""),
     "top_logprobs": (None, 0), "prompt_logprobs": (None,), "return_token_ids": (None, False),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
-    "min_tokens": (None, 0), "min_p": (None, 0), "length_penalty": (None, 1), "use_beam_search": (None, False),
+    "length_penalty": (None, 1), "use_beam_search": (None, False),
     "allowed_token_ids": (None,), "bad_words": (None, []), "truncate_prompt_tokens": (None,), "logits_processors": (None,),
     "spaces_between_special_tokens": (None, True), "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
@@ -126,6 +126,23 @@ class _Sampling(_Screened):
     skip_special_tokens: bool = True
     n: int = Field(default=1, ge=1)  # choices per prompt: copy j samples with seed + j when a seed is given
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:<id>"
+    # Logits processors on the target's verification logits (decoding/penalties.py), as vLLM defines them
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)  # OpenAI sends the token ids as strings
+    min_tokens: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(v)}")
+        bad = [x for x in v.values() if not -100.0 <= x <= 100.0]
+        if bad:
+            raise ValueError(f"bias values must be in [-100, 100], got {bad[:3]}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -141,6 +158,8 @@ class _Sampling(_Screened):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.stream and self.wants_logprobs:
             raise ValueError("logprobs: not available with stream: true here (ask without streaming)")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
 
     @property

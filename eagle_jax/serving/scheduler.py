@@ -12,6 +12,7 @@ too where every busy request stops there, which only ends their rounds early.
 
 from __future__ import annotations
 
+import dataclasses
 import collections
 import logging
 import threading
@@ -23,6 +24,7 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 
 from eagle_jax.config import ConfigError, SpecConfig
+from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.generate import acceptance_summary
 from eagle_jax.decoding.autospec import AcceptanceEstimate
@@ -45,6 +47,7 @@ class Request:
     seed: int = 0
     ignore_eos: bool = False  # generate through EOS up to max_tokens
     stop_token_ids: tuple[int, ...] = ()  # stop after any of these as after EOS
+    penalties: Penalties = Penalties()  # logits processors (``decoding/penalties.py``); min_tokens holds back ``stop_ids``
 
     def stop_ids(self, eos_ids: Sequence[int]) -> frozenset[int]:
         """The tokens that end this request (the last token it returns)."""
@@ -184,7 +187,11 @@ class Scheduler:
     def submit(self, request: Request, listener: Callable[[Handle, list[int], bool], None] | None = None) -> Handle:
         """Queues a request (raises ConfigError if it can never run here, QueueFull past the bound)."""
         self.engine.check_prompt(request.prompt, request.max_tokens)
-        handle = Handle(request, listener, request.stop_ids(self.engine.eos_ids))
+        request.penalties.check_vocab(self.engine.target.config.vocab_size)
+        stops = request.stop_ids(self.engine.eos_ids)
+        # min_tokens holds back whatever would end the request
+        request = dataclasses.replace(request, penalties=dataclasses.replace(request.penalties, stop_ids=tuple(sorted(stops))))
+        handle = Handle(request, listener, stops)
         with self._cv:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting (the bound is {self.max_queue})")
@@ -337,7 +344,8 @@ class Scheduler:
                 continue
             r = h.request
             try:
-                first, done = self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos)
+                first, done = self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos,
+                                                 penalties=r.penalties)
             except ConfigError as exc:
                 h._finish("error", time.perf_counter(), str(exc))
                 continue

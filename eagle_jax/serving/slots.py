@@ -32,7 +32,8 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
-from eagle_jax.decoding.engine import Plan, prefill, run_rounds, scratch_slots
+from eagle_jax.decoding.engine import Plan, counted, prefill, run_rounds, scratch_slots
+from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams, split_rows
 from eagle_jax.decoding.scoring import TokenLogprobs, token_logprobs
 from eagle_jax.decoding.state import LoopState
@@ -139,7 +140,7 @@ class SlotEngine:
             done=jnp.ones((b,), bool),
             accepted=jnp.full((b, self.rounds_per_step), -1, jnp.int32),
             rounds=jnp.int32(0),
-            sampling=RowSampling.fill(SamplingParams(), b),
+            sampling=RowSampling.fill(SamplingParams(), b, RowPenalties.build([Penalties()] * b, [[]] * b, self.target.config.vocab_size)),
             key=jax.random.split(jax.random.key(0), b),
             probe=None if d is None else jnp.zeros((b, 2), jnp.float32),
         )
@@ -187,7 +188,7 @@ class SlotEngine:
         whole context, sampling, not stopping at EOS, per speculation config), so no request waits for a
         compilation; smaller, faster programs are then compiled in the background as they are first needed."""
         p = self._insert_bucket(self.max_len - 1)
-        self._program(("insert", p), self._insert_fn(p), self._insert_args(p, [0], 1, SamplingParams(), 0, 0, True))
+        self._program(("insert", p), self._insert_fn(p), self._insert_args(p, [0], 1, SamplingParams(), 0, 0, True, Penalties()))
         for spec in self.specs:
             args = (self._t_state, self._d_state, self.state, np.zeros((self.slots,), bool))
             key = ("step", spec, False, self.cache_len, self.slots, False)
@@ -216,17 +217,18 @@ class SlotEngine:
             )
 
     def insert(self, slot: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int,
-               stop_at_eos: bool = True) -> tuple[int, bool]:
+               stop_at_eos: bool = True, penalties: Penalties = Penalties()) -> tuple[int, bool]:
         """Prefills ``prompt`` into ``slot`` (free); returns (first token, done already). With
-        ``stop_at_eos`` False an EOS first token does not end the request (``ignore_eos``)."""
+        ``stop_at_eos`` False an EOS first token does not end the request (``ignore_eos``). ``penalties``:
+        the request's logits processors, ``stop_ids`` the tokens ``min_tokens`` holds back."""
         self.check_prompt(prompt, max_tokens)
         p = self._insert_bucket(len(prompt))
         largest = self._insert_bucket(self.max_len - 1)
         larger = [("insert", b) for b in sorted({self._insert_bucket(b) for b in PROMPT_BUCKETS}) if p < b <= largest]
-        args = self._insert_args(p, prompt, max_tokens, sampling, seed, slot, stop_at_eos)
+        args = self._insert_args(p, prompt, max_tokens, sampling, seed, slot, stop_at_eos, penalties)
         key, program = self._program(("insert", p), self._insert_fn(p), args, covers=larger)
         if key[1] != p:  # a larger bucket's program: pad further
-            args = self._insert_args(key[1], prompt, max_tokens, sampling, seed, slot, stop_at_eos)
+            args = self._insert_args(key[1], prompt, max_tokens, sampling, seed, slot, stop_at_eos, penalties)
         self.state, first, done = program(*args)
         first, done = jax.device_get((first, done))
         return int(first), bool(done)
@@ -235,11 +237,12 @@ class SlotEngine:
         return min(bucket(n), self.cache_len)
 
     def _insert_args(self, p: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int, slot: int,
-                     stop_at_eos: bool) -> tuple:
+                     stop_at_eos: bool, penalties: Penalties) -> tuple:
         ids = np.zeros((1, p), np.int32)
         ids[0, : len(prompt)] = prompt
+        rows = RowPenalties.build([penalties], [list(prompt)], self.target.config.vocab_size)
         return (self._t_state, self._d_state, self.state, jnp.int32(slot), jnp.asarray(ids), jnp.asarray([len(prompt)], jnp.int32),
-                RowSampling.fill(sampling, 1), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
+                RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
 
     def _insert_fn(self, p: int):
         eos = self.eos_ids
@@ -272,7 +275,7 @@ class SlotEngine:
                 done=set_row(st.done, done),
                 accepted=st.accepted,
                 rounds=st.rounds,
-                sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), st.sampling, rs),
+                sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), st.sampling, counted(rs, pre.first[:, None], jnp.ones((1,), jnp.int32))),
                 key=st.key.at[slot].set(keys[0, 0]),
                 probe=st.probe,
             )

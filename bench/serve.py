@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     results = {"config": vars(args) | {"schedule": schedule_text, "rounds_per_step": rounds, "eos": list(eos)}, "systems": {}}
     baseline_texts = {}
     for name, drafter, schedule in systems:
-        svc = make_service(target, drafter, tokenizer, schedule, eos, slots=args.slots, max_len=profile["max_len"], warmup=True,
+        svc = make_service(target, drafter, tokenizer, schedule, eos, slots=args.slots, max_len=profile["max_len"], precompile=True,
                            rounds_per_step=rounds, model_name="target")
         srv = Server(svc).start()
         rows = {}

@@ -52,7 +52,7 @@ def server(pair):
     schedule = SpecSchedule.fixed(SpecConfig(num_speculative_tokens=2))
     # One slot: one row count, few programs to compile (requests sharing steps: the scheduler test below).
     service = make_service(target, drafter, tok, schedule, (tok.convert_tokens_to_ids(EOS_CHAR),), slots=1, max_len=MAX_LEN,
-                           rounds_per_step=2, model_name=MODEL, warmup=False)
+                           rounds_per_step=2, model_name=MODEL, precompile=False)
     srv = Server(service).start()
     yield srv
     srv.stop()
@@ -103,9 +103,9 @@ def test_eos_and_ignore_eos(server, client):
     assert kept.choices[0].text == plain.choices[0].text + EOS_CHAR and kept.usage.completion_tokens == n
 
 
-def test_eos_is_cut_on_the_host_beside_ignore_eos(pair):
-    """A request that stops at EOS shares every step with one that ignores it: those steps' program does not
-    stop rows at EOS, and the scheduler cuts the first request's tokens after its EOS."""
+def test_eos_per_row_beside_ignore_eos(pair):
+    """A request that stops at EOS shares every step (one program) with one that ignores it: each row
+    stops, or not, by its own flag."""
     target, drafter = pair
     tok = _tokenizer()
     eos = tok.convert_tokens_to_ids(EOS_CHAR)
@@ -123,7 +123,7 @@ def test_eos_is_cut_on_the_host_beside_ignore_eos(pair):
     assert (stops.tokens, stops.finish_reason) == (through.tokens[:n], "stop")
     assert (len(through.tokens), through.finish_reason) == (40, "length")
     assert sum(a + 1 for a in stops.accepted[:-1]) < n - 1 <= sum(a + 1 for a in stops.accepted)
-    assert [k[5] for k in engine._programs if k[0] == "step"] == [False]  # no step stopped rows at EOS on the device
+    assert len([k for k in engine._programs if k[0] == "step"]) == 1
 
 
 def test_stop_token_ids_and_stop_strings(server, client):
@@ -394,10 +394,10 @@ def test_cli_drafter_none_ignores_the_profiles_schedule(tmp_path, monkeypatch, c
     profile = tmp_path / "profile.yaml"
     profile.write_text("target: target\ndrafter: drafter\nspec: '1:3,2:1'\nslots: 1\n")
     with pytest.raises(_Built):
-        main(["--profile", str(profile)])
+        main(["--profile", str(profile), "--compile-cache", "off"])
     assert seen["drafter"] and seen["schedule"].choose(1) == SpecConfig(num_speculative_tokens=3)
     with caplog.at_level(logging.INFO, logger="serve"), pytest.raises(_Built):
-        main(["--profile", str(profile), "--drafter", "none"])
+        main(["--profile", str(profile), "--drafter", "none", "--compile-cache", "off"])
     assert seen["drafter"] is None and seen["schedule"].rules == ((1, None),)
     assert [r for r in caplog.records if "'1:3,2:1' is ignored" in r.getMessage()]
     with pytest.raises(ConfigError, match="--spec '1:3' was given but no drafter"):  # an explicit --spec still needs one

@@ -69,7 +69,7 @@ def served(tmp_path_factory):
     eagle_jax.save_target(target, root / "target")
     tok.save_pretrained(root / "target")
     service = make_service(target, drafter, tok, SpecSchedule.fixed(SpecConfig(num_speculative_tokens=2)), (), slots=2,
-                           max_len=MAX_LEN, rounds_per_step=2, model_name=MODEL, warmup=False)
+                           max_len=MAX_LEN, rounds_per_step=2, model_name=MODEL, precompile=False)
     server = Server(service).start()
     yield server, root / "target"
     server.stop()

@@ -200,7 +200,7 @@ def test_serves_a_gguf_target_with_its_own_tokenizer(chat_gguf, tmp_path, monkey
 
     source, file = chat_gguf
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
-    service = build_service(file, None, slots=1, max_len=64, rounds_per_step=2, warmup=False)
+    service = build_service(file, None, slots=1, max_len=64, rounds_per_step=2, precompile=False)
     server = Server(service).start()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -36,7 +36,7 @@ def pair_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(pair_dirs):
     t_dir, d_dir = pair_dirs
-    service = build_service(t_dir, d_dir, spec=SCHEDULE, slots=4, max_len=MAX_LEN, rounds_per_step=2, max_queue=64)
+    service = build_service(t_dir, d_dir, spec=SCHEDULE, slots=4, max_len=MAX_LEN, rounds_per_step=2, max_queue=64, precompile=False)
     srv = Server(service).start()
     yield srv
     srv.stop()
@@ -234,7 +234,7 @@ def test_openai_client_sees_errors(client):
 def test_queue_bound_answers_429(pair_dirs):
     """With the scheduler not running, requests wait; past the bound they are refused, not dropped."""
     t_dir, d_dir = pair_dirs
-    service = build_service(t_dir, d_dir, spec=SCHEDULE, slots=1, max_len=MAX_LEN, max_queue=2, warmup=False)
+    service = build_service(t_dir, d_dir, spec=SCHEDULE, slots=1, max_len=MAX_LEN, max_queue=2, precompile=False)
     srv = Server(service)
     srv.service.scheduler.start = lambda: srv.service.scheduler  # keep the engine idle: nothing leaves the queue
     srv.start()
@@ -294,9 +294,54 @@ def test_models_health_metrics(server, client):
     assert _metric(server, 'eagle_compile_events_total{program="insert"}') >= 1
 
 
+def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path):
+    """``precompile`` builds the engine's whole program set (inserts and scoring per prompt bucket, steps
+    per spec, greedy or not, rows and span) before serving; then no request compiles anything, whatever
+    it asks (sampling, ignore_eos, penalties, logprobs with echo, any prompt length). With the persistent
+    compilation cache on, a second engine loads every program from it instead of compiling."""
+    import jax
+
+    from eagle_jax import compile_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+    old = {name: getattr(jax.config, name) for name in names}
+    hits = []
+
+    def listen(event, **kw):
+        if event.endswith("cache_hits"):
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(listen)
+    t_dir, d_dir = pair_dirs
+    try:
+        compile_cache.enable(tmp_path / "xla")
+        service = build_service(t_dir, d_dir, spec="1:2", slots=1, max_len=64, rounds_per_step=2, precompile=True)
+        engine = service.scheduler.engine
+        assert len(engine.compile_events) == len(engine.program_set()) == 4 + 4 + 2  # inserts, scoring, steps (greedy, sampling)
+        srv = Server(service).start()
+        try:
+            bodies = [dict(prompt="abc", max_tokens=12, temperature=0), dict(prompt="x" * 40, max_tokens=6, temperature=1.0, seed=1),
+                      dict(prompt="hello", max_tokens=10, ignore_eos=True, presence_penalty=0.5, logit_bias={"3": 2.0}),
+                      dict(prompt="score me", max_tokens=3, echo=True, logprobs=2, temperature=0)]
+            for body in bodies * 2:
+                r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, **body}, timeout=120)
+                assert r.status_code == 200, r.text
+            assert len(engine.compile_events) == len(engine.program_set())
+            assert _metric(srv, "eagle_compile_events_total") == len(engine.program_set())
+        finally:
+            srv.stop()
+        hits.clear()
+        build_service(t_dir, d_dir, spec="1:2", slots=1, max_len=64, rounds_per_step=2, precompile=True)
+        assert len(hits) >= len(engine.program_set())
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+        for name, value in old.items():
+            jax.config.update(name, value)
+
+
 def test_cli_serves_a_target_alone(pair_dirs, monkeypatch):
     """``eagle-jax-serve --target DIR --drafter none --spec none``: the target alone, its tokenizer, and the
-    directory's name on /v1/models (the programs' warm-up is skipped; the app is queried in process)."""
+    directory's name on /v1/models (no precompile, no compilation cache; the app is queried in process)."""
     import uvicorn
     from fastapi.testclient import TestClient
 
@@ -308,7 +353,7 @@ def test_cli_serves_a_target_alone(pair_dirs, monkeypatch):
     real = server_module.build_service
 
     def build(*args, **kwargs):
-        built["service"] = real(*args, **{**kwargs, "warmup": False})
+        built["service"] = real(*args, **kwargs)
         return built["service"]
 
     def run(app, **kwargs):
@@ -316,7 +361,8 @@ def test_cli_serves_a_target_alone(pair_dirs, monkeypatch):
 
     monkeypatch.setattr(server_module, "build_service", build)
     monkeypatch.setattr(uvicorn, "run", run)
-    main(["--target", str(t_dir), "--drafter", "none", "--spec", "none", "--slots", "1", "--max-len", "64"])
+    main(["--target", str(t_dir), "--drafter", "none", "--spec", "none", "--slots", "1", "--max-len", "64", "--no-precompile",
+          "--compile-cache", "off"])
     service = built["service"]
     assert [m["id"] for m in seen["models"]["data"]] == [t_dir.name]
     assert service.scheduler.engine.drafter is None and service.scheduler.schedule.choose(1) is None

@@ -11,6 +11,12 @@ the speculative engine.
 number of busy slots and the busy requests' live acceptance (``serving/depth.py``). Overrides: vLLM's
 speculative config (one depth for every step), or a schedule of chain depths by number of occupied
 slots, e.g. ``1:5,4:3,9:0`` (K=5 while 1-3 slots are busy, K=3 from 4, none from 9).
+
+Before it listens, the server compiles every program it may run (``--no-precompile``: each compiles when
+first needed, while serving): per prompt bucket a prefill and a scoring program, and per speculation
+depth, greedy or sampling, number of computed rows (powers of two up to ``--slots``) and attention
+span (powers of two from 256 up to the context) a step. Compiled programs go to JAX's persistent
+compilation cache (``--compile-cache``), so a restart loads them.
 ``--drafter none`` serves the target alone (a profile's speculation schedule is then ignored). Checkpoints are directories or Hugging Face Hub repo ids; a
 target may also be a .gguf file or a named model (``smollm2-135m-instruct``); relative paths in a profile
 are relative to the profile's folder. The served model name (``/v1/models``) defaults to the target's
@@ -40,14 +46,22 @@ def main(argv: list[str] | None = None) -> None:
                     help="the target computes in float32 whatever --dtype: a request's greedy output then does not "
                          "depend on the requests sharing its steps (bf16 otherwise can flip near-ties)")
     ap.add_argument("--max-queue", type=int, default=256)
+    ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile every program serving may run before listening (one log line each), so that no "
+                         "request waits for a compile (default: on)")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                    help="JAX's persistent compilation cache: a restart loads the compiled programs (default: "
+                         "<cache dir>/xla, the cache dir being $EAGLE_JAX_CACHE, $XDG_CACHE_HOME/eagle_jax or ~/.cache/eagle_jax)")
     ap.add_argument("--model-name", help="the name /v1/models lists (default: the target's directory name, .gguf stem or model name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
-    from eagle_jax import CheckpointError, ConfigError, bundled
+    from eagle_jax import CheckpointError, ConfigError, bundled, compile_cache
     from eagle_jax.serving.server import read_profile
+
+    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
 
     try:
         profile_path = args.profile or bundled.config_path(BUNDLED_PROFILE)
@@ -88,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             target, drafter, spec=spec, slots=pick(args.slots, "slots", 16), max_len=pick(args.max_len, "max_len"),
             rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), dtype=pick(args.dtype, "dtype", "float32"),
             max_queue=args.max_queue, model_name=args.model_name, tokenizer_dir=pick(args.tokenizer, "tokenizer"),
-            exact=bool(pick(args.exact, "exact", False)),
+            exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile,
         )
     except (ConfigError, CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None

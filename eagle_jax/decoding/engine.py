@@ -561,6 +561,7 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         worth=worth,
         costs=st.costs,
         probe=probe,
+        ignore_eos=st.ignore_eos,
     )
 
 

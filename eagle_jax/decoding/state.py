@@ -45,6 +45,8 @@ class LoopState:
     # spec="auto" and serving: per row, (summed acceptance chance of the drafter's first draft, rounds)
     # over rounds that made no drafts (engine ``probe_acceptance``): acceptance observed while not speculating.
     probe: Array | None = None  # [B, 2] float32
+    # Serving: rows that generate through EOS (``ignore_eos``) as data, so one program serves both kinds.
+    ignore_eos: Array | None = None  # [B] bool; None: every row stops at EOS
 
 
 def emit(state: LoopState, tokens: Array, count: Array, eos_ids: tuple[int, ...]) -> tuple[Array, Array, Array]:
@@ -58,6 +60,8 @@ def emit(state: LoopState, tokens: Array, count: Array, eos_ids: tuple[int, ...]
     valid = idx[None, :] < count[:, None]
     if eos_ids:
         is_eos = valid & jnp.isin(tokens, jnp.asarray(eos_ids, tokens.dtype))
+        if state.ignore_eos is not None:
+            is_eos &= ~state.ignore_eos[:, None]
         first_eos = jnp.min(jnp.where(is_eos, idx[None, :], w), axis=1)
         count = jnp.minimum(count, first_eos + 1)
         hit_eos = first_eos < w

@@ -299,8 +299,7 @@ class Scheduler:
         else:
             spec = self.schedule.choose(len(active))
         span = self.engine.span_for([int(self._lengths[s]) for s in active], spec)
-        stop_at_eos = not any(self._slots[s].request.ignore_eos for s in active)
-        out = self.engine.step(spec, greedy, span, rows, cancel, stop_at_eos=stop_at_eos)
+        out = self.engine.step(spec, greedy, span, rows, cancel)
         self._stale.clear()
         now = time.perf_counter()
         if auto:

@@ -18,6 +18,7 @@ from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.serving.http_app import Service, create_app
 from eagle_jax.serving.metrics import Metrics
+from eagle_jax.serving.slots import describe_program
 
 log = logging.getLogger("serve")
 
@@ -83,7 +84,7 @@ def build_service(
     max_queue: int = 256,
     model_name: str | None = None,
     tokenizer_dir: str | Path | None = None,
-    warmup: bool = True,
+    precompile: bool = True,
     exact: bool = False,
 ) -> Service:
     """Loads the models and the tokenizer and wires them into a ``Service``.
@@ -100,7 +101,7 @@ def build_service(
     log.info("loaded %s with %s", target_dir, drafter_dir or "no drafter")
     return make_service(target, drafter, tokenizer, parse_spec(spec, drafter is not None), eos_ids(target, tokenizer),
                         slots=slots, max_len=max_len, rounds_per_step=rounds_per_step, max_queue=max_queue,
-                        model_name=model_name or served_name(target_dir), warmup=warmup, exact=exact)
+                        model_name=model_name or served_name(target_dir), precompile=precompile, exact=exact)
 
 
 def served_name(target: str | Path) -> str:
@@ -114,15 +115,17 @@ def served_name(target: str | Path) -> str:
 
 def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth, eos_ids: tuple[int, ...], *, slots: int = 16,
                  max_len: int | None = None, rounds_per_step: int = 4, max_queue: int = 256, model_name: str = "model",
-                 warmup: bool = True, exact: bool = False) -> Service:
-    """A ``Service`` over models already loaded (benchmarks build several over one pair). ``exact``: the
-    target computes in float32 whatever its weights' dtype (``generate``'s exact mode)."""
+                 precompile: bool = True, exact: bool = False) -> Service:
+    """A ``Service`` over models already loaded (benchmarks build several over one pair). ``precompile``:
+    compile every program serving may run first (``SlotEngine.precompile``; else each compiles when first
+    needed, while serving). ``exact``: the target computes in float32 whatever its weights' dtype
+    (``generate``'s exact mode)."""
     holder: dict[str, Metrics] = {}
 
-    def on_compile(kind: str, seconds: float) -> None:
-        log.info("compiled %s in %.1f s", kind, seconds)
+    def on_compile(key: tuple, seconds: float) -> None:
+        log.info("compiled %s in %.1f s", describe_program(key), seconds)
         if "metrics" in holder:
-            holder["metrics"].on_compile(kind, seconds)
+            holder["metrics"].on_compile(key[0], seconds)
 
     engine = SlotEngine(target, drafter, slots=slots, max_len=max_len, specs=schedule.specs, rounds_per_step=rounds_per_step,
                         eos_ids=eos_ids, exact=exact, on_compile=on_compile)
@@ -130,10 +133,11 @@ def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth,
     metrics = holder["metrics"] = Metrics(scheduler)
     scheduler.on_step = metrics.on_step
     log.info("%d slots of %d tokens; speculation %s", slots, engine.max_len, schedule.describe())
-    if warmup:
+    if precompile:
         t0 = time.perf_counter()
-        engine.warmup()
-        log.info("compiled the programs that cover every request in %.1f s", time.perf_counter() - t0)
+        engine.precompile()
+        log.info("%d programs ready in %.1f s (%d compiled, the rest from the compilation cache or already built)",
+                 len(engine.program_set()), time.perf_counter() - t0, len(engine.compile_events))
     return Service(scheduler, tokenizer, model_name, metrics)
 
 

@@ -3,18 +3,18 @@
 A request is prefilled into a free slot by a jitted ``insert`` (target prefill with aux capture and
 drafter prefill, prompt padded to a length bucket), then advanced with every other occupied slot by a
 jitted ``step``: up to ``rounds_per_step`` speculative rounds of the same ``one_round`` that ``generate``
-runs, with per-slot sampling parameters, keys and token limits as arrays and free slots masked. The
-host (``scheduler.Scheduler``) admits, streams and frees between steps.
+runs, with per-slot sampling parameters, logits processors, keys, token limits and EOS handling
+(``ignore_eos``) as arrays and free slots masked. The host (``scheduler.Scheduler``) admits, streams
+and frees between steps.
 
-Programs are compiled per prompt bucket for ``insert`` and per (speculation config, greedy or not,
-span, rows, stopping rows at EOS or not) for ``step``: the span is the number of leading cache slots
-the rounds read (a multiple of ``SPAN_STEP`` over the longest occupied slot) and rows the number of
-leading slots they compute (a power of two over the highest occupied slot), so a short request alone
-costs a short batch-1 forward, not the whole allocation. Any program with a larger span and more rows
-computes the same tokens, so a shape seen for the first time runs on the smallest compiled one that
-covers it while its own is compiled in the background. A program that does not stop rows at EOS also
-covers one that does: its rows run on past an EOS, and the caller (``Scheduler``) cuts every row's
-tokens at its stop tokens itself.
+The programs form a fixed set (``program_set``): an ``insert`` and a scoring program per prompt bucket,
+and a ``step`` per (speculation config, greedy or not, rows, span): rows is the number of leading slots a
+step computes (a power of two over the highest occupied slot) and span the number of leading cache slots
+its rounds read (the least of ``spans``, powers of two from MIN_SPAN, that covers the longest occupied
+slot), so a short request alone costs a short batch-1 forward, not the whole allocation. ``precompile``
+compiles the set before serving (the server's default); then no request waits for a compile. Without it
+a program compiles when first needed, and meanwhile a compiled one with a larger span and more rows (which
+computes the same tokens) runs the step while its own compiles in the background.
 """
 
 from __future__ import annotations
@@ -42,10 +42,20 @@ from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import KVCache, Target
 
 Array = jax.Array
-SPAN_STEP = 128
+MIN_SPAN = 256  # the shortest span a step is compiled for (``SlotEngine.spans``)
 # LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar, and
 # adaptive chains' ``worth`` / ``costs``, unused here, are per program).
 _PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds", "worth", "costs"))
+
+
+def describe_program(key: tuple) -> str:
+    """A program key in words (the server logs one line per compiled program)."""
+    if key[0] in ("insert", "score"):
+        return f"{key[0]} of prompts up to {key[1]} tokens"
+    _, spec, greedy, span, rows = key
+    depth = "no drafts" if spec is None else (f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else
+                                              f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}")
+    return f"step, {depth}, {'greedy' if greedy else 'sampling'}, {rows} rows, span {span}"
 
 
 @dataclass
@@ -82,7 +92,7 @@ class SlotEngine:
         rounds_per_step: int = 4,
         eos_ids: Sequence[int] = (),
         exact: bool = False,
-        on_compile: Callable[[str, float], None] | None = None,
+        on_compile: Callable[[tuple, float], None] | None = None,
     ):
         if slots < 1:
             raise ConfigError(f"slots must be >= 1, got {slots}")
@@ -143,6 +153,7 @@ class SlotEngine:
             sampling=RowSampling.fill(SamplingParams(), b, RowPenalties.build([Penalties()] * b, [[]] * b, self.target.config.vocab_size)),
             key=jax.random.split(jax.random.key(0), b),
             probe=None if d is None else jnp.zeros((b, 2), jnp.float32),
+            ignore_eos=jnp.zeros((b,), bool),
         )
 
     def _program(self, key: tuple, build, args: tuple, covers: Sequence[tuple] = ()):
@@ -174,25 +185,40 @@ class SlotEngine:
     def _compile(self, key: tuple, build, abstract: tuple):
         t0 = time.perf_counter()
         compiled = jax.jit(build, donate_argnums=(2,)).lower(*abstract).compile()
-        seconds = time.perf_counter() - t0
+        self._compiled(key, compiled, time.perf_counter() - t0)
+        return compiled
+
+    def _compiled(self, key: tuple, program, seconds: float) -> None:
         with self._lock:
-            self._programs[key] = compiled
+            self._programs[key] = program
             self._pending.discard(key)
             self.compile_events.append((key[0], seconds))
         if self.on_compile is not None:
-            self.on_compile(key[0], seconds)
-        return compiled
+            self.on_compile(key, seconds)
 
-    def warmup(self) -> None:
-        """Compiles the programs that cover every request (longest prompt bucket; all slots over the
-        whole context, sampling, not stopping at EOS, per speculation config), so no request waits for a
-        compilation; smaller, faster programs are then compiled in the background as they are first needed."""
-        p = self._insert_bucket(self.max_len - 1)
-        self._program(("insert", p), self._insert_fn(p), self._insert_args(p, [0], 1, SamplingParams(), 0, 0, True, Penalties()))
-        for spec in self.specs:
-            args = (self._t_state, self._d_state, self.state, np.zeros((self.slots,), bool))
-            key = ("step", spec, False, self.cache_len, self.slots, False)
-            self._program(key, self._step_fn(*key[1:]), args)
+    def program_set(self, scoring: bool = True) -> list[tuple]:
+        """Every program this engine can run, the set ``precompile`` compiles: an insert and (``scoring``)
+        a scoring program per prompt bucket; a step per speculation config, greedy or sampling, row count
+        (``rows_for``) and span (``SPANS``)."""
+        buckets = sorted({self._insert_bucket(b) for b in PROMPT_BUCKETS if b < bucket(self.max_len)} | {self._insert_bucket(self.max_len)})
+        keys = [("insert", p) for p in buckets] + ([("score", p) for p in buckets] if scoring else [])
+        rows = sorted({self.rows_for([r - 1]) for r in range(1, self.slots + 1)})
+        return keys + [("step", spec, greedy, span, r) for spec in self.specs for greedy in (True, False) for r in rows
+                       for span in self.spans]
+
+    def precompile(self, scoring: bool = True) -> None:
+        """Compiles ``program_set`` (``on_compile`` hears each), so that serving never compiles: every step
+        and prompt then finds its own program. With JAX's persistent compilation cache on (the server's
+        default) a restart loads them instead."""
+        for key in self.program_set(scoring):
+            if key in self._programs:
+                continue
+            if key[0] == "insert":
+                self._program(key, self._insert_fn(key[1]), self._insert_args(key[1], [0], 1, SamplingParams(), 0, 0, True, Penalties()))
+            elif key[0] == "score":
+                self._score_program(key[1])
+            else:
+                self._program(key, self._step_fn(*key[1:]), (self._t_state, self._d_state, self.state, np.zeros((self.slots,), bool)))
 
     def _merge(self, t_state, d_state):
         drf = None if self._d_graph is None else nnx.merge(self._d_graph, d_state)
@@ -278,6 +304,7 @@ class SlotEngine:
                 sampling=jax.tree.map(lambda a, r: a.at[slot].set(r[0]), st.sampling, counted(rs, pre.first[:, None], jnp.ones((1,), jnp.int32))),
                 key=st.key.at[slot].set(keys[0, 0]),
                 probe=st.probe,
+                ignore_eos=set_row(st.ignore_eos, ~stop_at_eos),
             )
             return new, first, done
 
@@ -291,32 +318,40 @@ class SlotEngine:
         if not 1 <= len(ids) <= self.max_len:
             raise ConfigError(f"a scored sequence must have 1..{self.max_len} tokens, got {len(ids)}")
         p = self._insert_bucket(len(ids))
-        with self._lock:
-            program = self._programs.get(("score", p))
-        if program is None:
-            t0 = time.perf_counter()
-            compute = jnp.float32 if self.exact else None
-            program = jax.jit(lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute))
-            program = program.lower(self._t_state, jax.ShapeDtypeStruct((1, p), jnp.int32)).compile()
-            seconds = time.perf_counter() - t0
-            with self._lock:
-                self._programs[("score", p)] = program
-                self.compile_events.append(("score", seconds))
-            if self.on_compile is not None:
-                self.on_compile("score", seconds)
         padded = np.zeros((1, p), np.int32)
         padded[0, : len(ids)] = ids
-        out = jax.device_get(program(self._t_state, jnp.asarray(padded)))
+        out = jax.device_get(self._score_program(p)(self._t_state, jnp.asarray(padded)))
         return TokenLogprobs(*(np.asarray(x[0, : len(ids)]) for x in out))
+
+    def _score_program(self, p: int):
+        with self._lock:
+            program = self._programs.get(("score", p))
+        if program is not None:
+            return program
+        t0 = time.perf_counter()
+        compute = jnp.float32 if self.exact else None
+        program = jax.jit(lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute))
+        program = program.lower(self._t_state, jax.ShapeDtypeStruct((1, p), jnp.int32)).compile()
+        self._compiled(("score", p), program, time.perf_counter() - t0)
+        return program
 
     # ------------------------------------------------------------------ step
 
+    @property
+    def spans(self) -> tuple[int, ...]:
+        """The spans steps are compiled for: powers of two from MIN_SPAN below the cache, and the cache."""
+        out, s = [], MIN_SPAN
+        while s < self.cache_len:
+            out.append(s)
+            s *= 2
+        return (*out, self.cache_len)
+
     def span_for(self, lengths: Sequence[int], spec: SpecConfig | None) -> int:
-        """Leading cache slots a step must cover for rows of these committed lengths."""
+        """Leading cache slots a step must cover for rows of these committed lengths (the least of ``spans``:
+        attention then reads fewer than twice the slots in use)."""
         width = 1 if spec is None else spec.max_emitted
         need = max(lengths, default=1) + self.rounds_per_step * width + scratch_slots(spec) + 1
-        # Multiples of SPAN_STEP: attention reads at most SPAN_STEP - 1 unused slots per row.
-        return min(-(-need // SPAN_STEP) * SPAN_STEP, self.cache_len)
+        return next(s for s in self.spans if s >= min(need, self.cache_len))
 
     def rows_for(self, occupied: Sequence[int]) -> int:
         """Leading slots a step runs: a power of two covering the highest occupied slot (free slots
@@ -328,17 +363,16 @@ class SlotEngine:
         return min(rows, self.slots)
 
     def step(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int | None = None,
-             cancel: np.ndarray | None = None, stop_at_eos: bool = True) -> StepOutput:
+             cancel: np.ndarray | None = None) -> StepOutput:
         """Up to ``rounds_per_step`` rounds over the first ``rows`` slots (default all); slots in
-        ``cancel`` are stopped first. With ``stop_at_eos`` False no row stops at EOS (a request with
-        ``ignore_eos`` is running); with True rows may still run past an EOS when a program that does not
-        stop there covers this step, so the caller cuts each row's tokens at its stop tokens."""
+        ``cancel`` are stopped first. Rows stop at the engine's EOS unless inserted with ``stop_at_eos``
+        False; the caller cuts each row's tokens at its own stop tokens (``stop_token_ids``)."""
         if spec not in self.specs:
             raise ConfigError(f"spec {spec} is not one of this engine's configured specs {self.specs}")
         rows = self.slots if rows is None else rows
         cancel = np.zeros((self.slots,), bool) if cancel is None else np.asarray(cancel, bool)
         args = (self._t_state, self._d_state, self.state, jnp.asarray(cancel))
-        key = ("step", spec, greedy, span, rows, stop_at_eos and bool(self.eos_ids))
+        key = ("step", spec, greedy, span, rows)
         _, program = self._program(key, self._step_fn(*key[1:]), args, covers=self._covering(*key[1:]))
         t0 = time.perf_counter()
         self.state = program(*args)
@@ -350,19 +384,18 @@ class SlotEngine:
         acc = [[int(a) for a in row if a >= 0] for row in accepted]
         return StepOutput(tokens, done, acc, length, seconds, probe)
 
-    def _covering(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int, eos: bool) -> list[tuple]:
+    def _covering(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int) -> list[tuple]:
         """Compiled step programs that can run this step, cheapest first: any span and row count at
-        least as large, sampling programs for greedy rows (whose p and q are then one-hot), and programs
-        that do not stop at EOS for rows that do (the caller cuts their tokens at EOS)."""
+        least as large, and sampling programs for greedy rows (whose p and q are then one-hot)."""
         with self._lock:
             keys = [k for k in self._programs if k[0] == "step" and k[1] == spec and k[3] >= span and k[4] >= rows
-                    and (k[2] == greedy or not k[2]) and (k[5] == eos or not k[5])]
-        return sorted(keys, key=lambda k: (k[3] * k[4], k[2] != greedy, k[5] != eos))
+                    and (k[2] == greedy or not k[2])]
+        return sorted(keys, key=lambda k: (k[3] * k[4], k[2] != greedy))
 
-    def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int, eos: bool):
+    def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int):
         plan = Plan(
             batch=rows, cache_len=self.cache_len, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy,
-            eos_ids=self.eos_ids if eos else (), span=span, exact=self.exact,
+            eos_ids=self.eos_ids, span=span, exact=self.exact,
         )
 
         def step(t_state, d_state, st: LoopState, cancel):

@@ -1,7 +1,7 @@
 """Per-user output throughput against concurrency through the OpenAI-compatible server (the EAGLE 3.1
 release's serving measurement), speculative vs no speculation, on the bundled pair.
 
-    python -m bench.serve [--concurrency 1 4 16] [--ks 3 5 7] [--requests 8] [--max-new 256]
+    python -m bench.serve [--concurrency 1 4 16] [--ks 3 5 7] [--requests 8] [--max-new 256] [--temperature 1]
 
 For each served system (the target alone; EAGLE-3.1 at each fixed chain depth K; EAGLE-3.1 and EAGLE-3
 with the depth schedule of ``configs/serve/bundled.yaml``; EAGLE-3.1 with ``--spec auto``, the server's
@@ -33,12 +33,13 @@ from eagle_jax.serving.depth import AutoDepth
 
 
 
-async def _user(client, url: str, model: str, prompts: list[list[int]], max_new: int, log: list, user: int) -> dict:
+async def _user(client, url: str, model: str, prompts: list[list[int]], max_new: int, log: list, user: int,
+                temperature: float = 0.0) -> dict:
     t_user = time.perf_counter()
     tokens = 0
     for i, ids in enumerate(prompts):
-        body = {"model": model, "prompt": ids, "max_tokens": max_new, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {"model": model, "prompt": ids, "max_tokens": max_new, "temperature": temperature, "stream": True,
+                "stream_options": {"include_usage": True}, "seed": 1000 * user + i}
         t0 = time.perf_counter()
         first, last, text, usage, spec = None, None, [], None, {}
         gaps = []
@@ -66,14 +67,14 @@ async def _user(client, url: str, model: str, prompts: list[list[int]], max_new:
     return {"tokens": tokens, "seconds": time.perf_counter() - t_user}
 
 
-async def closed_loop(url: str, model: str, per_user: list[list[list[int]]], max_new: int) -> dict:
+async def closed_loop(url: str, model: str, per_user: list[list[list[int]]], max_new: int, temperature: float = 0.0) -> dict:
     import httpx
 
     log: list = []
     limits = httpx.Limits(max_connections=len(per_user) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        users = await asyncio.gather(*[_user(client, url, model, p, max_new, log, u) for u, p in enumerate(per_user)])
+        users = await asyncio.gather(*[_user(client, url, model, p, max_new, log, u, temperature) for u, p in enumerate(per_user)])
         wall = time.perf_counter() - t0
     gaps = [g for r in log for g in r["gaps"]]
     ttft = [r["ttft"] for r in log]
@@ -130,6 +131,7 @@ def main(argv=None) -> None:
     ap.add_argument("--schedule", default=None, help="depth schedule of the schedule rows (default: the bundled profile's)")
     ap.add_argument("--systems", nargs="*", default=None, help="the systems to run, by name (default: all)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-at-batch-C comparison")
+    ap.add_argument("--temperature", type=float, default=0.0, help="of every request (seeded per request; outputs are compared only when 0)")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args(argv)
 
@@ -169,20 +171,20 @@ def main(argv=None) -> None:
                 engine = svc.scheduler.engine
                 for _ in range(3):  # warm-up passes until one compiles nothing new
                     before = len(engine.compile_events)
-                    asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new))
+                    asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, args.temperature))
                     engine.wait_for_compiles()
                     if len(engine.compile_events) == before:
                         break
                 warm_s = time.perf_counter() - t0
                 compiles_before = len(engine.compile_events)
-                r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new))
+                r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, args.temperature))
                 r["warmup_s"] = warm_s
                 r["compiles_while_measured"] = len(engine.compile_events) - compiles_before
                 texts = r.pop("texts")
                 if name == "none":
                     baseline_texts[c] = texts
-                r["same_text_as_none"] = texts == baseline_texts.get(c)
-                if not args.no_generate and len(getattr(schedule, "rules", ())) == 1:
+                r["same_text_as_none"] = texts == baseline_texts.get(c) if args.temperature == 0 else None
+                if not args.no_generate and args.temperature == 0 and len(getattr(schedule, "rules", ())) == 1:
                     r["generate_per_user_tok_s"] = generate_per_user(target, drafter, schedule.rules[0][1], per_user, args.max_new, eos)
                     r["server_vs_generate"] = r["per_user_tok_s"] / r["generate_per_user_tok_s"]
                 rows[c] = r
@@ -222,7 +224,8 @@ def report(results: dict, levels: list[int], plot: Path) -> None:
             r = s["by_concurrency"][c]
             lat.append([name, c, f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p90'] * 1e3:.0f}", f"{(r['itl_p50'] or 0) * 1e3:.1f}",
                         f"{(r['itl_p90'] or 0) * 1e3:.1f}", f"{(r['itl_p99'] or 0) * 1e3:.1f}",
-                        f"{r['server_vs_generate']:.2f}" if "server_vs_generate" in r else "-", "yes" if r["same_text_as_none"] else "NO"])
+                        f"{r['server_vs_generate']:.2f}" if "server_vs_generate" in r else "-",
+                        {True: "yes", False: "NO", None: "-"}[r["same_text_as_none"]]])
     print_table(["system", "C", "TTFT p50 ms", "p90", "ITL p50 ms", "p90", "p99", "server / generate per-user", "text = none"], lat)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -241,3 +241,40 @@ def test_served_model_name(tmp_path):
     assert served_name(str(tmp_path / "ckpt") + "/") == "ckpt"
     assert served_name("smollm2-135m-instruct") == "smollm2-135m-instruct"
     assert served_name("org/name") == "name"
+
+
+def test_n_choices_share_one_prefill(pair, eos):
+    """Requests of one group (the ``n`` choices of one prompt) start from the first one's prefill
+    (``SlotEngine.fork``): one insert for the group, and every choice is what the same request alone gives
+    (greedy: plain decoding; sampled: its own seed's tokens at the same depth)."""
+    target, drafter = pair
+    prompt = (3, 1, 4, 1, 5, 9, 2, 6)
+    sp = SamplingParams(temperature=1.0)
+    schedule = SpecSchedule.parse("1:3")
+    engine = SlotEngine(target, drafter, slots=4, max_len=96, specs=schedule.specs, rounds_per_step=3, eos_ids=(eos,))
+    sched = Scheduler(engine, schedule)
+    calls = {"insert": 0, "fork": 0}
+    for name in calls:
+        real = getattr(sched.engine, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        setattr(sched.engine, name, counted)
+    greedy = [sched.submit(Request(prompt, 20, group=1)) for _ in range(3)]
+    sampled = [sched.submit(Request(prompt, 20, sp, seed=40 + j, group=2)) for j in range(3)]
+    sched.start()  # admits greedy 1 (insert), 2 and 3 (forks), sampled 1 (insert); the rest as slots free up
+    try:
+        for h in greedy + sampled:
+            h.wait(300)
+        assert calls["fork"] >= 2 and calls["insert"] + calls["fork"] == 6
+        alone = [sched.submit(Request(prompt, 20, sp, seed=40 + j)) for j in range(3)]
+        for h in alone:
+            h.wait(300)
+    finally:
+        sched.stop()
+    ref = eagle_jax.generate(target, None, [list(prompt)], max_new_tokens=20, eos_token_id=eos).tokens[0]
+    assert all(h.tokens == ref for h in greedy)
+    assert [h.tokens for h in sampled] == [h.tokens for h in alone]
+    assert len({tuple(h.tokens) for h in sampled}) > 1

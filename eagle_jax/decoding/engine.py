@@ -158,6 +158,10 @@ class Prefilled:
     first: Array  # [B]
     d_logits: Array | None
     d_feat: Array | None
+    # The target's logits and captured aux states at the last prompt position: what another first token
+    # for the same prompt needs (the slot engine's ``fork``: ``n`` choices sharing one prefill).
+    last_logits: Array | None = None  # [B, V]
+    last_aux: Array | None = None  # [B, A]
 
 
 def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, keys: Array) -> Prefilled:
@@ -173,9 +177,10 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     t_cache = _placed(plan, target.init_cache(b, s, target_dtype(target, plan)))
     hidden, aux, t_cache = _forward(target, drafter, plan, prompt, positions, block_mask, t_cache, zero)
     last = lens - 1
-    first = pick(target.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]), plan, rs, keys)
+    last_logits = target.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
+    first = pick(last_logits, plan, rs, keys)
     if drafter is None:
-        return Prefilled(t_cache, None, first, None, None)
+        return Prefilled(t_cache, None, first, None, None, last_logits)
     # Pair (feature of position t, token t+1): the prompt shifted left, the first generated token last.
     nxt = jnp.concatenate([prompt[:, 1:], zero[:, None]], axis=1)
     nxt = jnp.where(jnp.arange(p)[None, :] == last[:, None], first[:, None], nxt)
@@ -184,7 +189,8 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     )
     normed_last = jnp.take_along_axis(normed, last[:, None, None], axis=1)[:, 0]
     d_feat = jnp.take_along_axis(feat, last[:, None, None], axis=1)[:, 0]
-    return Prefilled(t_cache, d_cache, first, drafter.lm_head(normed_last), d_feat)
+    last_aux = jnp.take_along_axis(aux, last[:, None, None], axis=1)[:, 0]
+    return Prefilled(t_cache, d_cache, first, drafter.lm_head(normed_last), d_feat, last_logits, last_aux)
 
 
 def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array, max_new: int,
@@ -257,7 +263,7 @@ def _draft_chain(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None
     return drafter.draft_to_target(draft_ids), draft_ids, q, cache
 
 
-def _extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array, n: Array, length: Array, cache):
+def extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array, n: Array, length: Array, cache):
     """Feeds the accepted pairs (target feature, next token) at positions length.. into the drafter cache.
 
     Returns the drafter's logits and feature at the last accepted pair (index n).
@@ -304,7 +310,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
         n, bonus = accept_chain(sub[:, 1], target_probs(logits, st.sampling), q, drafts, draft_ids, t2d_index)
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], bonus[:, None], padded)
-    d_logits, d_feat, d_cache = _extend_drafter(drafter, plan, aux, emitted, n, st.length, d_cache)
+    d_logits, d_feat, d_cache = extend_drafter(drafter, plan, aux, emitted, n, st.length, d_cache)
     probe = None
     if k == 0 and st.probe is not None:
         hit = probe_acceptance(drafter, plan, st, logits[:, 0], bonus)
@@ -443,7 +449,7 @@ def _round_adaptive(target: Target, drafter: Drafter, plan: Plan, st: LoopState,
 
     def extend(w):
         def run(d_cache):
-            return _extend_drafter(drafter, plan, aux[:, :w], emitted[:, :w], n, st.length, d_cache)
+            return extend_drafter(drafter, plan, aux[:, :w], emitted[:, :w], n, st.length, d_cache)
 
         return run
 
@@ -511,7 +517,7 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
     w = shape.depth + 1
     emitted = jnp.where(jnp.arange(w)[None, :] == n[:, None], bonus[:, None], jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1))
     path_aux = jnp.take_along_axis(aux, path[:, :, None], axis=1)
-    d_logits, d_feat, d_cache = _extend_drafter(drafter, plan, path_aux, emitted, n, st.length, d_cache)
+    d_logits, d_feat, d_cache = extend_drafter(drafter, plan, path_aux, emitted, n, st.length, d_cache)
     return t_cache, d_cache, n, emitted, d_logits, d_feat
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import json
 import secrets
 import time
@@ -90,7 +91,7 @@ def _budget(service: Service, prompt: Sequence[int], max_tokens: int | None) -> 
 class _Generation:
     """One prompt's path through the scheduler: submission, token events, text with stop strings and tokens."""
 
-    def __init__(self, service: Service, prompt: list[int], max_tokens: int, body, seed: int | None):
+    def __init__(self, service: Service, prompt: list[int], max_tokens: int, body, seed: int | None, group: int | None = None):
         self.service, self.prompt, self.body = service, prompt, body
         self.events: asyncio.Queue = asyncio.Queue()
         self.received = 0  # tokens generated so far
@@ -104,7 +105,7 @@ class _Generation:
 
         seed = seed if seed is not None else secrets.randbits(63)
         request = Request(tuple(prompt), max_tokens, _sampling(body), seed, ignore_eos=body.ignore_eos,
-                          stop_token_ids=tuple(body.stop_token_ids), penalties=_penalties(body))
+                          stop_token_ids=tuple(body.stop_token_ids), penalties=_penalties(body), group=group)
         self.text = TextStream(service.tokenizer, body.stops, stop_ids=request.stop_ids(service.scheduler.engine.eos_ids),
                                include_stop=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens)
         try:
@@ -161,16 +162,21 @@ class _Generation:
         return ids, await asyncio.wrap_future(future)
 
 
+_GROUPS = itertools.count()  # ids of the groups of ``n`` choices of one prompt (``Request.group``)
+
+
 def _start(service: Service, prompts: list[list[int]], max_tokens: int | None, body) -> list[_Generation]:
     """Submits ``body.n`` generations per prompt (choice index = prompt index * n + copy; copy j samples
-    with ``seed + j``), all or none (each prompt checked against the context first)."""
+    with ``seed + j``; the copies share the prompt's prefill), all or none (each prompt checked against the
+    context first)."""
     budgets = [_budget(service, p, max_tokens) for p in prompts]
     gens: list[_Generation] = []
     try:
         for prompt, budget in zip(prompts, budgets):
+            group = next(_GROUPS) if body.n > 1 else None
             for copy in range(body.n):
                 seed = None if body.seed is None else (body.seed + copy) % 2**63
-                gens.append(_Generation(service, prompt, budget, body, seed))
+                gens.append(_Generation(service, prompt, budget, body, seed, group))
     except APIError:
         for gen in gens:
             gen.handle.cancel()

@@ -48,6 +48,9 @@ class Request:
     ignore_eos: bool = False  # generate through EOS up to max_tokens
     stop_token_ids: tuple[int, ...] = ()  # stop after any of these as after EOS
     penalties: Penalties = Penalties()  # logits processors (``decoding/penalties.py``); min_tokens holds back ``stop_ids``
+    # Requests of one group share a prompt (the ``n`` choices of one prompt): one admitted while another of
+    # its group holds a slot starts from that slot's prefill (``SlotEngine.fork``) instead of its own.
+    group: int | None = None
 
     def stop_ids(self, eos_ids: Sequence[int]) -> frozenset[int]:
         """The tokens that end this request (the last token it returns)."""
@@ -330,6 +333,15 @@ class Scheduler:
             self._stale.add(slot)
         self._free(slot, "stop" if h.tokens and h.tokens[-1] in h.stops else "length")
 
+    def _prefilled(self, r: Request) -> int | None:
+        """A slot held by a request of ``r``'s group whose prefill is ``r``'s prompt (None: prefill anew)."""
+        if r.group is None:
+            return None
+        for slot, h in enumerate(self._slots):
+            if h is not None and h.request.group == r.group and self.engine.prompt_of(slot) == r.prompt:
+                return slot
+        return None
+
     def _admit(self, cancel: np.ndarray) -> None:
         for slot in range(self.engine.slots):
             if self._slots[slot] is not None:
@@ -342,9 +354,14 @@ class Scheduler:
                 h._finish(h._cancel, time.perf_counter())
                 continue
             r = h.request
+            src = self._prefilled(r)
             try:
-                first, done = self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos,
-                                                 penalties=r.penalties)
+                if src is None:
+                    first, done = self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos,
+                                                     penalties=r.penalties)
+                else:
+                    first, done = self.engine.fork(src, slot, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos,
+                                                   penalties=r.penalties)
             except ConfigError as exc:
                 h._finish("error", time.perf_counter(), str(exc))
                 continue

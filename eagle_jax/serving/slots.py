@@ -7,7 +7,7 @@ runs, with per-slot sampling parameters, logits processors, keys, token limits a
 (``ignore_eos``) as arrays and free slots masked. The host (``scheduler.Scheduler``) admits, streams
 and frees between steps.
 
-The programs form a fixed set (``program_set``): an ``insert`` and a scoring program per prompt bucket,
+The programs form a fixed set (``program_set``): an ``insert`` and a scoring program per prompt bucket, a ``fork``,
 and a ``step`` per (speculation config, greedy or not, rows, span): rows is the number of leading slots a
 step computes (a power of two over the highest occupied slot) and span the number of leading cache slots
 its rounds read (the least of ``spans``, powers of two from MIN_SPAN, that covers the longest occupied
@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
-from eagle_jax.decoding.engine import Plan, counted, prefill, run_rounds, scratch_slots
+from eagle_jax.decoding.engine import Plan, counted, extend_drafter, pick, prefill, run_rounds, scratch_slots
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams, split_rows
 from eagle_jax.decoding.scoring import TokenLogprobs, token_logprobs
@@ -52,6 +52,8 @@ def describe_program(key: tuple) -> str:
     """A program key in words (the server logs one line per compiled program)."""
     if key[0] in ("insert", "score"):
         return f"{key[0]} of prompts up to {key[1]} tokens"
+    if key[0] == "fork":
+        return "fork (another choice of a prefilled prompt)"
     _, spec, greedy, span, rows = key
     depth = "no drafts" if spec is None else (f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else
                                               f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}")
@@ -129,6 +131,7 @@ class SlotEngine:
     def reset(self) -> None:
         """Every slot free, caches zeroed (also the way back after a failed program)."""
         self.state = self._empty_state()
+        self._prompts: dict[int, tuple] = {}  # slot -> (prompt, last-position logits, aux) of its prefill (``fork``)
 
     def _empty_state(self) -> LoopState:
         b, s = self.slots, self.cache_len
@@ -198,10 +201,10 @@ class SlotEngine:
 
     def program_set(self, scoring: bool = True) -> list[tuple]:
         """Every program this engine can run, the set ``precompile`` compiles: an insert and (``scoring``)
-        a scoring program per prompt bucket; a step per speculation config, greedy or sampling, row count
-        (``rows_for``) and span (``SPANS``)."""
+        a scoring program per prompt bucket; the fork; a step per speculation config, greedy or sampling,
+        row count (``rows_for``) and span (``spans``)."""
         buckets = sorted({self._insert_bucket(b) for b in PROMPT_BUCKETS if b < bucket(self.max_len)} | {self._insert_bucket(self.max_len)})
-        keys = [("insert", p) for p in buckets] + ([("score", p) for p in buckets] if scoring else [])
+        keys = [("insert", p) for p in buckets] + [("fork",)] + ([("score", p) for p in buckets] if scoring else [])
         rows = sorted({self.rows_for([r - 1]) for r in range(1, self.slots + 1)})
         return keys + [("step", spec, greedy, span, r) for spec in self.specs for greedy in (True, False) for r in rows
                        for span in self.spans]
@@ -215,6 +218,8 @@ class SlotEngine:
                 continue
             if key[0] == "insert":
                 self._program(key, self._insert_fn(key[1]), self._insert_args(key[1], [0], 1, SamplingParams(), 0, 0, True, Penalties()))
+            elif key[0] == "fork":
+                self._program(key, self._fork_fn(), self._fork_args(0, 0, (0,), None, None, 1, SamplingParams(), 0, True, Penalties()))
             elif key[0] == "score":
                 self._score_program(key[1])
             else:
@@ -255,7 +260,30 @@ class SlotEngine:
         key, program = self._program(("insert", p), self._insert_fn(p), args, covers=larger)
         if key[1] != p:  # a larger bucket's program: pad further
             args = self._insert_args(key[1], prompt, max_tokens, sampling, seed, slot, stop_at_eos, penalties)
+        self.state, first, done, last_logits, last_aux = program(*args)
+        self._prompts[slot] = (tuple(prompt), last_logits, last_aux)
+        first, done = jax.device_get((first, done))
+        return int(first), bool(done)
+
+    def prompt_of(self, slot: int) -> tuple[int, ...] | None:
+        """The prompt whose prefill ``slot`` holds (inserted or forked there), None if none yet."""
+        entry = self._prompts.get(slot)
+        return None if entry is None else entry[0]
+
+    def fork(self, src: int, dst: int, max_tokens: int, sampling: SamplingParams, seed: int, stop_at_eos: bool = True,
+             penalties: Penalties = Penalties()) -> tuple[int, bool]:
+        """Starts another request for the prompt prefilled in ``src`` in slot ``dst`` (free) without a
+        prefill: the prompt's cache rows are copied, the first token is drawn from the stored last-position
+        logits with this request's rules and seed, and the drafter's last prompt position is recomputed for
+        it. ``src`` may have decoded meanwhile (rounds only write past the prompt). Returns as ``insert``."""
+        if src == dst or src not in self._prompts:
+            raise ConfigError(f"slot {src} holds no prefill to fork into slot {dst}")
+        prompt, last_logits, last_aux = self._prompts[src]
+        self.check_prompt(prompt, max_tokens)
+        args = self._fork_args(src, dst, prompt, last_logits, last_aux, max_tokens, sampling, seed, stop_at_eos, penalties)
+        _, program = self._program(("fork",), self._fork_fn(), args)
         self.state, first, done = program(*args)
+        self._prompts[dst] = self._prompts[src]
         first, done = jax.device_get((first, done))
         return int(first), bool(done)
 
@@ -306,9 +334,58 @@ class SlotEngine:
                 probe=st.probe,
                 ignore_eos=set_row(st.ignore_eos, ~stop_at_eos),
             )
-            return new, first, done
+            return new, first, done, pre.last_logits, pre.last_aux
 
         return insert
+
+    def _fork_args(self, src: int, dst: int, prompt: Sequence[int], last_logits, last_aux, max_tokens: int, sampling: SamplingParams,
+                   seed: int, stop_at_eos: bool, penalties: Penalties) -> tuple:
+        if last_logits is None:  # shapes only (``precompile``): what an insert leaves
+            p = self._insert_bucket(1)
+            out = jax.eval_shape(self._insert_fn(p), *self._insert_args(p, [0], 1, SamplingParams(), 0, 0, True, Penalties()))
+            last_logits, last_aux = out[3], out[4]
+        rows = RowPenalties.build([penalties], [list(prompt)], self.target.config.vocab_size)
+        return (self._t_state, self._d_state, self.state, jnp.int32(src), jnp.int32(dst), jnp.int32(len(prompt)), last_logits, last_aux,
+                RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
+
+    def _fork_fn(self):
+        eos = self.eos_ids
+        plan = Plan(batch=1, cache_len=self.cache_len, max_rounds=0, spec=None, greedy=False, eos_ids=eos, exact=self.exact)
+
+        def fork(t_state, d_state, st: LoopState, src, dst, plen, last_logits, last_aux, rs, key, max_tokens, stop_at_eos):
+            tgt, drf = self._merge(t_state, d_state)
+            keys = split_rows(key[None], 2)
+            first = pick(last_logits, plan, rs, keys[:, 1])
+
+            def copy(c):  # row src of a cache into row dst (positions past the prompt are rewritten before they are read)
+                return c.at[dst].set(c[src])
+
+            d_cache, d_logits, d_feat = st.d_cache, st.d_logits, st.d_feat
+            if drf is not None:
+                # The drafter's last prompt pair is (feature of the last prompt token, first token): recomputed for this one.
+                row = tuple(jax.lax.dynamic_slice_in_dim(c, src, 1, axis=0) for c in st.d_cache)
+                logits_1, feat_1, row = extend_drafter(drf, plan, last_aux[:, None], first[:, None], jnp.zeros((1,), jnp.int32),
+                                                       (plen - 1)[None], row)
+                d_cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, r, dst, axis=0) for c, r in zip(st.d_cache, row))
+                d_logits, d_feat = st.d_logits.at[dst].set(logits_1[0].astype(st.d_logits.dtype)), st.d_feat.at[dst].set(feat_1[0].astype(st.d_feat.dtype))
+            first = first[0]
+            done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
+            new = dataclasses.replace(
+                st,
+                t_cache=KVCache(tuple(map(copy, st.t_cache.k)), tuple(map(copy, st.t_cache.v))),
+                d_cache=d_cache, d_logits=d_logits, d_feat=d_feat,
+                length=st.length.at[dst].set(plen),
+                pending=st.pending.at[dst].set(first),
+                n_out=st.n_out.at[dst].set(0),
+                limit=st.limit.at[dst].set(max_tokens - 1),
+                done=st.done.at[dst].set(done),
+                sampling=jax.tree.map(lambda a, r: a.at[dst].set(r[0]), st.sampling, counted(rs, first[None, None], jnp.ones((1,), jnp.int32))),
+                key=st.key.at[dst].set(keys[0, 0]),
+                ignore_eos=st.ignore_eos.at[dst].set(~stop_at_eos),
+            )
+            return new, first, done
+
+        return fork
 
     # ------------------------------------------------------------------ scoring
 

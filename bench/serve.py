@@ -115,7 +115,7 @@ def generate_per_user(target, drafter, spec, per_user, max_new: int, eos) -> flo
 
 def main(argv=None) -> None:
     import eagle_jax
-    from eagle_jax import bundled
+    from eagle_jax import bundled, compile_cache
     from eagle_jax.generate import eos_ids
     from eagle_jax.serving.server import Server, make_service, read_profile
 
@@ -135,6 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args(argv)
 
+    compile_cache.enable(compile_cache.default_dir())  # as the server does: a rerun loads the programs
     profile = read_profile(bundled.config_path("serve/bundled.yaml"))
     schedule_text = args.schedule or profile["spec"]
     rounds = args.rounds_per_step or profile["rounds_per_step"]

@@ -13,9 +13,10 @@ speculative config (one depth for every step), or a schedule of chain depths by 
 slots, e.g. ``1:5,4:3,9:0`` (K=5 while 1-3 slots are busy, K=3 from 4, none from 9).
 
 Before it listens, the server compiles every program it may run (``--no-precompile``: each compiles when
-first needed, while serving): per prompt bucket a prefill and a scoring program, and per speculation
-depth, greedy or sampling, number of computed rows (powers of two up to ``--slots``) and attention
-span (powers of two from 256 up to the context) a step. Compiled programs go to JAX's persistent
+first needed, while serving): per prompt bucket a prefill and a scoring program, the fork of ``n``
+choices, and per speculation depth, number of computed rows (powers of two up to ``--slots``) and
+attention span (powers of two from 256 up to the context) a step (a sampling program: greedy rows run
+on it exactly). Compiled programs go to JAX's persistent
 compilation cache (``--compile-cache``), so a restart loads them.
 ``--drafter none`` serves the target alone (a profile's speculation schedule is then ignored). Checkpoints are directories or Hugging Face Hub repo ids; a
 target may also be a .gguf file or a named model (``smollm2-135m-instruct``); relative paths in a profile

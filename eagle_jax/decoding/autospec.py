@@ -111,7 +111,7 @@ PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance 
 # still probes about every REPROBE_ROUNDS rounds.
 PLAIN_EVIDENCE_ROWS = 8
 PLAIN_MARGIN = 1.1
-REPROBE_ROUNDS = 128
+REPROBE_ROUNDS = 48  # below one call of ~64 tokens: a call that skipped the drafter is followed by one that probes
 # Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
 # estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
 PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth

@@ -12,7 +12,8 @@ and a ``step`` per (speculation config, greedy or not, rows, span): rows is the 
 step computes (a power of two over the highest occupied slot) and span the number of leading cache slots
 its rounds read (the least of ``spans``, powers of two from MIN_SPAN, that covers the longest occupied
 slot), so a short request alone costs a short batch-1 forward, not the whole allocation. ``precompile``
-compiles the set before serving (the server's default); then no request waits for a compile. Without it
+compiles the set (its steps are sampling programs, which run greedy rows exactly) before serving (the
+server's default); then no request waits for a compile. Without it
 a program compiles when first needed, and meanwhile a compiled one with a larger span and more rows (which
 computes the same tokens) runs the step while its own compiles in the background.
 """
@@ -200,14 +201,16 @@ class SlotEngine:
             self.on_compile(key, seconds)
 
     def program_set(self, scoring: bool = True) -> list[tuple]:
-        """Every program this engine can run, the set ``precompile`` compiles: an insert and (``scoring``)
-        a scoring program per prompt bucket; the fork; a step per speculation config, greedy or sampling,
-        row count (``rows_for``) and span (``spans``)."""
+        """The programs ``precompile`` compiles, which run every request: an insert and (``scoring``) a
+        scoring program per prompt bucket; the fork; a step per speculation config, row count
+        (``rows_for``) and span (``spans``). Steps are sampling programs: they run greedy rows exactly
+        (their p and q are one-hot, so the acceptance rules reduce to greedy verification), at about the
+        cost of a greedy program, and half as many programs compile. (Without ``precompile`` a greedy
+        step compiles its greedy program when first needed.)"""
         buckets = sorted({self._insert_bucket(b) for b in PROMPT_BUCKETS if b < bucket(self.max_len)} | {self._insert_bucket(self.max_len)})
         keys = [("insert", p) for p in buckets] + [("fork",)] + ([("score", p) for p in buckets] if scoring else [])
         rows = sorted({self.rows_for([r - 1]) for r in range(1, self.slots + 1)})
-        return keys + [("step", spec, greedy, span, r) for spec in self.specs for greedy in (True, False) for r in rows
-                       for span in self.spans]
+        return keys + [("step", spec, False, span, r) for spec in self.specs for r in rows for span in self.spans]
 
     def precompile(self, scoring: bool = True) -> None:
         """Compiles ``program_set`` (``on_compile`` hears each), so that serving never compiles: every step
@@ -416,9 +419,10 @@ class SlotEngine:
 
     @property
     def spans(self) -> tuple[int, ...]:
-        """The spans steps are compiled for: powers of two from MIN_SPAN below the cache, and the cache."""
+        """The spans steps are compiled for: powers of two from MIN_SPAN, and the whole cache (which
+        replaces a power of two within 25% of it)."""
         out, s = [], MIN_SPAN
-        while s < self.cache_len:
+        while 1.25 * s < self.cache_len:
             out.append(s)
             s *= 2
         return (*out, self.cache_len)

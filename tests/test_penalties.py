@@ -74,9 +74,6 @@ def test_greedy_speculation_equals_plain_under_penalties(pair):
         assert res.tokens == ref, name
         if name in ("chain", "tree"):
             assert max(a for row in res.accepted for a in row) >= 2, name  # drafts were accepted under penalties
-    streamed = list(eagle_jax.generate_stream(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, spec=SPECS["chain"][1],
-                                              eos_token_id=[EOS], rounds_per_chunk=2, **PEN))
-    assert [sum((c[b] for c in streamed), []) for b in range(len(PROMPTS))] == ref
 
 
 def test_bad_processor_values_are_refused(pair):
@@ -89,15 +86,15 @@ def test_bad_processor_values_are_refused(pair):
 
 
 def test_served_requests_equal_generate_under_penalties(pair):
-    """Through the slot engine (depth by occupancy, requests with and without processors sharing steps):
-    each request's tokens are generate's plain decoding under its own processors."""
+    """Through the slot engine (requests with and without processors sharing steps): each request's
+    tokens are generate's plain decoding under its own processors."""
     from eagle_jax.decoding.penalties import Penalties
     from eagle_jax.decoding.sampling import SamplingParams
     from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
 
     target, drafter = pair
-    schedule = SpecSchedule.parse("1:3,3:0")
-    engine = SlotEngine(target, drafter, slots=3, max_len=96, specs=schedule.specs, rounds_per_step=3, eos_ids=(EOS,))
+    schedule = SpecSchedule.parse("1:3")
+    engine = SlotEngine(target, drafter, slots=2, max_len=96, specs=schedule.specs, rounds_per_step=3, eos_ids=(EOS,))
     sched = Scheduler(engine, schedule).start()
     kinds = [PEN, {}, dict(PEN, min_p=0.2, logit_bias={}), dict(repetition_penalty=0.7, min_tokens=30)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(kinds))]

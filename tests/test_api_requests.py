@@ -235,7 +235,6 @@ def test_default_values_and_no_effect_fields_are_accepted(server, caplog, monkey
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": False, "service_tier": "auto"}
     assert _post(server, "/v1/chat/completions", chat).status_code == 200
     for path, body in (("/v1/chat/completions", {**chat, "top_logprobs": 2}),  # needs logprobs: true
-                       ("/v1/chat/completions", {**chat, "logprobs": True, "stream": True}),
                        ("/v1/completions", {**base, "logprobs": 21}), ("/v1/completions", {**base, "n": 0})):
         r = _post(server, path, body)
         assert r.status_code == 400, (body, r.text)
@@ -333,6 +332,41 @@ def test_chat_logprobs_and_n(server, client):
     assert chunks[0].choices[0].text == PROMPT
     assert "".join(c.choices[0].text for c in chunks) == client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True).choices[0].text
+
+
+def test_streamed_logprobs_are_the_unstreamed_ones(server):
+    """Streamed chunks carry the logprobs of the tokens they were released with: concatenated in order they
+    are the unstreamed answer's (sampled with a seed; completions with echo and a stop string, and chat)."""
+    def merged(chunks: list[dict], keys: tuple[str, ...]) -> dict:
+        out = {k: [] for k in keys}
+        for c in chunks:
+            for ch in c["choices"]:
+                for k in keys:
+                    out[k] += (ch["logprobs"] or {}).get(k, [])
+        return out
+
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    for extra in ({"echo": True}, {"stop": ["e"]}, {}):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 14, "temperature": 1.0, "seed": 7, "logprobs": 2, **extra}
+        whole = _post(server, "/v1/completions", body).json()["choices"][0]
+        chunks = _events(server, "/v1/completions", {**body, "stream": True})
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+        got = merged(chunks, keys)
+        for k in ("tokens", "text_offset"):
+            assert got[k] == whole["logprobs"][k], extra
+        # the numbers within float32 rounding: a chunk scores its prefix in a shorter program
+        np.testing.assert_allclose(np.array(got["token_logprobs"], float), np.array(whole["logprobs"]["token_logprobs"], float), atol=1e-5)
+        assert [t and sorted(t) for t in got["top_logprobs"]] == [t and sorted(t) for t in whole["logprobs"]["top_logprobs"]]
+        assert sum(bool(c["choices"][0]["logprobs"]) for c in chunks) > 1  # not all in one chunk
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "temperature": 1.0, "seed": 3,
+            "logprobs": True, "top_logprobs": 2}
+    whole = _post(server, "/v1/chat/completions", chat).json()["choices"][0]
+    chunks = _events(server, "/v1/chat/completions", {**chat, "stream": True})
+    got = merged(chunks, ("content",))["content"]
+    assert [(c["token"], [t["token"] for t in c["top_logprobs"]]) for c in got] == \
+        [(c["token"], [t["token"] for t in c["top_logprobs"]]) for c in whole["logprobs"]["content"]]
+    np.testing.assert_allclose([c["logprob"] for c in got], [c["logprob"] for c in whole["logprobs"]["content"]], atol=1e-5)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == whole["message"]["content"]
 
 
 # ----------------------------------------------------------------------- /tokenize, /detokenize

@@ -194,7 +194,6 @@ BAD_REQUESTS = {
     "max-tokens-zero": ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
     "n-0": ("/v1/completions", {**GOOD, "n": 0}, 400, "n"),
     "logprobs-over-20": ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),
-    "logprobs-streamed": ("/v1/completions", {**GOOD, "logprobs": 1, "stream": True}, 400, None),
     "token-out-of-vocab": ("/v1/completions", {**GOOD, "prompt": [1, 2, 99]}, 400, "prompt"),
     "prompt-over-context": ("/v1/completions", {**GOOD, "prompt": "a" * MAX_LEN}, 400, "prompt"),
     "max-tokens-over-context": ("/v1/completions", {**GOOD, "max_tokens": MAX_LEN}, 400, "max_tokens"),

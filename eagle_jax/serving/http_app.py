@@ -116,8 +116,10 @@ class _Generation:
         except ConfigError as exc:
             raise APIError(400, str(exc), param="prompt") from None
 
-    async def pieces(self, http: HTTPRequest) -> AsyncIterator[str]:
-        """Released text as it comes; ends at the request's end or at a stop string."""
+    async def pieces(self, http: HTTPRequest) -> AsyncIterator[tuple[str, int, int]]:
+        """(released text, start, end): the text and the generated tokens ``start..end`` it was released
+        with, as they come; ends at the request's end or at a stop string. Events that queued while the
+        consumer was busy (e.g. scoring the previous piece) come as one piece."""
         while True:
             try:
                 tokens, finished = await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
@@ -126,20 +128,21 @@ class _Generation:
                     self.handle.cancel()
                     return
                 continue
+            while not finished and not self.events.empty():
+                more, finished = self.events.get_nowait()
+                tokens = [*tokens, *more]
+            start = self.received
             self.received += len(tokens)
             piece = self.text.push(tokens)
             if self.text.stopped:
                 self.handle.cancel("stop")
-                if piece:
-                    yield piece
+                yield piece, start, max(start, self.text.tokens_at_stop)
                 return
             if finished:
                 piece += self.text.finish()
-                if piece:
-                    yield piece
+            yield piece, start, self.received
+            if finished:
                 return
-            if piece:
-                yield piece
 
     @property
     def finish_reason(self) -> str:
@@ -155,9 +158,10 @@ class _Generation:
         done = self.text.tokens_at_stop if self.text.stopped else self.received
         return {"prompt_tokens": len(self.prompt), "completion_tokens": done, "total_tokens": len(self.prompt) + done}
 
-    async def scores(self) -> tuple[list[int], TokenLogprobs]:
-        """(prompt + the choice's tokens, the target's scores of them), once the generation ended."""
-        ids = self.prompt + self.handle.tokens[: self.usage()["completion_tokens"]]
+    async def scores(self, end: int | None = None) -> tuple[list[int], TokenLogprobs]:
+        """(prompt + the choice's first ``end`` tokens (all, once the generation ended), the target's scores
+        of them)."""
+        ids = self.prompt + self.handle.tokens[: self.usage()["completion_tokens"] if end is None else end]
         future = self.service.scheduler.run_on_engine(lambda engine: engine.score(ids))
         return ids, await asyncio.wrap_future(future)
 
@@ -197,21 +201,26 @@ def _speculation(service: Service, gens: Sequence[_Generation]) -> dict[str, Any
             "position_acceptance": [round(x, 4) for x in pos]}
 
 
-async def _logprobs(service: Service, gens: Sequence[_Generation], body, fmt: Callable) -> list[dict | None]:
-    """Each ended generation's ``logprobs`` object, ``fmt(scores, ids, gen, names)``, or None per choice when
-    the request did not ask for them."""
+# ``fmt(scores, ids, start, end, offset)``: the ``logprobs`` object of entries ``start..end`` of a scored
+# sequence (prompt + generated tokens), text offsets counted from ``offset``.
+LogprobsFormat = Callable[[TokenLogprobs, list[int], int, int, int], dict]
+
+
+async def _logprobs(gens: Sequence[_Generation], body, fmt: LogprobsFormat, echo: bool = False) -> list[dict | None]:
+    """Each ended generation's ``logprobs`` object (from the prompt's start with echo, else from its end),
+    or None per choice when the request did not ask for them."""
     if not body.wants_logprobs:
         return [None] * len(gens)
-    names = TokenNames(service.tokenizer, body.return_tokens_as_token_ids)
     out = []
     for g in gens:
         ids, scores = await g.scores()
-        out.append(fmt(scores, ids, g, names))
+        out.append(fmt(scores, ids, 0 if echo else len(g.prompt), len(ids), 0))
     return out
 
 
-async def _merged(gens: Sequence[_Generation], http: HTTPRequest) -> AsyncIterator[tuple[int, str | None]]:
-    """(index, piece) from every generation as they come; (index, None) once generation ``index`` ended."""
+async def _merged(gens: Sequence[_Generation], http: HTTPRequest) -> AsyncIterator[tuple[int, tuple[str, int, int] | None]]:
+    """(index, piece) from every generation as they come (``_Generation.pieces``); (index, None) once
+    generation ``index`` ended."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, gen: _Generation) -> None:
@@ -238,7 +247,7 @@ async def _texts(gens: Sequence[_Generation], http: HTTPRequest) -> list[str]:
     texts = [""] * len(gens)
     async for i, piece in _merged(gens, http):
         if piece:
-            texts[i] += piece
+            texts[i] += piece[0]
     return texts
 
 
@@ -333,11 +342,12 @@ def create_app(service: Service) -> FastAPI:
         def choice(i: int, text: str | None, reason: str | None, logprobs: dict | None = None) -> dict:
             return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
+        names = TokenNames(service.tokenizer, body.return_tokens_as_token_ids)
+        fmt = lambda scores, ids, start, end, offset: completion_logprobs(scores, ids, start, body.logprobs, names, end, offset)
         if body.stream:
-            return _sse(service, gens, http, body, envelope, choice, prefixes=echoed if body.echo else None)
+            return _sse(service, gens, http, body, envelope, choice, fmt, prefixes=echoed if body.echo else None)
         texts = await _texts(gens, http)
-        logprobs = await _logprobs(service, gens, body, lambda scores, ids, g, names: completion_logprobs(
-            scores, ids, 0 if body.echo else len(g.prompt), body.logprobs, names))
+        logprobs = await _logprobs(gens, body, fmt, echo=body.echo)
         out = envelope([choice(i, echoed[i] + text, g.finish_reason, lp)
                         for i, (g, text, lp) in enumerate(zip(gens, texts, logprobs))])
         out["usage"], out["speculation"] = _total_usage(gens), _speculation(service, gens)
@@ -353,16 +363,17 @@ def create_app(service: Service) -> FastAPI:
         def envelope(choices: list[dict]) -> dict:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": choices}
 
-        def choice(i: int, text: str | None, reason: str | None) -> dict:
-            return {"index": i, "delta": {} if text is None else {"content": text}, "logprobs": None, "finish_reason": reason}
+        def choice(i: int, text: str | None, reason: str | None, logprobs: dict | None = None) -> dict:
+            return {"index": i, "delta": {} if text is None else {"content": text}, "logprobs": logprobs, "finish_reason": reason}
 
+        names = TokenNames(service.tokenizer, body.return_tokens_as_token_ids)
+        fmt = lambda scores, ids, start, end, _offset: chat_logprobs(scores, ids, start, body.top_logprobs or 0, names, end)
         if body.stream:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                      for i in range(len(gens))]
-            return _sse(service, gens, http, body, envelope, choice, first=first)
+            return _sse(service, gens, http, body, envelope, choice, fmt, first=first)
         texts = await _texts(gens, http)
-        logprobs = await _logprobs(service, gens, body, lambda scores, ids, g, names: chat_logprobs(
-            scores, ids, len(g.prompt), body.top_logprobs or 0, names))
+        logprobs = await _logprobs(gens, body, fmt)
         choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": g.finish_reason}
                    for i, (g, text, lp) in enumerate(zip(gens, texts, logprobs))]
         return {"id": cid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
@@ -406,12 +417,18 @@ def create_app(service: Service) -> FastAPI:
 
 
 def _sse(service: Service, gens: list[_Generation], http: HTTPRequest, body, envelope: Callable[[list[dict]], dict],
-         choice: Callable[[int, str | None, str | None], dict], first: list[dict] | None = None,
+         choice: Callable[..., dict], fmt: LogprobsFormat, first: list[dict] | None = None,
          prefixes: list[str] | None = None) -> StreamingResponse:
     """OpenAI's server-sent events: per generation, its ``first`` chunk (chat: the role) or its prefix
     (completions' echo: the prompt), a chunk per released piece and its finish chunk; then the usage chunk
     if asked (``include_usage``), and [DONE]. vLLM's ``continuous_usage_stats`` adds each chunk's
-    generation's usage so far to it (with or without ``include_usage``, which vLLM requires)."""
+    generation's usage so far to it (with or without ``include_usage``, which vLLM requires).
+
+    With logprobs each chunk carries those of the tokens it was released with (a chunk may then have no
+    text: a token whose text is held back, or a stop token), and the echo prefix those of the prompt; the
+    chunks' entries, in order, are the unstreamed answer's. They come from scoring the sequence so far once
+    per chunk, so pieces that arrive while a chunk is scored are merged into the next one."""
+    offsets = [0] * len(gens)  # completions' text_offset: the characters of each choice's logprob tokens so far
 
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -424,13 +441,22 @@ def _sse(service: Service, gens: list[_Generation], http: HTTPRequest, body, env
             out["usage"] = None  # OpenAI: null on every chunk but the last
         return out
 
+    async def logprobs(i: int, start: int, end: int) -> dict | None:
+        """Choice i's entries start..end of prompt + generated tokens."""
+        if not body.wants_logprobs or end <= start:
+            return None
+        ids, scores = await gens[i].scores(end - len(gens[i].prompt))
+        lp = fmt(scores, ids, start, end, offsets[i])
+        offsets[i] += sum(len(t) for t in lp.get("tokens", ()))
+        return lp
+
     async def events():
         try:
             for i, gen in enumerate(gens):
                 if first is not None:
                     yield event(chunk(first[i], gen))
-                if prefixes is not None and prefixes[i]:
-                    yield event(chunk(choice(i, prefixes[i], None), gen))
+                if prefixes is not None and (prefixes[i] or body.wants_logprobs):
+                    yield event(chunk(choice(i, prefixes[i], None, await logprobs(i, 0, len(gen.prompt))), gen))
             async for i, piece in _merged(gens, http):
                 if piece is None:
                     try:
@@ -440,8 +466,12 @@ def _sse(service: Service, gens: list[_Generation], http: HTTPRequest, body, env
                         yield "data: [DONE]\n\n"
                         return
                     yield event(chunk(choice(i, None, reason), gens[i]))
-                else:
-                    yield event(chunk(choice(i, piece, None), gens[i]))
+                    continue
+                text, start, end = piece
+                p = len(gens[i].prompt)
+                lp = await logprobs(i, p + start, p + end)
+                if text or lp is not None:
+                    yield event(chunk(choice(i, text, None, lp), gens[i]))
             if body.include_usage:
                 last = envelope([])
                 last.update(usage=_total_usage(gens), speculation=_speculation(service, gens))

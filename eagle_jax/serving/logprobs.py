@@ -42,11 +42,14 @@ class TokenNames:
         return [self._cache[int(t)] for t in ids]
 
 
-def completion_logprobs(scores: TokenLogprobs, ids: Sequence[int], start: int, top_n: int, names: TokenNames) -> dict:
-    """Entries ``start..`` of a scored sequence (0 with echo, else the prompt's length)."""
-    chosen = names(ids[start:])
+def completion_logprobs(scores: TokenLogprobs, ids: Sequence[int], start: int, top_n: int, names: TokenNames,
+                        end: int | None = None, offset: int = 0) -> dict:
+    """Entries ``start..end`` of a scored sequence (from 0 with echo, else from the prompt's length; a
+    streamed chunk's tokens), their ``text_offset`` counted from ``offset`` (the choice's text before them)."""
+    end = len(ids) if end is None else end
+    chosen = names(ids[start:end])
     tops: list[dict[str, float] | None] = []
-    for i in range(start, len(ids)):
+    for i in range(start, end):
         if math.isnan(scores.logprob[i]):
             tops.append(None)
             continue
@@ -56,26 +59,29 @@ def completion_logprobs(scores: TokenLogprobs, ids: Sequence[int], start: int, t
             alt.append(int(ids[i]))
             vals.append(float(scores.logprob[i]))
         tops.append({name: _number(v) for name, v in zip(names(alt), vals)})
-    offsets, at = [], 0
+    offsets, at = [], offset
     for s in chosen:
         offsets.append(at)
         at += len(s)
     return {
         "tokens": chosen,
-        "token_logprobs": [_number(float(x)) for x in scores.logprob[start:]],
+        "token_logprobs": [_number(float(x)) for x in scores.logprob[start:end]],
         "top_logprobs": tops,
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(scores: TokenLogprobs, ids: Sequence[int], start: int, top_n: int, names: TokenNames) -> dict:
-    """The generated entries ``start..`` (the prompt's length on) as chat's ``logprobs.content``."""
+def chat_logprobs(scores: TokenLogprobs, ids: Sequence[int], start: int, top_n: int, names: TokenNames,
+                  end: int | None = None) -> dict:
+    """The generated entries ``start..end`` (from the prompt's length; a streamed chunk's tokens) as chat's
+    ``logprobs.content``."""
+    end = len(ids) if end is None else end
 
     def entry(name: str, value: float) -> dict:
         return {"token": name, "logprob": _number(value), "bytes": list(name.encode("utf-8"))}
 
     content = []
-    for i, name in zip(range(start, len(ids)), names(ids[start:])):
+    for i, name in zip(range(start, end), names(ids[start:end])):
         alt = [int(t) for t in scores.top_ids[i, :top_n]]
         vals = [float(v) for v in scores.top_logprobs[i, :top_n]]
         content.append({**entry(name, float(scores.logprob[i])),

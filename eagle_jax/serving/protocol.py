@@ -156,8 +156,6 @@ class _Sampling(_Screened):
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.stream and self.wants_logprobs:
-            raise ValueError("logprobs: not available with stream: true here (ask without streaming)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self

@@ -369,6 +369,29 @@ def test_streamed_logprobs_are_the_unstreamed_ones(server):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == whole["message"]["content"]
 
 
+def test_serving_examples_run(server):
+    """serve/EXAMPLES.md: every curl body is answered 200 and every python block runs, in order, against
+    this server (its address and model name put in)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "serve" / "EXAMPLES.md").read_text().replace("http://127.0.0.1:8000", server.url)
+    text = text.replace('"target"', f'"{MODEL}"')
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", text, re.S)
+    assert sum(kind == "bash" for kind, _ in blocks) >= 8 and sum(kind == "python" for kind, _ in blocks) >= 9
+    scope: dict = {}
+    posted = 0
+    for kind, code in blocks:
+        if kind == "python":
+            exec(compile(code, "EXAMPLES.md", "exec"), scope)
+            continue
+        for url, body in re.findall(r"(http://\S+?)\s.*?-d '(.*?)'", code, re.S):
+            r = _post(server, url[len(server.url):], json.loads(body))
+            assert r.status_code == 200, (url, body, r.text)
+            posted += 1
+    assert posted == text.count("curl ")
+
+
 # ----------------------------------------------------------------------- /tokenize, /detokenize
 
 

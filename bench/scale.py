@@ -6,7 +6,7 @@
 
 The models are built abstractly (``nnx.eval_shape``: shapes and dtypes, no weights, no memory), and the
 program ``eagle_jax.generate`` compiles (prefill, drafter prefill, the while_loop of rounds: the same
-``engine.start`` + ``engine.run_rounds`` over ``Plan.one_shot``) is lowered from ShapeDtypeStructs and
+``prefill.start`` + ``engine.run_rounds`` over ``Plan.one_shot``) is lowered from ShapeDtypeStructs and
 compiled for this machine's backend, for chain K and tree speculation at each batch (a prompt of
 ``--prompt-len`` tokens padded to generate's bucket, ``--max-new`` new tokens). Per program: compile
 time and XLA's memory analysis (argument = the weights and inputs, output, temporaries, generated
@@ -35,7 +35,8 @@ from flax import nnx
 
 from bench.common import print_table, spec_name, write_json
 from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
-from eagle_jax.decoding.engine import Plan, run_rounds, start
+from eagle_jax.decoding.engine import Plan, run_rounds
+from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.generate import bucket
 from eagle_jax.modeling import layers

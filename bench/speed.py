@@ -30,7 +30,8 @@ from flax import nnx
 
 import eagle_jax
 from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
-from eagle_jax.decoding.engine import Plan, causal_cache_mask, run_rounds, start
+from eagle_jax.decoding.engine import Plan, causal_cache_mask, run_rounds
+from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.generate import bucket
 from bench import roofline as rl

@@ -14,7 +14,8 @@ from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding import autospec
-from eagle_jax.decoding.engine import Plan, run_rounds, start
+from eagle_jax.decoding.engine import Plan, run_rounds
+from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.modeling.drafter import Drafter

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 import eagle_jax
 from eagle_jax.config import SpecConfig, default_aux_layer_ids
-from eagle_jax.decoding.engine import Plan, prefill
+from eagle_jax.decoding.engine import Plan
+from eagle_jax.decoding.prefill import prefill
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from parity_tests.conftest import hf_forward, rel_err, save_hf_model
 from parity_tests.torch_reference import RefDrafter, RefDrafterConfig

@@ -75,7 +75,8 @@ def test_chain_diagnostic_matches_engine(eagle31):
     feature is the engine's carried d_feat."""
     from eagle_jax import Target, TargetConfig
     from eagle_jax.config import SpecConfig
-    from eagle_jax.decoding.engine import Plan, _draft_chain, start
+    from eagle_jax.decoding.engine import Plan, _draft_chain
+    from eagle_jax.decoding.prefill import start
     from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 
     tc = TargetConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,

@@ -22,7 +22,8 @@ import eagle_jax
 from eagle_jax import ConfigError, Drafter, SpecConfig
 from eagle_jax.config import aux_layer_ids_for
 from eagle_jax.decoding import autospec, engine
-from eagle_jax.decoding.engine import RoundCosts, one_round, start
+from eagle_jax.decoding.engine import RoundCosts, one_round
+from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.generate import _prepare

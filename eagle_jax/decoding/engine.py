@@ -1,4 +1,5 @@
-"""The speculative decoding program: prefill, then a ``lax.while_loop`` of draft -> verify -> accept rounds.
+"""The speculative decoding program: a ``lax.while_loop`` of draft -> verify -> accept rounds (after the
+prompt's prefill, ``decoding.prefill``).
 
 Everything here is a pure function of the (target, drafter) modules and arrays, traced once per static
 configuration. Caches are addressed by per-row lengths: rejected drafts are rolled back by not moving
@@ -109,7 +110,7 @@ def target_dtype(target: Target, plan: Plan):
     return jnp.float32 if plan.exact else target.dtype
 
 
-def _forward(target: Target, drafter: Drafter | None, plan: Plan, tokens, positions, mask, cache, write_index):
+def target_forward(target: Target, drafter: Drafter | None, plan: Plan, tokens, positions, mask, cache, write_index):
     """A target forward in the plan's dtype, capturing the layers the drafter reads (none without one)."""
     aux_ids = () if drafter is None else aux_layer_ids_for(drafter.config, target.config)
     return target.forward(tokens, positions, mask, cache, write_index, aux_ids, target_dtype(target, plan))
@@ -134,7 +135,7 @@ def pick(logits: Array, plan: Plan, rs: RowSampling, keys: Array | None) -> Arra
     return sample(keys, target_probs(logits, rs))
 
 
-def _placed(plan: Plan, cache):
+def placed(plan: Plan, cache):
     """Lays a fresh KV cache out as the rule table says (kv heads over "model") under a mesh."""
     if plan.mesh is None:
         return cache
@@ -146,84 +147,6 @@ def _placed(plan: Plan, cache):
         return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, kv_cache_spec(plan.mesh, x.shape)))
 
     return jax.tree.map(place, cache)
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class Prefilled:
-    """What a prompt leaves behind: caches holding it, the first token and the drafter's next outputs."""
-
-    t_cache: KVCache
-    d_cache: tuple[Array, Array] | None
-    first: Array  # [B]
-    d_logits: Array | None
-    d_feat: Array | None
-    # The target's logits and captured aux states at the last prompt position: what another first token
-    # for the same prompt needs (the slot engine's ``fork``: ``n`` choices sharing one prefill).
-    last_logits: Array | None = None  # [B, V]
-    last_aux: Array | None = None  # [B, A]
-
-
-def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, keys: Array) -> Prefilled:
-    """Runs the padded prompts [B, P] through the target (capturing aux states) and the drafter, into
-    fresh caches of ``plan.cache_len`` slots; picks each row's first token with its key."""
-    b, p = prompt.shape
-    s = plan.cache_len
-    window = target.config.sliding_window
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    zero = jnp.zeros((b,), jnp.int32)
-    # The prompt block attends only to itself (P x P), then sits in cache slots 0..P-1.
-    block_mask = window_mask(positions, positions, window)
-    t_cache = _placed(plan, target.init_cache(b, s, target_dtype(target, plan)))
-    hidden, aux, t_cache = _forward(target, drafter, plan, prompt, positions, block_mask, t_cache, zero)
-    last = lens - 1
-    last_logits = target.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
-    first = pick(last_logits, plan, rs, keys)
-    if drafter is None:
-        return Prefilled(t_cache, None, first, None, None, last_logits)
-    # Pair (feature of position t, token t+1): the prompt shifted left, the first generated token last.
-    nxt = jnp.concatenate([prompt[:, 1:], zero[:, None]], axis=1)
-    nxt = jnp.where(jnp.arange(p)[None, :] == last[:, None], first[:, None], nxt)
-    normed, feat, d_cache = drafter.layer(
-        drafter.fuse(aux.astype(drafter.dtype)), nxt, positions, window_mask(positions, positions, None), _placed(plan, drafter.init_cache(b, s)), zero
-    )
-    normed_last = jnp.take_along_axis(normed, last[:, None, None], axis=1)[:, 0]
-    d_feat = jnp.take_along_axis(feat, last[:, None, None], axis=1)[:, 0]
-    last_aux = jnp.take_along_axis(aux, last[:, None, None], axis=1)[:, 0]
-    return Prefilled(t_cache, d_cache, first, drafter.lm_head(normed_last), d_feat, last_logits, last_aux)
-
-
-def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array, max_new: int,
-          costs: Array | None = None) -> LoopState:
-    """Prefill, then the loop state of ``generate``: the first token emitted, ``max_new`` tokens per row.
-    ``costs``: ``RoundCosts.as_array()`` of an adaptive plan."""
-    b = prompt.shape[0]
-    keys = jax.random.split(key, b)  # one stream per row: a row's draws do not depend on the others
-    sub = split_rows(keys, 2)
-    pre = prefill(target, drafter, plan, prompt, lens, rs, sub[:, 1])
-    zero = jnp.zeros((b,), jnp.int32)
-    state = LoopState(
-        t_cache=pre.t_cache,
-        d_cache=pre.d_cache,
-        length=lens.astype(jnp.int32),
-        pending=pre.first,
-        d_logits=pre.d_logits,
-        d_feat=pre.d_feat,
-        out=jnp.zeros((b, max_new + plan.width), jnp.int32),
-        n_out=zero,
-        limit=jnp.full((b,), max_new, jnp.int32),
-        done=jnp.zeros((b,), bool),
-        accepted=jnp.full((b, plan.max_rounds), -1, jnp.int32),
-        rounds=jnp.int32(0),
-        sampling=rs,
-        key=sub[:, 0],
-        worth=None if costs is None else costs[-1],
-        costs=costs,
-        probe=None if drafter is None else jnp.zeros((b, 2), jnp.float32),
-    )
-    state.out, state.n_out, state.done = emit(state, pre.first[:, None], jnp.ones((b,), jnp.int32), plan.eos_ids)
-    state.sampling = counted(rs, pre.first[:, None], state.n_out)
-    return state
 
 
 def counted(rs: RowSampling, tokens: Array, n: Array) -> RowSampling:
@@ -279,7 +202,7 @@ def extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array,
 
 def _round_plain(target: Target, plan: Plan, st: LoopState, keys: Array | None):
     pos = st.length[:, None]
-    hidden, _, t_cache = _forward(
+    hidden, _, t_cache = target_forward(
         target, None, plan, st.pending[:, None], pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
     )
     nxt = pick(target.logits(hidden[:, 0]), plan, st.sampling, keys)
@@ -297,7 +220,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     drafts, draft_ids, q, d_cache = _draft_chain(drafter, plan, st, None if sub is None else sub[:, 0], k)
     block = jnp.concatenate([st.pending[:, None], drafts], axis=1)
     pos = st.length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    hidden, aux, t_cache = _forward(
+    hidden, aux, t_cache = target_forward(
         target, drafter, plan, block, pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
     )
     logits = processed(target.logits(hidden), st.sampling, block, penalties.chain_paths(k + 1))
@@ -423,7 +346,7 @@ def _round_adaptive(target: Target, drafter: Drafter, plan: Plan, st: LoopState,
 
     def verify(w):
         def run(t_cache):
-            hidden, aux, t_cache = _forward(
+            hidden, aux, t_cache = target_forward(
                 target, drafter, plan, block[:, :w], pos[:, :w], causal_cache_mask(pos[:, :w], plan.attend_len, target.config.sliding_window),
                 t_cache, st.length,
             )
@@ -507,7 +430,7 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
     mask = verify_mask(tree, st.length, span)
     if target.config.sliding_window is not None:
         mask &= causal_cache_mask(pos, span, target.config.sliding_window) | (jnp.arange(span) >= st.length[:, None])[:, None, :]
-    hidden, aux, t_cache = _forward(target, drafter, plan, tree.tokens, pos, mask, st.t_cache, st.length)
+    hidden, aux, t_cache = target_forward(target, drafter, plan, tree.tokens, pos, mask, st.t_cache, st.length)
     # A node's penalties count the drafted nodes on its path (its ancestors and itself, the root, already out, aside).
     on_path = tree.ancestors & (jnp.arange(tree.tokens.shape[1]) > 0)[None, None, :]
     logits = processed(target.logits(hidden), st.sampling, tree.tokens, on_path)

@@ -34,7 +34,7 @@ from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding.engine import Plan, counted, extend_drafter, pick, run_rounds, scratch_slots
-from eagle_jax.decoding.prefill import prefill
+from eagle_jax.decoding.prefill import prefill, prefill_chunk
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams, split_rows
 from eagle_jax.decoding.scoring import TokenLogprobs, token_logprobs
@@ -45,6 +45,7 @@ from eagle_jax.modeling.target import Target
 
 Array = jax.Array
 MIN_SPAN = 256  # the shortest span a step is compiled for (``SlotEngine.spans``)
+CHUNK_SIZES = (32, 128)  # prefill chunk programs below the engine's ``chunk`` (its per-step prefill budget)
 # LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar, and
 # adaptive chains' ``worth`` / ``costs``, unused here, are per program).
 _PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds", "worth", "costs"))
@@ -56,6 +57,10 @@ def describe_program(key: tuple) -> str:
         return f"{key[0]} of prompts up to {key[1]} tokens"
     if key[0] == "fork":
         return "fork (another choice of a prefilled prompt)"
+    if key[0] == "chunk":
+        return f"prefill chunk of up to {key[1]} tokens, span {key[2]}"
+    if key[0] == "copy":
+        return f"cache row copy, {key[1]} to {key[2]}"
     _, spec, greedy, span, rows = key
     depth = "no drafts" if spec is None else (f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else
                                               f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}")
@@ -136,11 +141,18 @@ class SlotEngine:
         eos_ids: Sequence[int] = (),
         exact: bool = False,
         on_compile: Callable[[tuple, float], None] | None = None,
+        chunk: int = 512,
+        prefix_cache: bool = False,
+        pool_rows: int = 0,
     ):
         if slots < 1:
             raise ConfigError(f"slots must be >= 1, got {slots}")
         if rounds_per_step < 1:
             raise ConfigError(f"rounds_per_step must be >= 1, got {rounds_per_step}")
+        if chunk < CHUNK_SIZES[0]:
+            raise ConfigError(f"the prefill chunk must be >= {CHUNK_SIZES[0]} tokens, got {chunk}")
+        if pool_rows < 0 or (pool_rows and not prefix_cache):
+            raise ConfigError(f"pool_rows (rows that keep prefixes) must be >= 0 and need prefix_cache, got {pool_rows}")
         if drafter is not None:
             check_pair(target.config, drafter.config)
         if drafter is None and any(s is not None for s in specs):
@@ -158,6 +170,8 @@ class SlotEngine:
         self.max_width = max(1 if s is None else s.max_emitted for s in self.specs)
         self.scratch = max(scratch_slots(s) for s in self.specs)
         self.cache_len = max_len + self.scratch + 1
+        self.chunk_sizes = tuple(sorted({min(c, self.cache_len) for c in CHUNK_SIZES if c < chunk} | {min(chunk, self.cache_len)}))
+        self.chunk, self.prefix_cache, self.pool_rows = chunk, bool(prefix_cache), pool_rows
         self._t_graph, self._t_state = nnx.split(target)
         self._d_graph, self._d_state = (None, None) if drafter is None else nnx.split(drafter)
         self._programs: dict[Any, Any] = {}
@@ -172,6 +186,10 @@ class SlotEngine:
     def reset(self) -> None:
         """Every slot free, caches zeroed (also the way back after a failed program)."""
         self.state = self._empty_state()
+        # Rows beside the slots that keep caches for prefix reuse (``copy_row``); steps never touch them.
+        d = self.drafter
+        self.pool = (self.target.init_cache(self.pool_rows, self.cache_len, jnp.float32 if self.exact else None),
+                     None if d is None else d.init_cache(self.pool_rows, self.cache_len))
         self._prompts: dict[int, tuple] = {}  # slot -> (prompt, last-position logits, aux) of its prefill (``fork``)
 
     def _empty_state(self) -> LoopState:
@@ -249,6 +267,9 @@ class SlotEngine:
         step compiles its greedy program when first needed.)"""
         buckets = sorted({self._insert_bucket(b) for b in PROMPT_BUCKETS if b < bucket(self.max_len)} | {self._insert_bucket(self.max_len)})
         keys = [("insert", p) for p in buckets] + [("fork",)] + ([("score", p) for p in buckets] if scoring else [])
+        keys += [("chunk", c, span) for c in self.chunk_sizes for span in self.spans if span >= c]
+        if self.prefix_cache:
+            keys += [("copy", "slot", "slot")] + ([("copy", "slot", "pool"), ("copy", "pool", "slot")] if self.pool_rows else [])
         rows = sorted({self.rows_for([r - 1]) for r in range(1, self.slots + 1)})
         return keys + [("step", spec, False, span, r) for spec in self.specs for r in rows for span in self.spans]
 
@@ -265,6 +286,11 @@ class SlotEngine:
                 self._program(key, self._fork_fn(), self._fork_args(0, 0, (0,), None, None, 1, SamplingParams(), 0, True, Penalties()))
             elif key[0] == "score":
                 self._score_program(key[1])
+            elif key[0] == "chunk":
+                _, c, span = key
+                self._program(key, self._chunk_fn(c, span), self._chunk_args(c, 0, [0], 0, 1, SamplingParams(), 0, True, Penalties()))
+            elif key[0] == "copy":
+                self._copy_program(key)
             else:
                 self._program(key, self._step_fn(*key[1:]), (self._t_state, self._d_state, self.state, np.zeros((self.slots,), bool)))
 
@@ -401,6 +427,105 @@ class SlotEngine:
             return new, first, done
 
         return fork
+
+    # ------------------------------------------------------------------ chunked prefill, prefix reuse
+
+    def chunk_program_for(self, start: int, n: int) -> tuple[int, int, int]:
+        """(first position, chunk size, span) of the program that computes prompt positions start..start+n-1
+        (``n`` at most ``chunk``): the least chunk size that holds them, and the least span over its end.
+        Near the cache's end the chunk starts earlier instead, recomputing positions the cache holds
+        (with the same values)."""
+        if not 1 <= n <= self.chunk:
+            raise ConfigError(f"a prefill chunk has 1..{self.chunk} tokens, got {n}")
+        c = next(c for c in self.chunk_sizes if c >= n)
+        start = min(start, self.cache_len - c)
+        return start, c, next(s for s in self.spans if s >= min(start + c, self.cache_len))
+
+    def prefill_chunk(self, slot: int, prompt: Sequence[int], start: int, end: int, max_tokens: int, sampling: SamplingParams,
+                      seed: int, stop_at_eos: bool = True, penalties: Penalties = Penalties()) -> tuple[int, bool] | None:
+        """Computes prompt positions ``start..end-1`` (at most ``chunk``) into ``slot``, whose caches hold the
+        prompt's first ``start`` positions (earlier chunks, or a prefix put there by ``copy_row``). At the
+        prompt's end the request starts as ``insert`` starts it and (first token, done) is returned; before
+        it, None, and the row stays stopped (steps pass over it)."""
+        self.check_prompt(prompt, max_tokens)
+        if not 0 <= start < end <= len(prompt):
+            raise ConfigError(f"a prefill chunk must lie in the prompt: got {start}..{end} of {len(prompt)} tokens")
+        start, c, span = self.chunk_program_for(start, end - start)
+        args = self._chunk_args(c, slot, prompt, start, max_tokens, sampling, seed, stop_at_eos, penalties)
+        _, program = self._program(("chunk", c, span), self._chunk_fn(c, span), args)
+        self.state, first, done, last_logits, last_aux = program(*args)
+        if end < len(prompt):
+            return None
+        self._prompts[slot] = (tuple(prompt), last_logits, last_aux)
+        first, done = jax.device_get((first, done))
+        return int(first), bool(done)
+
+    def _chunk_args(self, c: int, slot: int, prompt: Sequence[int], start: int, max_tokens: int, sampling: SamplingParams,
+                    seed: int, stop_at_eos: bool, penalties: Penalties) -> tuple:
+        ids = np.zeros((1, c + 1), np.int32)
+        part = prompt[start: start + c + 1]
+        ids[0, : len(part)] = part
+        rows = RowPenalties.build([penalties], [list(prompt)], self.target.config.vocab_size)
+        return (self._t_state, self._d_state, self.state, jnp.int32(slot), jnp.asarray(ids), jnp.int32(start), jnp.int32(len(prompt)),
+                RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
+
+    def _chunk_fn(self, c: int, span: int):
+        eos = self.eos_ids
+        plan = Plan(batch=1, cache_len=self.cache_len, max_rounds=0, spec=None, greedy=False, eos_ids=eos, span=span, exact=self.exact)
+
+        def chunk(t_state, d_state, st: LoopState, slot, ids, start, plen, rs, key, max_tokens, stop_at_eos):
+            tgt, drf = self._merge(t_state, d_state)
+            keys = split_rows(key[None], 2)
+
+            def row(a):
+                return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0)
+
+            def put(a, r):
+                return jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0)
+
+            d_row = None if drf is None else jax.tree.map(row, st.d_cache)
+            pre = prefill_chunk(tgt, drf, plan, ids, start[None], plen[None], jax.tree.map(row, st.t_cache), d_row, rs, keys[:, 1])
+            st = dataclasses.replace(st, t_cache=jax.tree.map(put, st.t_cache, pre.t_cache),
+                                     d_cache=None if drf is None else jax.tree.map(put, st.d_cache, pre.d_cache))
+            first = pre.first[0]
+            final = plen <= start + c
+            done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
+            new = _start_row(st, slot, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre, when=final)
+            return new, first, done, pre.last_logits, pre.last_aux
+
+        return chunk
+
+    def copy_row(self, src: tuple[str, int], dst: tuple[str, int]) -> None:
+        """Copies one row of the target's and the drafter's caches, whole: ``("slot", i)`` or ``("pool", j)``
+        (the rows that keep prefixes for reuse). A slot's request, if any, is not touched otherwise."""
+        for kind, i in (src, dst):
+            size = self.slots if kind == "slot" else self.pool_rows
+            if kind not in ("slot", "pool") or not 0 <= i < size:
+                raise ConfigError(f"no cache row {kind!r} {i} (slots: {self.slots}, pool rows: {self.pool_rows})")
+        program = self._copy_program(("copy", src[0], dst[0]))
+        self.state, self.pool = program(self.state, self.pool, jnp.int32(src[1]), jnp.int32(dst[1]))
+
+    def _copy_program(self, key: tuple):
+        with self._lock:
+            program = self._programs.get(key)
+        if program is None:
+            t0 = time.perf_counter()
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.state, self.pool, jnp.int32(0), jnp.int32(0)))
+            program = jax.jit(self._copy_fn(key[1], key[2]), donate_argnums=(0, 1)).lower(*abstract).compile()
+            self._compiled(key, program, time.perf_counter() - t0)
+        return program
+
+    @staticmethod
+    def _copy_fn(src_kind: str, dst_kind: str):
+        def copy(st: LoopState, pool, src, dst):
+            caches = {"slot": (st.t_cache, st.d_cache), "pool": pool}
+            row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, src, 1, axis=0), caches[src_kind])
+            out = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), dst, axis=0), caches[dst_kind], row)
+            if dst_kind == "pool":
+                return st, out
+            return dataclasses.replace(st, t_cache=out[0], d_cache=out[1]), pool
+
+        return copy
 
     # ------------------------------------------------------------------ scoring
 

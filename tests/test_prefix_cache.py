@@ -74,3 +74,60 @@ def test_chunk_errors(pair):
         engine.copy_row(("slot", 0), ("pool", 0))
     with pytest.raises(ConfigError, match="need prefix_cache"):
         _engine(pair, pool_rows=2)
+
+
+def _serve(pair, requests: list[Request], **kw) -> list:
+    """The requests one after another through a scheduler (one slot: the same steps with or without reuse)."""
+    target, drafter = pair
+    engine = SlotEngine(target, drafter, slots=1, max_len=MAX_LEN, specs=(SPEC,), rounds_per_step=2, **kw)
+    sched = Scheduler(engine, SpecSchedule.fixed(SPEC)).start()
+    try:
+        return [sched.submit(r).wait(300) for r in requests]
+    finally:
+        sched.stop()
+
+
+def test_scheduler_reuses_prefixes_through_slots_and_the_pool(pair):
+    """A shared system prompt, a chat's next turn (prompt + reply + new text), and a prefix that only the
+    pool still holds after another request took the slot: each reuses what it shares, and every request's
+    tokens and per-round acceptance are those of a cold prefill. The LRU pool row goes first."""
+    system, other = _prompt(2, 40), _prompt(3, 40)
+    a = Request(tuple(system + _prompt(4, 10)), 12)
+    prompts = [a, Request(tuple(system + _prompt(5, 12)), 12), None, Request(tuple(other + _prompt(6, 5)), 12),
+               Request(tuple(system + _prompt(7, 3)), 12), Request(tuple(_prompt(8, 30)), 12), Request(tuple(_prompt(9, 30)), 12),
+               Request(tuple(other + _prompt(10, 5)), 12)]
+    cold = _serve(pair, [r for r in prompts if r is not None])
+    chat = Request(tuple([*a.prompt, *cold[0].tokens, *_prompt(11, 6)]), 12)  # the next turn of ``a``
+    prompts[2] = chat
+    cold = _serve(pair, prompts)
+    warm = _serve(pair, prompts, prefix_cache=True, pool_rows=2)
+    for c, w in zip(cold, warm):
+        assert (w.tokens, w.accepted) == (c.tokens, c.accepted)
+    cached = [w.cached_tokens for w in warm]
+    n = len(a.prompt) + len(cold[0].tokens)
+    # b: the system prompt from the slot; chat: a's prompt and reply, from the pool (b took the slot);
+    # other: nothing; system again: from the pool; two unrelated prompts push the pool's LRU rows out
+    # (system's and other's in that order of use), so the last ``other`` finds nothing
+    assert cached[:2] == [0, 39] and cached[2] >= n - 2 and cached[3:] == [0, 39, 0, 0, 0], cached
+
+
+def test_long_prompts_prefill_in_chunks_between_steps(pair):
+    """Chunk budget 32: a 120-token prompt takes four steps' budgets while a running request keeps
+    getting tokens, and both equal their runs alone."""
+    target, drafter = pair
+    running, long = Request(tuple(_prompt(12, 8)), 60), Request(tuple(_prompt(13, 120)), 10)
+    alone = [_serve(pair, [r])[0].tokens for r in (running, long)]
+    engine = SlotEngine(target, drafter, slots=2, max_len=MAX_LEN, specs=(SPEC,), rounds_per_step=1, chunk=32)
+    sched = Scheduler(engine, SpecSchedule.fixed(SPEC)).start()
+    try:
+        first = sched.submit(running)
+        while len(first.tokens) < 2:
+            first._finished.wait(0.01)
+        second = sched.submit(long)
+        seen = len(first.tokens)
+        second.wait(300)
+        assert first.wait(300).tokens == alone[0] and second.tokens == alone[1]
+        got_meanwhile = sum(n for t, n in first.chunk_times if t <= second.t_first) - seen
+        assert got_meanwhile >= 3, got_meanwhile  # steps ran between the long prompt's chunks
+    finally:
+        sched.stop()

@@ -5,6 +5,11 @@ that collects tokens as they come (and calls an optional listener from the engin
 steps the loop frees finished and cancelled slots, prefills waiting requests into free slots in arrival
 order, and picks the speculation config for the number of occupied slots (``SpecSchedule``).
 
+A prompt is prefilled whole (``insert``) or, past the engine's per-step prefill budget (``chunk``
+tokens), in chunks between steps, so a long prompt never stalls the running streams for long. With
+the engine's ``prefix_cache`` a prompt starts from the longest prefix of it that a cache row holds
+(``prefix_cache.PrefixIndex``: a busy or freed slot, or a pool row), copied into its slot.
+
 Stop tokens (EOS unless a request ignores it, and its own ``stop_token_ids``) are enforced here: each
 delivery is cut after a request's first stop token and the slot is freed. The device stops rows at EOS
 too where every busy request stops there, which only ends their rounds early.
@@ -29,6 +34,7 @@ from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.generate import acceptance_summary
 from eagle_jax.decoding.autospec import AcceptanceEstimate
 from eagle_jax.serving.depth import AutoDepth
+from eagle_jax.serving.prefix_cache import PrefixIndex
 from eagle_jax.serving.slots import SlotEngine, StepOutput
 
 log = logging.getLogger("eagle_jax.serving")
@@ -120,6 +126,7 @@ class Handle:
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round
     estimate: AcceptanceEstimate | None = None  # live acceptance (``AutoDepth``), from admission on
+    cached_tokens: int = 0  # prompt positions reused from the prefix cache (not computed)
     finish_reason: str | None = None
     error: str | None = None
     t_submit: float = field(default_factory=time.perf_counter)
@@ -180,6 +187,8 @@ class Scheduler:
         self._slots: list[Handle | None] = [None] * engine.slots
         self._lengths = np.zeros((engine.slots,), np.int64)
         self._stale: set[int] = set()  # freed slots whose device row may still run: stopped at the next step
+        self._prefilling: dict[int, int] = {}  # slot -> prompt positions its caches hold so far, in admission order
+        self._prefix = PrefixIndex(engine.slots, engine.pool_rows) if engine.prefix_cache else None
         self._jobs: collections.deque[tuple[Callable[[SlotEngine], object], Future]] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -273,6 +282,9 @@ class Scheduler:
                 self._slots[slot] = None
         self.engine.reset()
         self._stale.clear()
+        self._prefilling.clear()
+        if self._prefix is not None:
+            self._prefix.clear()
         with self._cv:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for h in waiting:
@@ -281,6 +293,12 @@ class Scheduler:
     def _free(self, slot: int, reason: str) -> None:
         handle = self._slots[slot]
         self._slots[slot] = None
+        if self._prefix is not None:  # what the row holds stays reusable until the slot is taken again
+            r = handle.request
+            held = self._prefilling.get(slot)
+            self._prefix.set(("slot", slot), r.prompt[:held] if held is not None else
+                             (*r.prompt, *handle.tokens[: max(0, int(self._lengths[slot]) - len(r.prompt))]))
+        self._prefilling.pop(slot, None)
         handle._finish(reason, time.perf_counter())
 
     def _iterate(self) -> None:
@@ -291,7 +309,7 @@ class Scheduler:
                 cancel[slot] = True
         self._admit(cancel)
         cancel[sorted(self._stale)] = True
-        active = [slot for slot, h in enumerate(self._slots) if h is not None]
+        active = [slot for slot, h in enumerate(self._slots) if h is not None and slot not in self._prefilling]
         if not active:
             return
         greedy = all(self._slots[s].request.sampling.greedy for s in active)
@@ -343,9 +361,13 @@ class Scheduler:
         return None
 
     def _admit(self, cancel: np.ndarray) -> None:
-        for slot in range(self.engine.slots):
-            if self._slots[slot] is not None:
-                continue
+        """Takes waiting requests into free slots and spends this step's prefill budget (the engine's
+        ``chunk`` tokens) on the prompts in progress, oldest first."""
+        budget = self._prefill(self.engine.chunk)
+        while budget > 0:
+            free = [slot for slot, h in enumerate(self._slots) if h is None]
+            if not free:
+                return
             with self._cv:
                 if not self._waiting:
                     return
@@ -354,29 +376,87 @@ class Scheduler:
                 h._finish(h._cancel, time.perf_counter())
                 continue
             r = h.request
-            src = self._prefilled(r)
-            try:
-                if src is None:
-                    first, done = self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos,
-                                                     penalties=r.penalties)
-                else:
-                    first, done = self.engine.fork(src, slot, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos,
-                                                   penalties=r.penalties)
-            except ConfigError as exc:
-                h._finish("error", time.perf_counter(), str(exc))
-                continue
-            except Exception as exc:
-                h._finish("error", time.perf_counter(), f"{type(exc).__name__}: {exc}")
-                raise
+            src, slot, reuse = self._prefilled(r), free[0], 0
+            if src is None and self._prefix is not None:
+                slot, reuse = self._reuse_prefix(free, r.prompt)
             cancel[slot] = False  # the slot holds the new request now
             self._stale.discard(slot)
             if isinstance(self.schedule, AutoDepth):
                 h.estimate = self.schedule.new_estimate()
             self._slots[slot] = h
-            self._lengths[slot] = len(r.prompt)
-            h._deliver([first], time.perf_counter())
-            if done or first in h.stops:
-                self._release(slot, done)
+            if src is not None:
+                self._run_prefill(slot, lambda: self.engine.fork(src, slot, r.max_tokens, r.sampling, r.seed,
+                                                                 stop_at_eos=not r.ignore_eos, penalties=r.penalties))
+                continue
+            self._prefilling[slot] = h.cached_tokens = reuse
+            budget = self._prefill(budget)
+
+    def _reuse_prefix(self, free: list[int], prompt: tuple[int, ...]) -> tuple[int, int]:
+        """Picks the slot for ``prompt`` and puts the longest cached prefix of it there (first keeping
+        what that slot held and the request will overwrite in the pool, if no pool row holds it); returns
+        (slot, positions reused). A free slot that holds the prefix itself takes the request."""
+        index = self._prefix
+        row, reuse = index.match(prompt, prefer=[("slot", s) for s in free])
+        slot = row[1] if row is not None and row[0] == "slot" and row[1] in free else free[0]
+        held = index.tokens(("slot", slot))
+        overwritten = held is not None and (row != ("slot", slot) or len(held) > reuse + 1)  # beyond what is reused
+        if overwritten and index.worth_keeping(slot):
+            victim = index.pool_victim(keep=row)
+            self.engine.copy_row(("slot", slot), victim)
+            index.set(victim, index.tokens(("slot", slot)))
+        if row is not None and row != ("slot", slot):
+            self.engine.copy_row(row, ("slot", slot))
+        index.set(("slot", slot), prompt[:reuse])
+        return slot, reuse
+
+    def _prefill(self, budget: int) -> int:
+        """Prefills prompts in progress within ``budget`` tokens (a whole prompt from its start by one
+        ``insert``, else chunks); returns the budget left."""
+        for slot in list(self._prefilling):
+            h, start = self._slots[slot], self._prefilling[slot]
+            r = h.request
+            left = len(r.prompt) - start
+            if budget < min(left, self.engine.chunk_sizes[0]):
+                break
+            common = dict(stop_at_eos=not r.ignore_eos, penalties=r.penalties)
+            if start == 0 and left <= budget:
+                budget -= left
+                self._run_prefill(slot, lambda: self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed, **common))
+                continue
+            end = start + min(left, budget, self.engine.chunk)
+            budget -= end - start
+            self._prefilling[slot] = end
+            if self._prefix is not None and end < len(r.prompt):
+                self._prefix.set(("slot", slot), r.prompt[:end])
+            self._run_prefill(slot, lambda: self.engine.prefill_chunk(slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, **common))
+        return budget
+
+    def _run_prefill(self, slot: int, program: Callable[[], tuple[int, bool] | None]) -> None:
+        """Runs a prefill program for the request in ``slot``; once it gives the first token the request
+        starts: it is delivered, and the request ends there if that already finishes it."""
+        h = self._slots[slot]
+        try:
+            got = program()
+        except ConfigError as exc:
+            self._prefilling.pop(slot, None)
+            self._slots[slot] = None
+            h._finish("error", time.perf_counter(), str(exc))
+            return
+        except Exception as exc:
+            self._prefilling.pop(slot, None)
+            self._slots[slot] = None
+            h._finish("error", time.perf_counter(), f"{type(exc).__name__}: {exc}")
+            raise
+        if got is None:
+            return
+        first, done = got
+        self._prefilling.pop(slot, None)
+        self._lengths[slot] = len(h.request.prompt)
+        if self._prefix is not None:
+            self._prefix.set(("slot", slot), h.request.prompt)
+        h._deliver([first], time.perf_counter())
+        if done or first in h.stops:
+            self._release(slot, done)
 
 
 def _stop_end(tokens: Sequence[int], stops: frozenset[int]) -> int | None:

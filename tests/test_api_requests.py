@@ -192,7 +192,8 @@ def test_guidellm_stream_bodies(server):
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     chunks = _events(server, "/v1/completions", body)
     *pieces, last = chunks
-    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n,
+                                                       "prompt_tokens_details": {"cached_tokens": 0}}
     counts = [c["usage"]["completion_tokens"] for c in pieces]
     assert all(c["usage"]["prompt_tokens"] == 3 for c in pieces) and counts == sorted(counts) and counts[-1] == n
     assert pieces[-1]["choices"][0]["finish_reason"] == "length"
@@ -390,6 +391,29 @@ def test_serving_examples_run(server):
             assert r.status_code == 200, (url, body, r.text)
             posted += 1
     assert posted == text.count("curl -s")
+
+
+def test_prefix_caching_reports_cached_tokens(server, client):
+    """A prompt seen before (as another request's prompt or its prompt and reply) is prefilled from the
+    cached prefix: the same text, ``usage.prompt_tokens_details.cached_tokens`` and the /metrics counters."""
+    system = "the quick brown fox jumps over the lazy dog and then some " * 2
+    first = client.completions.create(model=MODEL, prompt=system + "abc", max_tokens=8, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=system + "abd", max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == len(system) + 1  # "ab" shared, the last shared position recomputed
+    solo = _engine_text(server, system + "abd")
+    assert again.choices[0].text == solo
+    metrics = httpx.get(server.url + "/metrics").text
+    hits = float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("eagle_prefix_cache_hits_total")))
+    assert hits >= len(system) + 1
+
+
+def _engine_text(server, prompt: str) -> str:
+    tok = server.service.tokenizer
+    target = server.service.scheduler.engine.target
+    ids = tok(prompt)["input_ids"]
+    out = eagle_jax.generate(target, None, [ids], max_new_tokens=8, eos_token_id=[tok.convert_tokens_to_ids(EOS_CHAR)])
+    return tok.decode(out.tokens[0], skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------- /tokenize, /detokenize

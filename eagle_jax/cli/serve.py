@@ -53,6 +53,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
                     help="JAX's persistent compilation cache: a restart loads the compiled programs (default: "
                          "<cache dir>/xla, the cache dir being $EAGLE_JAX_CACHE, $XDG_CACHE_HOME/eagle_jax or ~/.cache/eagle_jax)")
+    ap.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
+                    help="prompt tokens prefilled between two decode steps at most; longer prompts go in chunks, "
+                         "so running streams keep going (default: 512)")
+    ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="automatic prefix caching: a prompt starts from the longest prefix a cache row holds "
+                         "(another request's, a chat's previous turn) and computes the rest (default: on)")
+    ap.add_argument("--prefix-cache-rows", type=int, default=4, metavar="N",
+                    help="cache rows beside the slots that keep freed slots' prefixes, least recently used out "
+                         "(memory: N x one slot's caches; default: 4)")
     ap.add_argument("--model-name", help="the name /v1/models lists (default: the target's directory name, .gguf stem or model name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -103,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
             target, drafter, spec=spec, slots=pick(args.slots, "slots", 16), max_len=pick(args.max_len, "max_len"),
             rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), dtype=pick(args.dtype, "dtype", "float32"),
             max_queue=args.max_queue, model_name=args.model_name, tokenizer_dir=pick(args.tokenizer, "tokenizer"),
-            exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile,
+            exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile, prefill_chunk=args.prefill_chunk,
+            prefix_cache=args.prefix_cache, prefix_pool_rows=args.prefix_cache_rows,
         )
     except (ConfigError, CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None

@@ -156,7 +156,8 @@ class _Generation:
     def usage(self) -> dict[str, int]:
         """So far (the stream's continuous usage) or in all (once the pieces are done)."""
         done = self.text.tokens_at_stop if self.text.stopped else self.received
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": done, "total_tokens": len(self.prompt) + done}
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": done, "total_tokens": len(self.prompt) + done,
+                "prompt_tokens_details": {"cached_tokens": self.handle.cached_tokens}}
 
     async def scores(self, end: int | None = None) -> tuple[list[int], TokenLogprobs]:
         """(prompt + the choice's first ``end`` tokens (all, once the generation ended), the target's scores
@@ -190,7 +191,8 @@ def _start(service: Service, prompts: list[list[int]], max_tokens: int | None, b
 
 def _total_usage(gens: Sequence[_Generation]) -> dict[str, int]:
     usages = [g.usage() for g in gens]
-    return {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {**total, "prompt_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}}
 
 
 def _speculation(service: Service, gens: Sequence[_Generation]) -> dict[str, Any]:

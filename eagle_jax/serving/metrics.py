@@ -33,7 +33,11 @@ class Metrics:
         self.steps = Counter("eagle_steps", "Engine steps.", registry=r)
         self.compiles = Counter("eagle_compile_events", "Programs compiled, by kind (insert, step).", ["program"], registry=r)
         self.compile_seconds = Counter("eagle_compile_seconds", "Seconds spent compiling.", registry=r)
-        self._rounds = self._emitted = 0  # written by the engine thread only
+        self.prefix_queries = Counter("eagle_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_hits = Counter("eagle_prefix_cache_hits", "Prompt tokens reused from the prefix cache (not computed).", registry=r)
+        self.prefix_rate = Gauge("eagle_prefix_cache_hit_rate", "Prompt tokens reused / looked up, so far.", registry=r)
+        self._prefix_on = scheduler.engine.prefix_cache
+        self._rounds = self._emitted = self._queried = self._hit = 0  # written by the engine thread only
 
     def on_compile(self, kind: str, seconds: float) -> None:
         self.compiles.labels(kind).inc()
@@ -56,6 +60,12 @@ class Metrics:
     def on_finish(self, h: Handle) -> None:
         self.requests.labels(h.finish_reason or "error").inc()
         self.prompt_tokens.inc(len(h.request.prompt))
+        if self._prefix_on and h.t_first is not None:  # prefilled: its prompt was looked up
+            self._queried += len(h.request.prompt)
+            self._hit += h.cached_tokens
+            self.prefix_queries.inc(len(h.request.prompt))
+            self.prefix_hits.inc(h.cached_tokens)
+            self.prefix_rate.set(self._hit / self._queried)
         self.generation_tokens.inc(len(h.tokens))
         if h.t_first is not None:
             self.ttft.observe(h.t_first - h.t_submit)

@@ -384,7 +384,8 @@ class Scheduler:
             if isinstance(self.schedule, AutoDepth):
                 h.estimate = self.schedule.new_estimate()
             self._slots[slot] = h
-            if src is not None:
+            if src is not None:  # the copies of one prompt: all of it is in the source slot
+                h.cached_tokens = len(r.prompt)
                 self._run_prefill(slot, lambda: self.engine.fork(src, slot, r.max_tokens, r.sampling, r.seed,
                                                                  stop_at_eos=not r.ignore_eos, penalties=r.penalties))
                 continue

@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import jax
+
 from eagle_jax.checkpoint.hub import looks_like_repo_id
 from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import ConfigError, SpecConfig
@@ -86,6 +88,9 @@ def build_service(
     tokenizer_dir: str | Path | None = None,
     precompile: bool = True,
     exact: bool = False,
+    prefill_chunk: int = 512,
+    prefix_cache: bool = True,
+    prefix_pool_rows: int = 4,
 ) -> Service:
     """Loads the models and the tokenizer and wires them into a ``Service``.
 
@@ -101,7 +106,8 @@ def build_service(
     log.info("loaded %s with %s", target_dir, drafter_dir or "no drafter")
     return make_service(target, drafter, tokenizer, parse_spec(spec, drafter is not None), eos_ids(target, tokenizer),
                         slots=slots, max_len=max_len, rounds_per_step=rounds_per_step, max_queue=max_queue,
-                        model_name=model_name or served_name(target_dir), precompile=precompile, exact=exact)
+                        model_name=model_name or served_name(target_dir), precompile=precompile, exact=exact,
+                        prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, prefix_pool_rows=prefix_pool_rows)
 
 
 def served_name(target: str | Path) -> str:
@@ -115,11 +121,14 @@ def served_name(target: str | Path) -> str:
 
 def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth, eos_ids: tuple[int, ...], *, slots: int = 16,
                  max_len: int | None = None, rounds_per_step: int = 4, max_queue: int = 256, model_name: str = "model",
-                 precompile: bool = True, exact: bool = False) -> Service:
+                 precompile: bool = True, exact: bool = False, prefill_chunk: int = 512, prefix_cache: bool = True,
+                 prefix_pool_rows: int = 4) -> Service:
     """A ``Service`` over models already loaded (benchmarks build several over one pair). ``precompile``:
     compile every program serving may run first (``SlotEngine.precompile``; else each compiles when first
     needed, while serving). ``exact``: the target computes in float32 whatever its weights' dtype
-    (``generate``'s exact mode)."""
+    (``generate``'s exact mode). ``prefill_chunk``: the prompt tokens prefilled between two steps at
+    most (longer prompts go in chunks); ``prefix_cache``: prompts start from the longest prefix a cache
+    row holds, with ``prefix_pool_rows`` rows beside the slots keeping what freed slots held."""
     holder: dict[str, Metrics] = {}
 
     def on_compile(key: tuple, seconds: float) -> None:
@@ -128,11 +137,16 @@ def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth,
             holder["metrics"].on_compile(key[0], seconds)
 
     engine = SlotEngine(target, drafter, slots=slots, max_len=max_len, specs=schedule.specs, rounds_per_step=rounds_per_step,
-                        eos_ids=eos_ids, exact=exact, on_compile=on_compile)
+                        eos_ids=eos_ids, exact=exact, on_compile=on_compile, chunk=prefill_chunk, prefix_cache=prefix_cache,
+                        pool_rows=prefix_pool_rows if prefix_cache else 0)
     scheduler = Scheduler(engine, schedule, max_queue=max_queue)
     metrics = holder["metrics"] = Metrics(scheduler)
     scheduler.on_step = metrics.on_step
-    log.info("%d slots of %d tokens; speculation %s", slots, engine.max_len, schedule.describe())
+    log.info("%d slots of %d tokens; speculation %s; prompts prefilled %d tokens per step at most", slots, engine.max_len,
+             schedule.describe(), engine.chunk)
+    if prefix_cache:
+        row_mb = sum(a.nbytes for a in jax.tree.leaves(engine.pool)) / max(engine.pool_rows, 1) / 2**20
+        log.info("prefix caching: the slots and %d pool rows (%.1f MiB each)", engine.pool_rows, row_mb)
     if precompile:
         t0 = time.perf_counter()
         engine.precompile()

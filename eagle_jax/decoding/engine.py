@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from eagle_jax.config import SpecConfig, aux_layer_ids_for
 from eagle_jax.decoding import penalties
 from eagle_jax.decoding.sampling import RowSampling, accept_chain, draft_probs, sample, split_rows, target_probs
-from eagle_jax.decoding.state import LoopState, emit
+from eagle_jax.decoding.state import LoopState, counted, emit
 from eagle_jax.decoding.tree import TreeShape, accept as accept_tree, grow, verify_mask
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.layers import write_kv
@@ -147,11 +147,6 @@ def placed(plan: Plan, cache):
         return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, kv_cache_spec(plan.mesh, x.shape)))
 
     return jax.tree.map(place, cache)
-
-
-def counted(rs: RowSampling, tokens: Array, n: Array) -> RowSampling:
-    """``rs`` with each row's first ``n`` emitted ``tokens`` added to its penalties' counts."""
-    return rs if rs.penalties is None else dataclasses.replace(rs, penalties=rs.penalties.count(tokens, n))
 
 
 def _draft_chain(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int):

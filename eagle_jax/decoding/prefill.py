@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from eagle_jax.decoding.engine import Plan, causal_cache_mask, counted, pick, placed, target_dtype, target_forward
+from eagle_jax.decoding.engine import Plan, causal_cache_mask, pick, placed, target_dtype, target_forward
 from eagle_jax.decoding.sampling import RowSampling, split_rows
-from eagle_jax.decoding.state import LoopState, emit
+from eagle_jax.decoding.state import LoopState, counted, emit
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import KVCache, Target, window_mask
 

@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +33,12 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
-from eagle_jax.decoding.engine import Plan, counted, extend_drafter, pick, run_rounds, scratch_slots
+from eagle_jax.decoding.engine import Plan, extend_drafter, pick, run_rounds, scratch_slots
 from eagle_jax.decoding.prefill import prefill, prefill_chunk
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams, split_rows
 from eagle_jax.decoding.scoring import TokenLogprobs, token_logprobs
-from eagle_jax.decoding.state import LoopState
+from eagle_jax.decoding.state import DrafterOut, LoopState, start_row
 from eagle_jax.generate import PROMPT_BUCKETS, bucket
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
@@ -79,45 +79,6 @@ class StepOutput:
     # [slots, 2] with a drafter: (summed chance that the drafter's first draft is accepted, rounds) over
     # the step's rounds without drafts (engine ``probe_acceptance``)
     probe: np.ndarray | None = None
-
-
-class _DrafterOut(NamedTuple):
-    """The drafter's outputs after a prompt, for one row."""
-
-    d_logits: Array  # [1, Vd]
-    d_feat: Array  # [1, H]
-
-
-def _start_row(st: LoopState, slot, plen, first, done, max_tokens, stop_at_eos, rs: RowSampling, key, drafted,
-               when=None) -> LoopState:
-    """``st`` with row ``slot`` starting a request whose prompt (``plen`` tokens) is in the caches:
-    ``first`` is its first token (already out: it counts for the penalties and comes off ``max_tokens``),
-    ``drafted`` the drafter's outputs after the prompt (anything with ``d_logits`` and ``d_feat`` [1, ...];
-    None without a drafter). With ``when`` (a traced bool, a chunked prefill's last chunk) the row changes
-    only where it holds; otherwise it stays stopped (``done``), so steps pass over it."""
-
-    def set_row(arr, value):
-        if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):  # keys: chosen between as their data
-            if when is not None:
-                value = jax.random.wrap_key_data(jnp.where(when, jax.random.key_data(value), jax.random.key_data(arr[slot])))
-            return arr.at[slot].set(value)
-        value = jnp.asarray(value).astype(arr.dtype)
-        return arr.at[slot].set(value if when is None else jnp.where(when, value, arr[slot]))
-
-    rs = counted(rs, first[None, None], jnp.ones((1,), jnp.int32))
-    return dataclasses.replace(
-        st,
-        length=set_row(st.length, plen),
-        pending=set_row(st.pending, first),
-        n_out=set_row(st.n_out, 0),
-        limit=set_row(st.limit, max_tokens - 1),  # the first token is already out
-        done=st.done.at[slot].set(done if when is None else jnp.where(when, done, True)),
-        d_logits=st.d_logits if drafted is None else set_row(st.d_logits, drafted.d_logits[0]),
-        d_feat=st.d_feat if drafted is None else set_row(st.d_feat, drafted.d_feat[0]),
-        sampling=jax.tree.map(lambda a, r: set_row(a, r[0]), st.sampling, rs),
-        key=set_row(st.key, key),
-        ignore_eos=set_row(st.ignore_eos, ~stop_at_eos),
-    )
 
 
 class SlotEngine:
@@ -385,7 +346,7 @@ class SlotEngine:
             st = dataclasses.replace(
                 st, t_cache=jax.tree.map(put, st.t_cache, pre.t_cache),
                 d_cache=None if drf is None else jax.tree.map(put, st.d_cache, pre.d_cache))
-            new = _start_row(st, slot, plen[0], first, done, max_tokens, stop_at_eos, rs, keys[0, 0], pre)
+            new = start_row(st, slot, plen[0], first, done, max_tokens, stop_at_eos, rs, keys[0, 0], pre)
             return new, first, done, pre.last_logits, pre.last_aux
 
         return insert
@@ -420,10 +381,10 @@ class SlotEngine:
                 logits_1, feat_1, row = extend_drafter(drf, plan, last_aux[:, None], first[:, None], jnp.zeros((1,), jnp.int32),
                                                        (plen - 1)[None], row)
                 st = dataclasses.replace(st, d_cache=tuple(jax.lax.dynamic_update_slice_in_dim(c, r, dst, axis=0) for c, r in zip(st.d_cache, row)))
-                d_out = _DrafterOut(logits_1, feat_1)
+                d_out = DrafterOut(logits_1, feat_1)
             first = first[0]
             done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
-            new = _start_row(st, dst, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], d_out)
+            new = start_row(st, dst, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], d_out)
             return new, first, done
 
         return fork
@@ -490,7 +451,7 @@ class SlotEngine:
             first = pre.first[0]
             final = plen <= start + c
             done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
-            new = _start_row(st, slot, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre, when=final)
+            new = start_row(st, slot, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre, when=final)
             return new, first, done, pre.last_logits, pre.last_aux
 
         return chunk

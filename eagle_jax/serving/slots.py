@@ -102,7 +102,7 @@ class SlotEngine:
         eos_ids: Sequence[int] = (),
         exact: bool = False,
         on_compile: Callable[[tuple, float], None] | None = None,
-        chunk: int = 512,
+        chunk: int = 256,
         prefix_cache: bool = False,
         pool_rows: int = 0,
     ):

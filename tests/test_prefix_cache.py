@@ -131,14 +131,3 @@ def test_long_prompts_prefill_in_chunks_between_steps(pair):
         assert got_meanwhile >= 3, got_meanwhile  # steps ran between the long prompt's chunks
     finally:
         sched.stop()
-
-
-def test_prefill_budget_keeps_a_steps_prefill_within_its_time_bound():
-    from eagle_jax.serving.scheduler import prefill_budget
-
-    sizes = (32, 64, 128, 256, 512)
-    assert prefill_budget(sizes, 1.0, {}.get) == 32  # nothing measured: the smallest, then one doubling per measurement
-    assert prefill_budget(sizes, 1.0, {32: 0.1}.get) == 64
-    assert prefill_budget(sizes, 1.0, {32: 0.1, 64: 0.2, 128: 0.4}.get) == 256  # 256 estimated at 0.8 s, 512 at 1.6 s
-    assert prefill_budget(sizes, 1.0, {32: 0.1, 64: 0.2, 128: 0.4, 256: 1.2}.get) == 128  # measured dearer
-    assert prefill_budget(sizes, 0.01, {32: 0.1}.get) == 32  # never below the smallest

@@ -53,10 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
                     help="JAX's persistent compilation cache: a restart loads the compiled programs (default: "
                          "<cache dir>/xla, the cache dir being $EAGLE_JAX_CACHE, $XDG_CACHE_HOME/eagle_jax or ~/.cache/eagle_jax)")
-    ap.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
-                    help="prompt tokens prefilled between two decode steps at most (default: 512); longer prompts go "
-                         "in chunks, and while streams decode a step's chunk is also kept within about two decode "
-                         "steps' time (measured), so running streams keep going")
+    ap.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                    help="prompt tokens prefilled between two decode steps at most; longer prompts go in chunks, so "
+                         "running streams keep going (default: 128, sized for CPUs; raise it on accelerators, where "
+                         "a step's prefill of thousands of tokens costs little more than a decode step)")
     ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="automatic prefix caching: a prompt starts from the longest prefix a cache row holds "
                          "(another request's, a chat's previous turn) and computes the rest (default: on)")
@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
             target, drafter, spec=spec, slots=pick(args.slots, "slots", 16), max_len=pick(args.max_len, "max_len"),
             rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), dtype=pick(args.dtype, "dtype", "float32"),
             max_queue=args.max_queue, model_name=args.model_name, tokenizer_dir=pick(args.tokenizer, "tokenizer"),
-            exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile, prefill_chunk=args.prefill_chunk,
+            exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile,
             prefix_cache=args.prefix_cache, prefix_pool_rows=args.prefix_cache_rows,
+            **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}),
         )
     except (ConfigError, CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None

@@ -38,9 +38,6 @@ from eagle_jax.serving.prefix_cache import PrefixIndex
 from eagle_jax.serving.slots import SlotEngine, StepOutput
 
 log = logging.getLogger("eagle_jax.serving")
-# While streams decode, one step's prefill costs at most about this many decode steps (at the measured
-# cost of each chunk size), so a running stream's longest gap stays near (1 + PREFILL_SHARE) x its usual.
-PREFILL_SHARE = 2.0
 T = TypeVar("T")
 
 
@@ -181,8 +178,7 @@ class Scheduler:
     """Runs a ``SlotEngine`` in a background thread over a bounded FIFO of requests."""
 
     def __init__(self, engine: SlotEngine, schedule: SpecSchedule | AutoDepth, *, max_queue: int = 256,
-                 on_step: Callable[[int, SpecConfig | None, StepOutput], None] | None = None,
-                 prefill_share: float | None = PREFILL_SHARE):
+                 on_step: Callable[[int, SpecConfig | None, StepOutput], None] | None = None):
         missing = [s for s in schedule.specs if s not in engine.specs]
         if missing:
             raise ConfigError(f"the schedule uses specs {missing} that the engine was not built with ({engine.specs})")
@@ -193,9 +189,6 @@ class Scheduler:
         self._stale: set[int] = set()  # freed slots whose device row may still run: stopped at the next step
         self._prefilling: dict[int, int] = {}  # slot -> prompt positions its caches hold so far, in admission order
         self._prefix = PrefixIndex(engine.slots, engine.pool_rows) if engine.prefix_cache else None
-        self.prefill_share = prefill_share  # None: every step may prefill the engine's whole ``chunk``
-        self._step_s: float | None = None  # seconds per decode step (moving average)
-        self._prefill_s: dict[tuple[int, int], float] = {}  # seconds per chunk program by (size, span) (moving averages)
         self._jobs: collections.deque[tuple[Callable[[SlotEngine], object], Future]] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -328,7 +321,6 @@ class Scheduler:
             spec = self.schedule.choose(len(active))
         span = self.engine.span_for([int(self._lengths[s]) for s in active], spec)
         out = self.engine.step(spec, greedy, span, rows, cancel)
-        self._step_s = _average(self._step_s, out.seconds)
         self._stale.clear()
         now = time.perf_counter()
         if auto:
@@ -370,8 +362,10 @@ class Scheduler:
 
     def _admit(self, cancel: np.ndarray) -> None:
         """Takes waiting requests into free slots and spends this step's prefill budget (the engine's
-        ``chunk`` tokens) on the prompts in progress, oldest first."""
-        budget = self._prefill(self._budget())
+        ``chunk`` tokens while streams decode) on the prompts in progress, oldest first."""
+        # Prompts wait for no stream when none decodes: then the whole context's worth may be prefilled.
+        decoding = any(h is not None and slot not in self._prefilling for slot, h in enumerate(self._slots))
+        budget = self._prefill(self.engine.chunk if decoding else self.engine.max_len)
         while budget > 0:
             free = [slot for slot, h in enumerate(self._slots) if h is None]
             if not free:
@@ -400,19 +394,6 @@ class Scheduler:
             self._prefilling[slot] = h.cached_tokens = reuse
             budget = self._prefill(budget)
 
-    def _budget(self) -> int:
-        """This step's prompt tokens: the engine's ``chunk`` while no stream decodes, else ``prefill_budget``
-        where the oldest prompt in progress continues (costs are measured per chunk size and span)."""
-        decoding = any(h is not None and slot not in self._prefilling for slot, h in enumerate(self._slots))
-        if not decoding or not self.prefill_share or self._step_s is None:
-            return self.engine.chunk
-        start = next(iter(self._prefilling.values()), 0)
-
-        def cost(c: int) -> float | None:
-            return self._prefill_s.get(self.engine.chunk_program_for(start, c)[1:])
-
-        return prefill_budget(self.engine.chunk_sizes, self.prefill_share * self._step_s, cost)
-
     def _reuse_prefix(self, free: list[int], prompt: tuple[int, ...]) -> tuple[int, int]:
         """Picks the slot for ``prompt`` and puts the longest cached prefix of it there (first keeping
         what that slot held and the request will overwrite in the pool, if no pool row holds it); returns
@@ -433,24 +414,25 @@ class Scheduler:
 
     def _prefill(self, budget: int) -> int:
         """Prefills prompts in progress within ``budget`` tokens (a whole prompt from its start by one
-        ``insert``, else chunks); returns the budget left."""
+        ``insert``, else chunks of at most the engine's ``chunk``); returns the budget left."""
         for slot in list(self._prefilling):
-            h, start = self._slots[slot], self._prefilling[slot]
-            r = h.request
-            left = len(r.prompt) - start
-            if budget < min(left, self.engine.chunk_sizes[0]):
-                break
-            common = dict(stop_at_eos=not r.ignore_eos, penalties=r.penalties)
-            if start == 0 and left <= budget:
-                budget -= left
-                self._run_prefill(slot, lambda: self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed, **common))
-                continue
-            end = start + min(left, budget, self.engine.chunk)
-            budget -= end - start
-            self._prefilling[slot] = end
-            if self._prefix is not None and end < len(r.prompt):
-                self._prefix.set(("slot", slot), r.prompt[:end])
-            self._run_prefill(slot, lambda: self.engine.prefill_chunk(slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, **common))
+            while slot in self._prefilling:
+                h, start = self._slots[slot], self._prefilling[slot]
+                r = h.request
+                left = len(r.prompt) - start
+                if budget < min(left, self.engine.chunk_sizes[0]):
+                    return budget
+                common = dict(stop_at_eos=not r.ignore_eos, penalties=r.penalties)
+                if start == 0 and left <= budget:
+                    budget -= left
+                    self._run_prefill(slot, lambda: self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed, **common))
+                    break
+                end = start + min(left, budget, self.engine.chunk)
+                budget -= end - start
+                self._prefilling[slot] = end
+                if self._prefix is not None and end < len(r.prompt):
+                    self._prefix.set(("slot", slot), r.prompt[:end])
+                self._run_prefill(slot, lambda: self.engine.prefill_chunk(slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, **common))
         return budget
 
     def _run_prefill(self, slot: int, program: Callable[[], tuple[int, bool] | None]) -> None:
@@ -459,9 +441,6 @@ class Scheduler:
         h = self._slots[slot]
         try:
             got = program()
-            if self.engine.last_prefill is not None:
-                key, seconds = self.engine.last_prefill
-                self._prefill_s[key] = _average(self._prefill_s.get(key), seconds)
         except ConfigError as exc:
             self._prefilling.pop(slot, None)
             self._slots[slot] = None
@@ -482,26 +461,6 @@ class Scheduler:
         h._deliver([first], time.perf_counter())
         if done or first in h.stops:
             self._release(slot, done)
-
-
-def prefill_budget(sizes: Sequence[int], bound_s: float, cost: Callable[[int], float | None]) -> int:
-    """The largest chunk size (``sizes`` ascending, powers of two) whose cost is within ``bound_s`` seconds,
-    at least the smallest. ``cost(c)``: the measured seconds of a chunk of ``c`` where this one would run,
-    None if not measured; an unmeasured size is estimated at twice the half size's cost (so the budget
-    grows by one doubling per measurement and never guesses across attention spans)."""
-    best, half = sizes[0], cost(sizes[0])
-    for c in sizes[1:]:
-        measured = cost(c)
-        estimate = measured if measured is not None else (None if half is None else 2 * half)
-        if estimate is None or estimate > bound_s:
-            break
-        best, half = c, measured
-    return best
-
-
-def _average(mean: float | None, value: float, weight: float = 0.3) -> float:
-    """A moving average (the first value starts it)."""
-    return value if mean is None else (1 - weight) * mean + weight * value
 
 
 def _stop_end(tokens: Sequence[int], stops: frozenset[int]) -> int | None:

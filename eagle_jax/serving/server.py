@@ -20,7 +20,7 @@ from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.serving.http_app import Service, create_app
 from eagle_jax.serving.metrics import Metrics
-from eagle_jax.serving.slots import describe_program
+from eagle_jax.serving.slots import DEFAULT_CHUNK, describe_program
 
 log = logging.getLogger("serve")
 
@@ -88,7 +88,7 @@ def build_service(
     tokenizer_dir: str | Path | None = None,
     precompile: bool = True,
     exact: bool = False,
-    prefill_chunk: int = 512,
+    prefill_chunk: int = DEFAULT_CHUNK,
     prefix_cache: bool = True,
     prefix_pool_rows: int = 4,
 ) -> Service:
@@ -121,7 +121,7 @@ def served_name(target: str | Path) -> str:
 
 def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth, eos_ids: tuple[int, ...], *, slots: int = 16,
                  max_len: int | None = None, rounds_per_step: int = 4, max_queue: int = 256, model_name: str = "model",
-                 precompile: bool = True, exact: bool = False, prefill_chunk: int = 512, prefix_cache: bool = True,
+                 precompile: bool = True, exact: bool = False, prefill_chunk: int = DEFAULT_CHUNK, prefix_cache: bool = True,
                  prefix_pool_rows: int = 4) -> Service:
     """A ``Service`` over models already loaded (benchmarks build several over one pair). ``precompile``:
     compile every program serving may run first (``SlotEngine.precompile``; else each compiles when first

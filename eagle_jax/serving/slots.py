@@ -45,9 +45,8 @@ from eagle_jax.modeling.target import Target
 
 Array = jax.Array
 MIN_SPAN = 256  # the shortest span a step is compiled for (``SlotEngine.spans``)
-# Prefill chunk programs below the engine's ``chunk`` (the most prompt tokens one step's prefill computes);
-# powers of two, so a time-bounded budget (``Scheduler``) loses at most half of what would fit.
-CHUNK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+CHUNK_SIZES = (32, 128)  # prefill chunk programs below the engine's ``chunk`` (its per-step prefill budget)
+DEFAULT_CHUNK = 128  # prompt tokens one step's prefill computes at most (``bench.prefill`` measured 128, 256 and whole prompts)
 # LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar, and
 # adaptive chains' ``worth`` / ``costs``, unused here, are per program).
 _PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds", "worth", "costs"))
@@ -104,7 +103,7 @@ class SlotEngine:
         eos_ids: Sequence[int] = (),
         exact: bool = False,
         on_compile: Callable[[tuple, float], None] | None = None,
-        chunk: int = 512,
+        chunk: int = DEFAULT_CHUNK,
         prefix_cache: bool = False,
         pool_rows: int = 0,
     ):
@@ -135,8 +134,6 @@ class SlotEngine:
         self.cache_len = max_len + self.scratch + 1
         self.chunk_sizes = tuple(sorted({min(c, self.cache_len) for c in CHUNK_SIZES if c < chunk} | {min(chunk, self.cache_len)}))
         self.chunk, self.prefix_cache, self.pool_rows = chunk, bool(prefix_cache), pool_rows
-        # ((chunk size, span), seconds) of the last prefill if it was a chunk program
-        self.last_prefill: tuple[tuple[int, int], float] | None = None
         self._t_graph, self._t_state = nnx.split(target)
         self._d_graph, self._d_state = (None, None) if drafter is None else nnx.split(drafter)
         self._programs: dict[Any, Any] = {}
@@ -297,7 +294,6 @@ class SlotEngine:
         self.state, first, done, last_logits, last_aux = program(*args)
         self._prompts[slot] = (tuple(prompt), last_logits, last_aux)
         first, done = jax.device_get((first, done))
-        self.last_prefill = None
         return int(first), bool(done)
 
     def prompt_of(self, slot: int) -> tuple[int, ...] | None:
@@ -419,13 +415,11 @@ class SlotEngine:
         start, c, span = self.chunk_program_for(start, end - start)
         args = self._chunk_args(c, slot, prompt, start, max_tokens, sampling, seed, stop_at_eos, penalties)
         _, program = self._program(("chunk", c, span), self._chunk_fn(c, span), args)
-        t0 = time.perf_counter()
         self.state, first, done, last_logits, last_aux = program(*args)
-        first, done = jax.device_get((first, done))  # also the end of the chunk, for its timing
-        self.last_prefill = ((c, span), time.perf_counter() - t0)
         if end < len(prompt):
             return None
         self._prompts[slot] = (tuple(prompt), last_logits, last_aux)
+        first, done = jax.device_get((first, done))
         return int(first), bool(done)
 
     def _chunk_args(self, c: int, slot: int, prompt: Sequence[int], start: int, max_tokens: int, sampling: SamplingParams,

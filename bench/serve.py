@@ -132,6 +132,7 @@ def main(argv=None) -> None:
     ap.add_argument("--systems", nargs="*", default=None, help="the systems to run, by name (default: all)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-at-batch-C comparison")
     ap.add_argument("--temperature", type=float, default=0.0, help="of every request (seeded per request; outputs are compared only when 0)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="the servers' per-step prefill budget (default: the server's)")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args(argv)
 
@@ -161,7 +162,8 @@ def main(argv=None) -> None:
     results = {"config": vars(args) | {"schedule": schedule_text, "rounds_per_step": rounds, "eos": list(eos)}, "systems": {}}
     baseline_texts = {}
     for name, drafter, schedule in systems:
-        svc = make_service(target, drafter, tokenizer, schedule, eos, slots=args.slots, max_len=profile["max_len"], precompile=True,
+        chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
+        svc = make_service(target, drafter, tokenizer, schedule, eos, slots=args.slots, max_len=profile["max_len"], precompile=True, **chunk,
                            rounds_per_step=rounds, model_name="target")
         srv = Server(svc).start()
         rows = {}

@@ -141,6 +141,7 @@ class SlotEngine:
         self._lock = threading.Lock()
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="eagle_jax-compile")
         self.compile_events: list[tuple[str, float]] = []
+        self._precompiled = False  # ``precompile`` ran: steps use its programs only
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -239,6 +240,7 @@ class SlotEngine:
         """Compiles ``program_set`` (``on_compile`` hears each), so that serving never compiles: every step
         and prompt then finds its own program. With JAX's persistent compilation cache on (the server's
         default) a restart loads them instead."""
+        self._precompiled = True
         for key in self.program_set(scoring):
             if key in self._programs:
                 continue
@@ -347,7 +349,7 @@ class SlotEngine:
             st = dataclasses.replace(
                 st, t_cache=jax.tree.map(put, st.t_cache, pre.t_cache),
                 d_cache=None if drf is None else jax.tree.map(put, st.d_cache, pre.d_cache))
-            new = start_row(st, slot, plen[0], first, done, max_tokens, stop_at_eos, rs, keys[0, 0], pre)
+            new = start_row(st, slot, plen[0], first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre)
             return new, first, done, pre.last_logits, pre.last_aux
 
         return insert
@@ -552,6 +554,8 @@ class SlotEngine:
         rows = self.slots if rows is None else rows
         cancel = np.zeros((self.slots,), bool) if cancel is None else np.asarray(cancel, bool)
         args = (self._t_state, self._d_state, self.state, jnp.asarray(cancel))
+        if greedy and self._precompiled and ("step", spec, True, span, rows) not in self._programs:
+            greedy = False  # the precompiled sampling program runs greedy rows exactly: nothing compiles while serving
         key = ("step", spec, greedy, span, rows)
         _, program = self._program(key, self._step_fn(*key[1:]), args, covers=self._covering(*key[1:]))
         t0 = time.perf_counter()

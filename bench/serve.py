@@ -133,6 +133,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-at-batch-C comparison")
     ap.add_argument("--temperature", type=float, default=0.0, help="of every request (seeded per request; outputs are compared only when 0)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="the servers' per-step prefill budget (default: the server's)")
+    ap.add_argument("--no-prefix-cache", action="store_true", help="serve without prefix caching")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args(argv)
 
@@ -162,7 +163,7 @@ def main(argv=None) -> None:
     results = {"config": vars(args) | {"schedule": schedule_text, "rounds_per_step": rounds, "eos": list(eos)}, "systems": {}}
     baseline_texts = {}
     for name, drafter, schedule in systems:
-        chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
+        chunk = ({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}) | {"prefix_cache": not args.no_prefix_cache}
         svc = make_service(target, drafter, tokenizer, schedule, eos, slots=args.slots, max_len=profile["max_len"], precompile=True, **chunk,
                            rounds_per_step=rounds, model_name="target")
         srv = Server(svc).start()
@@ -207,15 +208,16 @@ def main(argv=None) -> None:
 
 def report(results: dict, levels: list[int], plot: Path) -> None:
     systems = results["systems"]
-    base = systems["none"]["by_concurrency"]
+    base = systems["none"]["by_concurrency"] if "none" in systems else None
     header = ["system"] + [f"C={c} per-user tok/s (x none)" for c in levels] + [f"C={c} total tok/s" for c in levels]
     rows = []
     for name, s in systems.items():
         by = s["by_concurrency"]
-        rows.append([name] + [f"{by[c]['per_user_tok_s']:.1f} ({by[c]['per_user_tok_s'] / base[c]['per_user_tok_s']:.2f}x)" for c in levels]
+        rows.append([name] + [f"{by[c]['per_user_tok_s']:.1f}" + (f" ({by[c]['per_user_tok_s'] / base[c]['per_user_tok_s']:.2f}x)" if base else "")
+                              for c in levels]
                     + [f"{by[c]['total_tok_s']:.0f}" for c in levels])
     fixed = {n: s for n, s in systems.items() if n.startswith("EAGLE-3.1 K=")}
-    if fixed:
+    if fixed and base:
         best = ["best fixed K"]
         for c in levels:
             n, s = max(fixed.items(), key=lambda kv: kv[1]["by_concurrency"][c]["per_user_tok_s"])

@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> None:
                          "<cache dir>/xla, the cache dir being $EAGLE_JAX_CACHE, $XDG_CACHE_HOME/eagle_jax or ~/.cache/eagle_jax)")
     ap.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                     help="prompt tokens prefilled between two decode steps at most; longer prompts go in chunks, so "
-                         "running streams keep going (default: 128, sized for CPUs; raise it on accelerators, where "
-                         "a step's prefill of thousands of tokens costs little more than a decode step)")
+                         "running streams keep going (default: 512; smaller is smoother for running streams, larger "
+                         "keeps more rows busy)")
     ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="automatic prefix caching: a prompt starts from the longest prefix a cache row holds "
                          "(another request's, a chat's previous turn) and computes the rest (default: on)")

@@ -46,7 +46,9 @@ from eagle_jax.modeling.target import Target
 Array = jax.Array
 MIN_SPAN = 256  # the shortest span a step is compiled for (``SlotEngine.spans``)
 CHUNK_SIZES = (32, 128)  # prefill chunk programs below the engine's ``chunk`` (its per-step prefill budget)
-DEFAULT_CHUNK = 128  # prompt tokens one step's prefill computes at most (``bench.prefill`` measured 128, 256 and whole prompts)
+# Prompt tokens one step's prefill computes at most while streams decode: smaller keeps running streams
+# smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill").
+DEFAULT_CHUNK = 512
 # LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar, and
 # adaptive chains' ``worth`` / ``costs``, unused here, are per program).
 _PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds", "worth", "costs"))

@@ -441,15 +441,12 @@ class Scheduler:
         h = self._slots[slot]
         try:
             got = program()
-        except ConfigError as exc:
-            self._prefilling.pop(slot, None)
-            self._slots[slot] = None
-            h._finish("error", time.perf_counter(), str(exc))
-            return
         except Exception as exc:
             self._prefilling.pop(slot, None)
             self._slots[slot] = None
-            h._finish("error", time.perf_counter(), f"{type(exc).__name__}: {exc}")
+            h._finish("error", time.perf_counter(), str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, ConfigError):  # this request's own problem; anything else fails the engine
+                return
             raise
         if got is None:
             return

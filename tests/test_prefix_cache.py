@@ -10,7 +10,7 @@ import pytest
 from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
-from engine_models import markov_pair
+from engine_models import markov_pair, random_pair
 
 SPEC = SpecConfig(num_speculative_tokens=3)
 MAX_LEN = 160
@@ -19,6 +19,12 @@ MAX_LEN = 160
 @pytest.fixture(scope="module")
 def pair():
     return markov_pair()
+
+
+@pytest.fixture(scope="module")
+def attending():
+    """A pair whose target's tokens depend on the whole context (the near-bigram one hardly reads its cache)."""
+    return random_pair(vocab=64, hidden=32, logit_scale=4.0)
 
 
 def _engine(pair, **kw) -> SlotEngine:
@@ -59,9 +65,36 @@ def test_chunks_and_reused_prefixes_equal_a_whole_prefill(pair):
     other = prompt[:50] + _prompt(1, 30)
     _decode(reuse, 0, reuse.insert(0, other, 20, SamplingParams(), 0)[0], 20)
     reuse.copy_row(("slot", 0), ("pool", 0))  # through the pool and back, as an evicted slot's prefix would
-    reuse.copy_row(("pool", 0), ("slot", 1))
+    reuse.copy_row(("pool", 0), ("slot", 1), held=49)
     first, _ = reuse.prefill_chunk(1, prompt, 49, 70, new, SamplingParams(), 0)
     assert _decode(reuse, 1, first, new) == ref
+
+
+def test_a_stopped_row_never_writes_into_what_its_slot_holds(attending):
+    """Rounds write cache slots past a stopped row's length: a slot between two chunks, or holding a prefix
+    copied in, is stopped at the end of what it holds, not at the length of the request it held before,
+    while another request's steps run."""
+    prompt, new = _prompt(20, 100), 16
+    engine = _engine(attending, chunk=32, prefix_cache=True, pool_rows=1)
+    ref = _decode(engine, 0, engine.insert(0, prompt, new, SamplingParams(), 0)[0], new)
+
+    def after_short_request(engine):  # slot 0 finished a 10-token request; slot 1 decodes meanwhile
+        _decode(engine, 0, engine.insert(0, _prompt(21, 10), 4, SamplingParams(), 0)[0], 4)
+        engine.insert(1, prompt, 50, SamplingParams(), 0)
+
+    engine = _engine(attending, chunk=32, prefix_cache=True, pool_rows=1)
+    after_short_request(engine)
+    for start in range(0, 100, 32):
+        got = engine.prefill_chunk(0, prompt, start, min(start + 32, 100), new, SamplingParams(), 0)
+        if got is None:
+            engine.step(SPEC, True, engine.spans[-1])
+    assert _decode(engine, 0, got[0], new) == ref
+
+    engine = _engine(attending, chunk=32, prefix_cache=True, pool_rows=1)
+    after_short_request(engine)
+    engine.copy_row(("slot", 1), ("slot", 0), held=99)
+    engine.step(SPEC, True, engine.spans[-1])
+    assert _decode(engine, 0, engine.prefill_chunk(0, prompt, 99, 100, new, SamplingParams(), 0)[0], new) == ref
 
 
 def test_chunk_errors(pair):
@@ -72,6 +105,8 @@ def test_chunk_errors(pair):
         engine.prefill_chunk(0, list(range(1, 31)) * 2, 0, 40, 4, SamplingParams(), 0)
     with pytest.raises(ConfigError, match="no cache row"):
         engine.copy_row(("slot", 0), ("pool", 0))
+    with pytest.raises(ConfigError, match="holds 0.."):
+        _engine(pair, prefix_cache=True, pool_rows=1).copy_row(("pool", 0), ("slot", 1), held=-1)
     with pytest.raises(ConfigError, match="need prefix_cache"):
         _engine(pair, pool_rows=2)
 
@@ -111,18 +146,22 @@ def test_scheduler_reuses_prefixes_through_slots_and_the_pool(pair):
     assert cached[:2] == [0, 39] and cached[2] >= n - 2 and cached[3:] == [0, 39, 0, 0, 0], cached
 
 
-def test_long_prompts_prefill_in_chunks_between_steps(pair):
+def test_long_prompts_prefill_in_chunks_between_steps(attending):
     """Chunk budget 32: a 120-token prompt takes four steps' budgets while a running request keeps
-    getting tokens, and both equal their runs alone."""
-    target, drafter = pair
-    running, long = Request(tuple(_prompt(12, 8)), 60), Request(tuple(_prompt(13, 120)), 10)
-    alone = [_serve(pair, [r])[0].tokens for r in (running, long)]
+    getting tokens, and both equal their runs alone (on a target that reads its whole cache, in slots
+    that finished requests used before)."""
+    target, drafter = attending
+    running, long = Request(tuple(_prompt(12, 8)), 60), Request(tuple(_prompt(20, 120)), 10)
+    alone = [_serve(attending, [r])[0].tokens for r in (running, long)]
     engine = SlotEngine(target, drafter, slots=2, max_len=MAX_LEN, specs=(SPEC,), rounds_per_step=1, chunk=32)
     sched = Scheduler(engine, SpecSchedule.fixed(SPEC)).start()
     try:
+        # A short request takes slot 0 and ends; the running one decodes in slot 1; the long prompt is
+        # prefilled into slot 0 below it, so the steps between its chunks run that row too.
+        short = sched.submit(Request(tuple(_prompt(14, 12)), 4))
         first = sched.submit(running)
-        while len(first.tokens) < 2:
-            first._finished.wait(0.01)
+        short.wait(300)
+        assert len(first.tokens) < 40
         second = sched.submit(long)
         seen = len(first.tokens)
         second.wait(300)

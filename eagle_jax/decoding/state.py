@@ -96,12 +96,14 @@ class DrafterOut(NamedTuple):
 
 
 def start_row(st: LoopState, slot, plen, first, done, max_tokens, stop_at_eos, rs: RowSampling, key, drafted,
-               when=None) -> LoopState:
+               when=None, held=None) -> LoopState:
     """``st`` with row ``slot`` starting a request whose prompt (``plen`` tokens) is in the caches:
     ``first`` is its first token (already out: it counts for the penalties and comes off ``max_tokens``),
     ``drafted`` the drafter's outputs after the prompt (anything with ``d_logits`` and ``d_feat`` [1, ...];
     None without a drafter). With ``when`` (a traced bool, a chunked prefill's last chunk) the row changes
-    only where it holds; otherwise it stays stopped (``done``), so steps pass over it."""
+    only where it holds; otherwise it stays stopped (``done``) at length ``held``, the positions its
+    caches hold so far: a stopped row's rounds still write the cache slots past its length, which must
+    therefore lie past everything it holds (the next chunk recomputes them)."""
 
     def set_row(arr, value):
         if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):  # keys: chosen between as their data
@@ -114,7 +116,7 @@ def start_row(st: LoopState, slot, plen, first, done, max_tokens, stop_at_eos, r
     rs = counted(rs, first[None, None], jnp.ones((1,), jnp.int32))
     return dataclasses.replace(
         st,
-        length=set_row(st.length, plen),
+        length=st.length.at[slot].set(plen if when is None else jnp.where(when, plen, held)),
         pending=set_row(st.pending, first),
         n_out=set_row(st.n_out, 0),
         limit=set_row(st.limit, max_tokens - 1),  # the first token is already out

@@ -308,7 +308,8 @@ class Scheduler:
                 self._free(slot, h._cancel)
                 cancel[slot] = True
         self._admit(cancel)
-        cancel[sorted(self._stale)] = True
+        # A slot still prefilling must not run, nor the request that held it before (a stale row).
+        cancel[sorted(self._stale | set(self._prefilling))] = True
         active = [slot for slot, h in enumerate(self._slots) if h is not None and slot not in self._prefilling]
         if not active:
             return
@@ -408,7 +409,7 @@ class Scheduler:
             self.engine.copy_row(("slot", slot), victim)
             index.set(victim, index.tokens(("slot", slot)))
         if row is not None and row != ("slot", slot):
-            self.engine.copy_row(row, ("slot", slot))
+            self.engine.copy_row(row, ("slot", slot), held=reuse)
         index.set(("slot", slot), prompt[:reuse])
         return slot, reuse
 

@@ -456,40 +456,47 @@ class SlotEngine:
             first = pre.first[0]
             final = plen <= start + c
             done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
-            new = start_row(st, slot, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre, when=final)
+            new = start_row(st, slot, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre,
+                            when=final, held=start + c)
             return new, first, done, pre.last_logits, pre.last_aux
 
         return chunk
 
-    def copy_row(self, src: tuple[str, int], dst: tuple[str, int]) -> None:
+    def copy_row(self, src: tuple[str, int], dst: tuple[str, int], held: int = 0) -> None:
         """Copies one row of the target's and the drafter's caches, whole: ``("slot", i)`` or ``("pool", j)``
-        (the rows that keep prefixes for reuse). A slot's request, if any, is not touched otherwise."""
+        (the rows that keep prefixes for reuse). A destination slot's row is stopped at length ``held``, the
+        positions of the copy its next request keeps: a stopped row's rounds still write the cache slots
+        past its length, so that length must not lie inside the kept prefix (a finished request's would)."""
         for kind, i in (src, dst):
             size = self.slots if kind == "slot" else self.pool_rows
             if kind not in ("slot", "pool") or not 0 <= i < size:
                 raise ConfigError(f"no cache row {kind!r} {i} (slots: {self.slots}, pool rows: {self.pool_rows})")
+        if not 0 <= held < self.cache_len:
+            raise ConfigError(f"a copied row holds 0..{self.cache_len - 1} positions, got {held}")
         program = self._copy_program(("copy", src[0], dst[0]))
-        self.state, self.pool = program(self.state, self.pool, jnp.int32(src[1]), jnp.int32(dst[1]))
+        self.state, self.pool = program(self.state, self.pool, jnp.int32(src[1]), jnp.int32(dst[1]), jnp.int32(held))
 
     def _copy_program(self, key: tuple):
         with self._lock:
             program = self._programs.get(key)
         if program is None:
             t0 = time.perf_counter()
-            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.state, self.pool, jnp.int32(0), jnp.int32(0)))
+            args = (self.state, self.pool, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
             program = jax.jit(self._copy_fn(key[1], key[2]), donate_argnums=(0, 1)).lower(*abstract).compile()
             self._compiled(key, program, time.perf_counter() - t0)
         return program
 
     @staticmethod
     def _copy_fn(src_kind: str, dst_kind: str):
-        def copy(st: LoopState, pool, src, dst):
+        def copy(st: LoopState, pool, src, dst, held):
             caches = {"slot": (st.t_cache, st.d_cache), "pool": pool}
             row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, src, 1, axis=0), caches[src_kind])
             out = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), dst, axis=0), caches[dst_kind], row)
             if dst_kind == "pool":
                 return st, out
-            return dataclasses.replace(st, t_cache=out[0], d_cache=out[1]), pool
+            return dataclasses.replace(st, t_cache=out[0], d_cache=out[1], length=st.length.at[dst].set(held),
+                                       done=st.done.at[dst].set(True)), pool
 
         return copy
 

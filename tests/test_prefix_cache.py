@@ -1,6 +1,7 @@
-"""Chunked prefill and prefix reuse in the slot engine and the scheduler: a prompt computed in chunks,
-or from a prefix another request left in the caches, gives the tokens and the per-round acceptance of
-a whole-prompt prefill (so the reused drafter cache is the drafter's own, not just a lossless guess)."""
+"""Chunked and packed prefill and prefix reuse in the slot engine and the scheduler: a prompt computed in
+chunks, packed with others into one row, or from a prefix another request left in the caches, gives the
+tokens and the per-round acceptance of a whole-prompt prefill (so the reused drafter cache is the
+drafter's own, not just a lossless guess)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
+from eagle_jax.serving.slots import INSERT_ROWS, Admission
 from engine_models import markov_pair, random_pair
 
 SPEC = SpecConfig(num_speculative_tokens=3)
@@ -95,6 +97,38 @@ def test_a_stopped_row_never_writes_into_what_its_slot_holds(attending):
     engine.copy_row(("slot", 1), ("slot", 0), held=99)
     engine.step(SPEC, True, engine.spans[-1])
     assert _decode(engine, 0, engine.prefill_chunk(0, prompt, 99, 100, new, SamplingParams(), 0)[0], new) == ref
+
+
+def test_packed_prompts_equal_prompts_alone(attending):
+    """Three prompts (greedy and seeded sampling, one with a penalty) packed into one insert: each attends
+    only to itself and gets the tokens, acceptance and penalties it gets inserted alone."""
+    from eagle_jax.decoding.penalties import Penalties
+
+    rows = [Admission(0, tuple(_prompt(30, 37)), 12, SamplingParams(), 0),
+            Admission(2, tuple(_prompt(31, 5)), 12, SamplingParams(temperature=1.0), 7, penalties=Penalties(presence=1.5)),
+            Admission(3, tuple(_prompt(32, 60)), 12, SamplingParams(temperature=1.0), 8)]
+
+    def run(rows):
+        engine = SlotEngine(*attending, slots=4, max_len=MAX_LEN, specs=(SPEC,), rounds_per_step=2)
+        got = {r.slot: ([first], []) for r, (first, _) in zip(rows, engine.insert_many(rows))}
+        while not all(len(t) >= 12 for t, _ in got.values()):
+            out = engine.step(SPEC, False, engine.spans[-1])
+            for slot, (tokens, accepted) in got.items():
+                tokens += out.tokens[slot]
+                accepted += out.accepted[slot]
+        return got
+
+    alone = {}
+    for r in rows:
+        alone.update(run([r]))
+    assert run(rows) == alone
+    engine = SlotEngine(*attending, slots=4, max_len=MAX_LEN, specs=(SPEC,))
+    with pytest.raises(ConfigError, match="distinct slots"):
+        engine.insert_many([rows[0], rows[0]])
+    with pytest.raises(ConfigError, match=f"1..{INSERT_ROWS} prompts"):
+        engine.insert_many([])
+    with pytest.raises(ConfigError, match="do not fit one insert"):
+        engine.insert_many([Admission(s, tuple(_prompt(s, 150)), 1, SamplingParams(), 0) for s in range(2)])
 
 
 def test_chunk_errors(pair):

@@ -32,21 +32,26 @@ def eos(pair):
     return plain.tokens[0][12]
 
 
-def _scheduler(pair, eos_id, slots=3, rounds=3, schedule=SCHEDULE):
+def _scheduler(pair, eos_id, slots=3, rounds=3, schedule=SCHEDULE, start=True):
     target, drafter = pair
     engine = SlotEngine(target, drafter, slots=slots, max_len=96, specs=schedule.specs, rounds_per_step=rounds, eos_ids=(eos_id,))
-    return Scheduler(engine, schedule).start()
+    sched = Scheduler(engine, schedule)
+    return sched.start() if start else sched
 
 
 def test_continuous_batching_equals_generate(pair, eos):
-    """8 requests through 3 slots (admitted as others finish; depth 3/2/none by occupancy)."""
+    """8 requests through 3 slots (admitted as others finish; depth 3/2/none by occupancy). The three
+    waiting when the scheduler starts are prefilled by one program, packed into one row."""
     target, drafter = pair
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 32, size=int(n)).tolist() for n in rng.integers(2, 40, size=8)]
     limits = [int(m) for m in rng.integers(1, 30, size=8)]
-    sched = _scheduler(pair, eos)
+    sched = _scheduler(pair, eos, start=False)
+    packed, insert_many = [], sched.engine.insert_many
+    sched.engine.insert_many = lambda rows: packed.append(len(rows)) or insert_many(rows)
     try:
         handles = [sched.submit(Request(tuple(p), m)) for p, m in zip(prompts, limits)]
+        sched.start()
         for h in handles:
             h.wait(300)
     finally:
@@ -61,6 +66,7 @@ def test_continuous_batching_equals_generate(pair, eos):
         assert h.finish_reason == ("stop" if ref[-1] == eos else "length")
         reasons.add(h.finish_reason)
     assert reasons == {"stop", "length"}
+    assert packed[0] == 3 and sum(packed) == 8, packed
     assert sum(h.accepted.count(2) + h.accepted.count(3) for h in handles) > 0  # multi-token rounds happened
     assert sched.engine.compile_events  # and were compiled once per program, counted
 
@@ -253,12 +259,12 @@ def test_n_choices_share_one_prefill(pair, eos):
     schedule = SpecSchedule.parse("1:3")
     engine = SlotEngine(target, drafter, slots=4, max_len=96, specs=schedule.specs, rounds_per_step=3, eos_ids=(eos,))
     sched = Scheduler(engine, schedule)
-    calls = {"insert": 0, "fork": 0}
+    calls = {"insert_many": 0, "fork": 0}  # prompts prefilled, forks
     for name in calls:
         real = getattr(sched.engine, name)
 
         def counted(*a, _real=real, _name=name, **k):
-            calls[_name] += 1
+            calls[_name] += len(a[0]) if _name == "insert_many" else 1
             return _real(*a, **k)
 
         setattr(sched.engine, name, counted)
@@ -268,7 +274,7 @@ def test_n_choices_share_one_prefill(pair, eos):
     try:
         for h in greedy + sampled:
             h.wait(300)
-        assert calls["fork"] >= 2 and calls["insert"] + calls["fork"] == 6
+        assert calls["fork"] >= 2 and calls["insert_many"] + calls["fork"] == 6
         alone = [sched.submit(Request(prompt, 20, sp, seed=40 + j)) for j in range(3)]
         for h in alone:
             h.wait(300)

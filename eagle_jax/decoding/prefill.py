@@ -1,5 +1,6 @@
-"""Prompts into caches: the whole prompt at once (``prefill``, ``start``: ``generate``'s first step) or
-a chunk at a time after what a cache already holds (``prefill_chunk``: the serving engine's chunked
+"""Prompts into caches: the whole prompt at once (``prefill``, ``start``: ``generate``'s first step),
+several whole prompts packed into one row (``prefill_packed``: the serving engine's inserts), or a
+chunk at a time after what a cache already holds (``prefill_chunk``: the serving engine's chunked
 prefill and prefix reuse).
 
 A drafter's cache entry at position t pairs the target's aux states at t with token t+1, so a prompt's
@@ -17,6 +18,7 @@ from eagle_jax.decoding.engine import Plan, causal_cache_mask, pick, placed, tar
 from eagle_jax.decoding.sampling import RowSampling, split_rows
 from eagle_jax.decoding.state import LoopState, counted, emit
 from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.layers import document_mask
 from eagle_jax.modeling.target import KVCache, Target, window_mask
 
 Array = jax.Array
@@ -65,6 +67,38 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     d_feat = jnp.take_along_axis(feat, last[:, None, None], axis=1)[:, 0]
     last_aux = jnp.take_along_axis(aux, last[:, None, None], axis=1)[:, 0]
     return Prefilled(t_cache, d_cache, first, drafter.lm_head(normed_last), d_feat, last_logits, last_aux)
+
+
+def prefill_packed(target: Target, drafter: Drafter | None, plan: Plan, ids: Array, positions: Array, segments: Array,
+                   starts: Array, lens: Array, rs: RowSampling, keys: Array) -> Prefilled:
+    """Prompts packed one after another in one row (``ids``, ``positions``, ``segments`` [1, P]: prompt i
+    at ``starts[i]..starts[i]+lens[i]-1`` with positions from 0 and segment id i+1, padding segment 0),
+    each attending only to itself: one forward for all of them and no padding per prompt (the
+    variable-length prefill of vLLM and SGLang). Returns per prompt [M, ...] what ``prefill`` gives for
+    it alone, with caches of P slots holding prompt i at slots 0..lens[i]-1 (past them: whatever
+    followed it in the row, rewritten before it is read). A prompt may be listed twice (the same start
+    and length): its rows are then the same."""
+    p = ids.shape[1]
+    window = target.config.sliding_window
+    zero = jnp.zeros((1,), jnp.int32)
+    t_cache = placed(plan, target.init_cache(1, p, target_dtype(target, plan)))
+    hidden, aux, t_cache = target_forward(target, drafter, plan, ids, positions, document_mask(positions, segments, window), t_cache, zero)
+    last = starts + lens - 1
+    slots = jnp.clip(starts[:, None] + jnp.arange(p)[None, :], 0, p - 1)  # [M, P]: prompt i's row of the cache
+
+    def unpack(cache):  # [1, H, P, D] -> [M, H, P, D]
+        return jnp.moveaxis(cache[0][:, slots], 1, 0)
+
+    last_logits = target.logits(hidden[0, last])
+    first = pick(last_logits, plan, rs, keys)
+    t_rows = jax.tree.map(unpack, t_cache)
+    if drafter is None:
+        return Prefilled(t_rows, None, first, None, None, last_logits)
+    # Pair (feature of position t, token t+1) within each prompt, its first generated token last.
+    nxt = jnp.concatenate([ids[0, 1:], jnp.zeros((1,), ids.dtype)]).at[last].set(first)[None]
+    normed, feat, d_cache = drafter.layer(drafter.fuse(aux.astype(drafter.dtype)), nxt, positions, document_mask(positions, segments, None),
+                                          placed(plan, drafter.init_cache(1, p)), zero)
+    return Prefilled(t_rows, jax.tree.map(unpack, d_cache), first, drafter.lm_head(normed[0, last]), feat[0, last], last_logits, aux[0, last])
 
 
 def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array, max_new: int,

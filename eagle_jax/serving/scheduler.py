@@ -5,8 +5,8 @@ that collects tokens as they come (and calls an optional listener from the engin
 steps the loop frees finished and cancelled slots, prefills waiting requests into free slots in arrival
 order, and picks the speculation config for the number of occupied slots (``SpecSchedule``).
 
-A prompt is prefilled whole (``insert``) or, past the engine's per-step prefill budget (``chunk``
-tokens), in chunks between steps, so a long prompt never stalls the running streams for long. With
+A prompt is prefilled whole (``insert_many``: the waiting prompts that fit the step's budget, packed
+into one program) or, past the engine's per-step prefill budget (``chunk`` tokens), in chunks between steps, so a long prompt never stalls the running streams for long. With
 the engine's ``prefix_cache`` a prompt starts from the longest prefix of it that a cache row holds
 (``prefix_cache.PrefixIndex``: a busy or freed slot, or a pool row), copied into its slot.
 
@@ -35,7 +35,7 @@ from eagle_jax.generate import acceptance_summary
 from eagle_jax.decoding.autospec import AcceptanceEstimate
 from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.serving.prefix_cache import PrefixIndex
-from eagle_jax.serving.slots import SlotEngine, StepOutput
+from eagle_jax.serving.slots import INSERT_ROWS, Admission, SlotEngine, StepOutput
 
 log = logging.getLogger("eagle_jax.serving")
 T = TypeVar("T")
@@ -362,23 +362,29 @@ class Scheduler:
         return None
 
     def _admit(self, cancel: np.ndarray) -> None:
-        """Takes waiting requests into free slots and spends this step's prefill budget (the engine's
-        ``chunk`` tokens while streams decode) on the prompts in progress, oldest first."""
+        """Takes waiting requests into free slots while this step's prefill budget (the engine's ``chunk``
+        tokens while streams decode) lasts, then spends it on the prompts in progress, oldest first."""
         # Prompts wait for no stream when none decodes: then the whole context's worth may be prefilled.
         decoding = any(h is not None and slot not in self._prefilling for slot, h in enumerate(self._slots))
-        budget = self._prefill(self.engine.chunk if decoding else self.engine.max_len)
-        while budget > 0:
+        budget = self.engine.chunk if decoding else self.engine.max_len
+
+        def owed() -> int:
+            return sum(len(self._slots[s].request.prompt) - start for s, start in self._prefilling.items())
+
+        while owed() < budget:
             free = [slot for slot, h in enumerate(self._slots) if h is None]
             if not free:
-                return
+                break
             with self._cv:
                 if not self._waiting:
-                    return
+                    break
                 h = self._waiting.popleft()
             if h.cancelled:  # gone before it started
                 h._finish(h._cancel, time.perf_counter())
                 continue
             r = h.request
+            if r.group is not None and any(self._slots[s].request.group == r.group for s in self._prefilling):
+                budget = self._prefill(budget)  # its group's prompt first, so that it starts from that prefill
             src, slot, reuse = self._prefilled(r), free[0], 0
             if src is None and self._prefix is not None:
                 slot, reuse = self._reuse_prefix(free, r.prompt)
@@ -389,11 +395,11 @@ class Scheduler:
             self._slots[slot] = h
             if src is not None:  # the copies of one prompt: all of it is in the source slot
                 h.cached_tokens = len(r.prompt)
-                self._run_prefill(slot, lambda: self.engine.fork(src, slot, r.max_tokens, r.sampling, r.seed,
-                                                                 stop_at_eos=not r.ignore_eos, penalties=r.penalties))
+                self._run_prefill([slot], lambda: [self.engine.fork(src, slot, r.max_tokens, r.sampling, r.seed,
+                                                                   stop_at_eos=not r.ignore_eos, penalties=r.penalties)])
                 continue
             self._prefilling[slot] = h.cached_tokens = reuse
-            budget = self._prefill(budget)
+        self._prefill(budget)
 
     def _reuse_prefix(self, free: list[int], prompt: tuple[int, ...]) -> tuple[int, int]:
         """Picks the slot for ``prompt`` and puts the longest cached prefix of it there (first keeping
@@ -414,51 +420,68 @@ class Scheduler:
         return slot, reuse
 
     def _prefill(self, budget: int) -> int:
-        """Prefills prompts in progress within ``budget`` tokens (a whole prompt from its start by one
-        ``insert``, else chunks of at most the engine's ``chunk``); returns the budget left."""
+        """Prefills prompts in progress within ``budget`` tokens: whole prompts from their start together,
+        packed into ``insert_many`` programs, others in chunks of at most the engine's ``chunk``; returns
+        the budget left."""
+        whole: list[int] = []
         for slot in list(self._prefilling):
             while slot in self._prefilling:
                 h, start = self._slots[slot], self._prefilling[slot]
                 r = h.request
                 left = len(r.prompt) - start
                 if budget < min(left, self.engine.chunk_sizes[0]):
+                    self._insert(whole)
                     return budget
-                common = dict(stop_at_eos=not r.ignore_eos, penalties=r.penalties)
                 if start == 0 and left <= budget:
                     budget -= left
-                    self._run_prefill(slot, lambda: self.engine.insert(slot, r.prompt, r.max_tokens, r.sampling, r.seed, **common))
+                    whole.append(slot)
                     break
                 end = start + min(left, budget, self.engine.chunk)
                 budget -= end - start
                 self._prefilling[slot] = end
                 if self._prefix is not None and end < len(r.prompt):
                     self._prefix.set(("slot", slot), r.prompt[:end])
-                self._run_prefill(slot, lambda: self.engine.prefill_chunk(slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, **common))
+                self._run_prefill([slot], lambda: [self.engine.prefill_chunk(
+                    slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos, penalties=r.penalties)])
+        self._insert(whole)
         return budget
 
-    def _run_prefill(self, slot: int, program: Callable[[], tuple[int, bool] | None]) -> None:
-        """Runs a prefill program for the request in ``slot``; once it gives the first token the request
-        starts: it is delivered, and the request ends there if that already finishes it."""
-        h = self._slots[slot]
+    def _insert(self, slots: list[int]) -> None:
+        """Prefills the whole prompts of ``slots``, ``INSERT_ROWS`` at a time."""
+        for i in range(0, len(slots), INSERT_ROWS):
+            group = slots[i: i + INSERT_ROWS]
+            rows = [Admission(s, self._slots[s].request.prompt, self._slots[s].request.max_tokens, self._slots[s].request.sampling,
+                              self._slots[s].request.seed, not self._slots[s].request.ignore_eos, self._slots[s].request.penalties)
+                    for s in group]
+            self._run_prefill(group, lambda: self.engine.insert_many(rows))
+
+    def _run_prefill(self, slots: list[int], program: Callable[[], list[tuple[int, bool] | None]]) -> None:
+        """Runs a prefill program for the requests in ``slots``; once it gives a request's first token the
+        request starts: it is delivered, and the request ends there if that already finishes it."""
         try:
-            got = program()
+            results = program()
         except Exception as exc:
-            self._prefilling.pop(slot, None)
-            self._slots[slot] = None
-            h._finish("error", time.perf_counter(), str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, ConfigError):  # this request's own problem; anything else fails the engine
+            now = time.perf_counter()
+            for slot in slots:
+                h = self._slots[slot]
+                self._prefilling.pop(slot, None)
+                self._slots[slot] = None
+                h._finish("error", now, str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, ConfigError):  # these requests' own problem; anything else fails the engine
                 return
             raise
-        if got is None:
-            return
-        first, done = got
-        self._prefilling.pop(slot, None)
-        self._lengths[slot] = len(h.request.prompt)
-        if self._prefix is not None:
-            self._prefix.set(("slot", slot), h.request.prompt)
-        h._deliver([first], time.perf_counter())
-        if done or first in h.stops:
-            self._release(slot, done)
+        for slot, got in zip(slots, results):
+            if got is None:
+                continue
+            h = self._slots[slot]
+            first, done = got
+            self._prefilling.pop(slot, None)
+            self._lengths[slot] = len(h.request.prompt)
+            if self._prefix is not None:
+                self._prefix.set(("slot", slot), h.request.prompt)
+            h._deliver([first], time.perf_counter())
+            if done or first in h.stops:
+                self._release(slot, done)
 
 
 def _stop_end(tokens: Sequence[int], stops: frozenset[int]) -> int | None:

@@ -1,7 +1,8 @@
 """The slot engine: a fixed number of batch rows ("slots") whose caches are allocated once.
 
 A request is prefilled into a free slot by a jitted ``insert`` (target prefill with aux capture and
-drafter prefill, prompt padded to a length bucket), then advanced with every other occupied slot by a
+drafter prefill; up to ``INSERT_ROWS`` waiting prompts packed into one row, each attending only to
+itself, padded to a length bucket), then advanced with every other occupied slot by a
 jitted ``step``: up to ``rounds_per_step`` speculative rounds of the same ``one_round`` that ``generate``
 runs, with per-slot sampling parameters, logits processors, keys, token limits and EOS handling
 (``ignore_eos``) as arrays and free slots masked. The host (``scheduler.Scheduler``) admits, streams
@@ -34,7 +35,7 @@ from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding.engine import Plan, extend_drafter, pick, run_rounds, scratch_slots
-from eagle_jax.decoding.prefill import prefill, prefill_chunk
+from eagle_jax.decoding.prefill import prefill_chunk, prefill_packed
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams, split_rows
 from eagle_jax.decoding.scoring import TokenLogprobs, token_logprobs
@@ -49,6 +50,7 @@ CHUNK_SIZES = (32, 128)  # prefill chunk programs below the engine's ``chunk`` (
 # Prompt tokens one step's prefill computes at most while streams decode: smaller keeps running streams
 # smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill").
 DEFAULT_CHUNK = 512
+INSERT_ROWS = 8  # prompts one insert prefills at most, packed into one row (``insert_many``)
 # LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar, and
 # adaptive chains' ``worth`` / ``costs``, unused here, are per program).
 _PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds", "worth", "costs"))
@@ -56,8 +58,10 @@ _PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in 
 
 def describe_program(key: tuple) -> str:
     """A program key in words (the server logs one line per compiled program)."""
-    if key[0] in ("insert", "score"):
-        return f"{key[0]} of prompts up to {key[1]} tokens"
+    if key[0] == "insert":
+        return f"insert of up to {INSERT_ROWS} prompts, {key[1]} tokens in all"
+    if key[0] == "score":
+        return f"score of sequences up to {key[1]} tokens"
     if key[0] == "fork":
         return "fork (another choice of a prefilled prompt)"
     if key[0] == "chunk":
@@ -82,6 +86,20 @@ class StepOutput:
     # [slots, 2] with a drafter: (summed chance that the drafter's first draft is accepted, rounds) over
     # the step's rounds without drafts (engine ``probe_acceptance``)
     probe: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request starting in a free slot (``SlotEngine.insert_many``): its prompt, token limit, sampling
+    rules, seed, whether EOS ends it, and its logits processors (``stop_ids``: what ``min_tokens`` holds back)."""
+
+    slot: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int
+    stop_at_eos: bool = True
+    penalties: Penalties = Penalties()
 
 
 class SlotEngine:
@@ -247,7 +265,7 @@ class SlotEngine:
             if key in self._programs:
                 continue
             if key[0] == "insert":
-                self._program(key, self._insert_fn(key[1]), self._insert_args(key[1], [0], 1, SamplingParams(), 0, 0, True, Penalties()))
+                self._program(key, self._insert_fn(key[1]), self._insert_args(key[1], [Admission(0, (0,), 1, SamplingParams(), 0)]))
             elif key[0] == "fork":
                 self._program(key, self._fork_fn(), self._fork_args(0, 0, (0,), None, None, 1, SamplingParams(), 0, True, Penalties()))
             elif key[0] == "score":
@@ -287,18 +305,30 @@ class SlotEngine:
         """Prefills ``prompt`` into ``slot`` (free); returns (first token, done already). With
         ``stop_at_eos`` False an EOS first token does not end the request (``ignore_eos``). ``penalties``:
         the request's logits processors, ``stop_ids`` the tokens ``min_tokens`` holds back."""
-        self.check_prompt(prompt, max_tokens)
-        p = self._insert_bucket(len(prompt))
+        return self.insert_many([Admission(slot, tuple(prompt), max_tokens, sampling, seed, stop_at_eos, penalties)])[0]
+
+    def insert_many(self, rows: Sequence["Admission"]) -> list[tuple[int, bool]]:
+        """Prefills up to ``INSERT_ROWS`` prompts into their (free, distinct) slots in one program, packed
+        into one row of their summed length (``prefill_packed``): what ``insert`` gives each alone."""
+        if not 1 <= len(rows) <= INSERT_ROWS or len({r.slot for r in rows}) != len(rows):
+            raise ConfigError(f"one insert takes 1..{INSERT_ROWS} prompts for distinct slots, got slots {[r.slot for r in rows]}")
+        for r in rows:
+            self.check_prompt(r.prompt, r.max_tokens)
+        total = sum(len(r.prompt) for r in rows)
+        if total > self.cache_len:
+            raise ConfigError(f"prompts of {total} tokens in all do not fit one insert (at most {self.cache_len})")
+        p = self._insert_bucket(total)
         largest = self._insert_bucket(self.max_len - 1)
         larger = [("insert", b) for b in sorted({self._insert_bucket(b) for b in PROMPT_BUCKETS}) if p < b <= largest]
-        args = self._insert_args(p, prompt, max_tokens, sampling, seed, slot, stop_at_eos, penalties)
+        args = self._insert_args(p, rows)
         key, program = self._program(("insert", p), self._insert_fn(p), args, covers=larger)
         if key[1] != p:  # a larger bucket's program: pad further
-            args = self._insert_args(key[1], prompt, max_tokens, sampling, seed, slot, stop_at_eos, penalties)
+            args = self._insert_args(key[1], rows)
         self.state, first, done, last_logits, last_aux = program(*args)
-        self._prompts[slot] = (tuple(prompt), last_logits, last_aux)
+        for i, r in enumerate(rows):
+            self._prompts[r.slot] = (tuple(r.prompt), last_logits[i: i + 1], None if last_aux is None else last_aux[i: i + 1])
         first, done = jax.device_get((first, done))
-        return int(first), bool(done)
+        return [(int(first[i]), bool(done[i])) for i in range(len(rows))]
 
     def prompt_of(self, slot: int) -> tuple[int, ...] | None:
         """The prompt whose prefill ``slot`` holds (inserted or forked there), None if none yet."""
@@ -325,34 +355,51 @@ class SlotEngine:
     def _insert_bucket(self, n: int) -> int:
         return min(bucket(n), self.cache_len)
 
-    def _insert_args(self, p: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int, slot: int,
-                     stop_at_eos: bool, penalties: Penalties) -> tuple:
-        ids = np.zeros((1, p), np.int32)
-        ids[0, : len(prompt)] = prompt
-        rows = RowPenalties.build([penalties], [list(prompt)], self.target.config.vocab_size)
-        return (self._t_state, self._d_state, self.state, jnp.int32(slot), jnp.asarray(ids), jnp.asarray([len(prompt)], jnp.int32),
-                RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
+    def _insert_args(self, p: int, rows: Sequence["Admission"]) -> tuple:
+        """The packed row of ``rows``' prompts and their per-prompt arrays, padded to ``INSERT_ROWS`` by
+        repeating the first (a repeated row writes what the first does)."""
+        ids, positions, segments = (np.zeros((1, p), np.int32) for _ in range(3))
+        starts, at = [], 0
+        for i, r in enumerate(rows):
+            n = len(r.prompt)
+            ids[0, at: at + n], positions[0, at: at + n], segments[0, at: at + n] = r.prompt, np.arange(n), i + 1
+            starts.append(at)
+            at += n
+        pad = [0] * (INSERT_ROWS - len(rows))
+        rows, starts = [*rows, *(rows[i] for i in pad)], starts + [starts[i] for i in pad]
+        penalties = RowPenalties.build([r.penalties for r in rows], [list(r.prompt) for r in rows], self.target.config.vocab_size)
+        sampling = jax.tree.map(lambda *a: jnp.concatenate(a), *(RowSampling.fill(r.sampling, 1) for r in rows))
+        sampling = dataclasses.replace(sampling, penalties=penalties)
+
+        def col(values, dtype):
+            return jnp.asarray(values, dtype)
+
+        return (self._t_state, self._d_state, self.state, col([r.slot for r in rows], jnp.int32), jnp.asarray(ids), jnp.asarray(positions),
+                jnp.asarray(segments), col(starts, jnp.int32), col([len(r.prompt) for r in rows], jnp.int32), sampling,
+                jnp.stack([jax.random.key(r.seed) for r in rows]), col([r.max_tokens for r in rows], jnp.int32),
+                col([r.stop_at_eos for r in rows], jnp.bool_))
 
     def _insert_fn(self, p: int):
         eos = self.eos_ids
-        plan = Plan(batch=1, cache_len=p, max_rounds=0, spec=None, greedy=False, eos_ids=eos, exact=self.exact)
+        plan = Plan(batch=INSERT_ROWS, cache_len=p, max_rounds=0, spec=None, greedy=False, eos_ids=eos, exact=self.exact)
 
-        def insert(t_state, d_state, st: LoopState, slot, prompt, plen, rs, key, max_tokens, stop_at_eos):
+        def insert(t_state, d_state, st: LoopState, slots, ids, positions, segments, starts, plen, rs, keys, max_tokens, stop_at_eos):
             tgt, drf = self._merge(t_state, d_state)
-            keys = split_rows(key[None], 2)
-            pre = prefill(tgt, drf, plan, prompt, plen, rs, keys[:, 1])
-            first = pre.first[0]
-            done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
+            keys = split_rows(keys, 2)
+            pre = prefill_packed(tgt, drf, plan, ids, positions, segments, starts, plen, rs, keys[:, 1])
+            done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(pre.first, jnp.asarray(eos or (-1,), jnp.int32)))
 
-            def put(big, small):  # small [1, ...] into row ``slot`` of big [slots, ...]
-                start = (slot,) + (0,) * (big.ndim - 1)
-                return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), start)
+            def put(big, rows, i):  # prompt i's cache row [P slots] into row ``slots[i]`` of big [slots, ...]
+                return jax.lax.dynamic_update_slice(big, rows[i: i + 1].astype(big.dtype), (slots[i],) + (0,) * (big.ndim - 1))
 
-            st = dataclasses.replace(
-                st, t_cache=jax.tree.map(put, st.t_cache, pre.t_cache),
-                d_cache=None if drf is None else jax.tree.map(put, st.d_cache, pre.d_cache))
-            new = start_row(st, slot, plen[0], first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre)
-            return new, first, done, pre.last_logits, pre.last_aux
+            for i in range(INSERT_ROWS):
+                st = dataclasses.replace(
+                    st, t_cache=jax.tree.map(lambda a, r: put(a, r, i), st.t_cache, pre.t_cache),
+                    d_cache=None if drf is None else jax.tree.map(lambda a, r: put(a, r, i), st.d_cache, pre.d_cache))
+                row_rs = jax.tree.map(lambda a: a[i: i + 1], rs)
+                drafted = None if drf is None else DrafterOut(pre.d_logits[i: i + 1], pre.d_feat[i: i + 1])
+                st = start_row(st, slots[i], plen[i], pre.first[i], done[i], max_tokens[i], stop_at_eos[i], row_rs, keys[i, 0], drafted)
+            return st, pre.first, done, pre.last_logits, pre.last_aux
 
         return insert
 
@@ -360,8 +407,8 @@ class SlotEngine:
                    seed: int, stop_at_eos: bool, penalties: Penalties) -> tuple:
         if last_logits is None:  # shapes only (``precompile``): what an insert leaves
             p = self._insert_bucket(1)
-            out = jax.eval_shape(self._insert_fn(p), *self._insert_args(p, [0], 1, SamplingParams(), 0, 0, True, Penalties()))
-            last_logits, last_aux = out[3], out[4]
+            out = jax.eval_shape(self._insert_fn(p), *self._insert_args(p, [Admission(0, (0,), 1, SamplingParams(), 0)]))
+            last_logits, last_aux = (None if o is None else jax.ShapeDtypeStruct((1, *o.shape[1:]), o.dtype) for o in out[3:5])
         rows = RowPenalties.build([penalties], [list(prompt)], self.target.config.vocab_size)
         return (self._t_state, self._d_state, self.state, jnp.int32(src), jnp.int32(dst), jnp.int32(len(prompt)), last_logits, last_aux,
                 RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))

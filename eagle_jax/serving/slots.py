@@ -34,15 +34,16 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
-from eagle_jax.decoding.engine import Plan, extend_drafter, pick, run_rounds, scratch_slots
-from eagle_jax.decoding.prefill import prefill_chunk, prefill_packed
+from eagle_jax.decoding.engine import Plan, scratch_slots
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
-from eagle_jax.decoding.sampling import RowSampling, SamplingParams, split_rows
+from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.decoding.scoring import TokenLogprobs, token_logprobs
-from eagle_jax.decoding.state import DrafterOut, LoopState, start_row
+from eagle_jax.decoding.state import LoopState
 from eagle_jax.generate import PROMPT_BUCKETS, bucket
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
+from eagle_jax.serving.slot_programs import (INSERT_ROWS, chunk_program, copy_program, fork_program, insert_program,
+                                             step_program)
 
 Array = jax.Array
 MIN_SPAN = 256  # the shortest span a step is compiled for (``SlotEngine.spans``)
@@ -50,10 +51,6 @@ CHUNK_SIZES = (32, 128)  # prefill chunk programs below the engine's ``chunk`` (
 # Prompt tokens one step's prefill computes at most while streams decode: smaller keeps running streams
 # smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill").
 DEFAULT_CHUNK = 512
-INSERT_ROWS = 8  # prompts one insert prefills at most, packed into one row (``insert_many``)
-# LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar, and
-# adaptive chains' ``worth`` / ``costs``, unused here, are per program).
-_PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds", "worth", "costs"))
 
 
 def describe_program(key: tuple) -> str:
@@ -278,6 +275,23 @@ class SlotEngine:
             else:
                 self._program(key, self._step_fn(*key[1:]), (self._t_state, self._d_state, self.state, np.zeros((self.slots,), bool)))
 
+    def _plan(self, **kw) -> Plan:
+        """A program's plan: one row, the whole cache, no rounds, unless ``kw`` says otherwise."""
+        return Plan(**{"batch": 1, "cache_len": self.cache_len, "max_rounds": 0, "spec": None, "greedy": False,
+                       "eos_ids": self.eos_ids, "exact": self.exact, **kw})
+
+    def _insert_fn(self, p: int):
+        return insert_program(self._merge, self._plan(batch=INSERT_ROWS, cache_len=p))
+
+    def _fork_fn(self):
+        return fork_program(self._merge, self._plan())
+
+    def _chunk_fn(self, c: int, span: int):
+        return chunk_program(self._merge, self._plan(span=span), c)
+
+    def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int):
+        return step_program(self._merge, self._plan(batch=rows, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy, span=span))
+
     def _merge(self, t_state, d_state):
         drf = None if self._d_graph is None else nnx.merge(self._d_graph, d_state)
         return nnx.merge(self._t_graph, t_state), drf
@@ -379,30 +393,6 @@ class SlotEngine:
                 jnp.stack([jax.random.key(r.seed) for r in rows]), col([r.max_tokens for r in rows], jnp.int32),
                 col([r.stop_at_eos for r in rows], jnp.bool_))
 
-    def _insert_fn(self, p: int):
-        eos = self.eos_ids
-        plan = Plan(batch=INSERT_ROWS, cache_len=p, max_rounds=0, spec=None, greedy=False, eos_ids=eos, exact=self.exact)
-
-        def insert(t_state, d_state, st: LoopState, slots, ids, positions, segments, starts, plen, rs, keys, max_tokens, stop_at_eos):
-            tgt, drf = self._merge(t_state, d_state)
-            keys = split_rows(keys, 2)
-            pre = prefill_packed(tgt, drf, plan, ids, positions, segments, starts, plen, rs, keys[:, 1])
-            done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(pre.first, jnp.asarray(eos or (-1,), jnp.int32)))
-
-            def put(big, rows, i):  # prompt i's cache row [P slots] into row ``slots[i]`` of big [slots, ...]
-                return jax.lax.dynamic_update_slice(big, rows[i: i + 1].astype(big.dtype), (slots[i],) + (0,) * (big.ndim - 1))
-
-            for i in range(INSERT_ROWS):
-                st = dataclasses.replace(
-                    st, t_cache=jax.tree.map(lambda a, r: put(a, r, i), st.t_cache, pre.t_cache),
-                    d_cache=None if drf is None else jax.tree.map(lambda a, r: put(a, r, i), st.d_cache, pre.d_cache))
-                row_rs = jax.tree.map(lambda a: a[i: i + 1], rs)
-                drafted = None if drf is None else DrafterOut(pre.d_logits[i: i + 1], pre.d_feat[i: i + 1])
-                st = start_row(st, slots[i], plen[i], pre.first[i], done[i], max_tokens[i], stop_at_eos[i], row_rs, keys[i, 0], drafted)
-            return st, pre.first, done, pre.last_logits, pre.last_aux
-
-        return insert
-
     def _fork_args(self, src: int, dst: int, prompt: Sequence[int], last_logits, last_aux, max_tokens: int, sampling: SamplingParams,
                    seed: int, stop_at_eos: bool, penalties: Penalties) -> tuple:
         if last_logits is None:  # shapes only (``precompile``): what an insert leaves
@@ -412,34 +402,6 @@ class SlotEngine:
         rows = RowPenalties.build([penalties], [list(prompt)], self.target.config.vocab_size)
         return (self._t_state, self._d_state, self.state, jnp.int32(src), jnp.int32(dst), jnp.int32(len(prompt)), last_logits, last_aux,
                 RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
-
-    def _fork_fn(self):
-        eos = self.eos_ids
-        plan = Plan(batch=1, cache_len=self.cache_len, max_rounds=0, spec=None, greedy=False, eos_ids=eos, exact=self.exact)
-
-        def fork(t_state, d_state, st: LoopState, src, dst, plen, last_logits, last_aux, rs, key, max_tokens, stop_at_eos):
-            tgt, drf = self._merge(t_state, d_state)
-            keys = split_rows(key[None], 2)
-            first = pick(last_logits, plan, rs, keys[:, 1])
-
-            def copy(c):  # row src of a cache into row dst (positions past the prompt are rewritten before they are read)
-                return c.at[dst].set(c[src])
-
-            st = dataclasses.replace(st, t_cache=jax.tree.map(copy, st.t_cache))
-            d_out = None
-            if drf is not None:
-                # The drafter's last prompt pair is (feature of the last prompt token, first token): recomputed for this one.
-                row = tuple(jax.lax.dynamic_slice_in_dim(c, src, 1, axis=0) for c in st.d_cache)
-                logits_1, feat_1, row = extend_drafter(drf, plan, last_aux[:, None], first[:, None], jnp.zeros((1,), jnp.int32),
-                                                       (plen - 1)[None], row)
-                st = dataclasses.replace(st, d_cache=tuple(jax.lax.dynamic_update_slice_in_dim(c, r, dst, axis=0) for c, r in zip(st.d_cache, row)))
-                d_out = DrafterOut(logits_1, feat_1)
-            first = first[0]
-            done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
-            new = start_row(st, dst, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], d_out)
-            return new, first, done
-
-        return fork
 
     # ------------------------------------------------------------------ chunked prefill, prefix reuse
 
@@ -482,33 +444,6 @@ class SlotEngine:
         return (self._t_state, self._d_state, self.state, jnp.int32(slot), jnp.asarray(ids), jnp.int32(start), jnp.int32(len(prompt)),
                 RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
 
-    def _chunk_fn(self, c: int, span: int):
-        eos = self.eos_ids
-        plan = Plan(batch=1, cache_len=self.cache_len, max_rounds=0, spec=None, greedy=False, eos_ids=eos, span=span, exact=self.exact)
-
-        def chunk(t_state, d_state, st: LoopState, slot, ids, start, plen, rs, key, max_tokens, stop_at_eos):
-            tgt, drf = self._merge(t_state, d_state)
-            keys = split_rows(key[None], 2)
-
-            def row(a):
-                return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0)
-
-            def put(a, r):
-                return jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0)
-
-            d_row = None if drf is None else jax.tree.map(row, st.d_cache)
-            pre = prefill_chunk(tgt, drf, plan, ids, start[None], plen[None], jax.tree.map(row, st.t_cache), d_row, rs, keys[:, 1])
-            st = dataclasses.replace(st, t_cache=jax.tree.map(put, st.t_cache, pre.t_cache),
-                                     d_cache=None if drf is None else jax.tree.map(put, st.d_cache, pre.d_cache))
-            first = pre.first[0]
-            final = plen <= start + c
-            done = (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
-            new = start_row(st, slot, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre,
-                            when=final, held=start + c)
-            return new, first, done, pre.last_logits, pre.last_aux
-
-        return chunk
-
     def copy_row(self, src: tuple[str, int], dst: tuple[str, int], held: int = 0) -> None:
         """Copies one row of the target's and the drafter's caches, whole: ``("slot", i)`` or ``("pool", j)``
         (the rows that keep prefixes for reuse). A destination slot's row is stopped at length ``held``, the
@@ -530,22 +465,9 @@ class SlotEngine:
             t0 = time.perf_counter()
             args = (self.state, self.pool, jnp.int32(0), jnp.int32(0), jnp.int32(0))
             abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-            program = jax.jit(self._copy_fn(key[1], key[2]), donate_argnums=(0, 1)).lower(*abstract).compile()
+            program = jax.jit(copy_program(key[1], key[2]), donate_argnums=(0, 1)).lower(*abstract).compile()
             self._compiled(key, program, time.perf_counter() - t0)
         return program
-
-    @staticmethod
-    def _copy_fn(src_kind: str, dst_kind: str):
-        def copy(st: LoopState, pool, src, dst, held):
-            caches = {"slot": (st.t_cache, st.d_cache), "pool": pool}
-            row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, src, 1, axis=0), caches[src_kind])
-            out = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), dst, axis=0), caches[dst_kind], row)
-            if dst_kind == "pool":
-                return st, out
-            return dataclasses.replace(st, t_cache=out[0], d_cache=out[1], length=st.length.at[dst].set(held),
-                                       done=st.done.at[dst].set(True)), pool
-
-        return copy
 
     # ------------------------------------------------------------------ scoring
 
@@ -631,25 +553,3 @@ class SlotEngine:
             keys = [k for k in self._programs if k[0] == "step" and k[1] == spec and k[3] >= span and k[4] >= rows
                     and (k[2] == greedy or not k[2])]
         return sorted(keys, key=lambda k: (k[3] * k[4], k[2] != greedy))
-
-    def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int):
-        plan = Plan(
-            batch=rows, cache_len=self.cache_len, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy,
-            eos_ids=self.eos_ids, span=span, exact=self.exact,
-        )
-
-        def step(t_state, d_state, st: LoopState, cancel):
-            tgt, drf = self._merge(t_state, d_state)
-            # A step's outputs start empty; what the last step emitted comes off each row's budget.
-            st = dataclasses.replace(st, limit=st.limit - st.n_out, n_out=jnp.zeros_like(st.n_out), done=st.done | cancel,
-                                     rounds=jnp.int32(0), accepted=jnp.full_like(st.accepted, -1),
-                                     probe=None if st.probe is None else jnp.zeros_like(st.probe))
-            # The rounds see the leading ``rows`` rows of every per-row array and the whole caches, which
-            # they update in place (rows beyond are free slots: neither read nor written).
-            sub = dataclasses.replace(st, **{f: jax.tree.map(lambda a: a[:rows], getattr(st, f)) for f in _PER_ROW})
-            sub = run_rounds(tgt, drf, plan, sub, jnp.int32(plan.max_rounds))
-            return dataclasses.replace(sub, **{
-                f: jax.tree.map(lambda a, b: a.at[:rows].set(b), getattr(st, f), getattr(sub, f)) for f in _PER_ROW
-            })
-
-        return step

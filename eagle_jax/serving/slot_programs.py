@@ -1,0 +1,147 @@
+"""The slot engine's device programs, as functions to jit: ``insert`` (packed prompts), ``fork``, a
+prefill ``chunk``, a cache row ``copy`` and a ``step``. Each takes the target's and the drafter's
+states, the engine's ``LoopState`` (donated) and its own arguments, and returns the new state first;
+``merge`` rebuilds the models from their states. ``slots.SlotEngine`` builds the arguments, compiles
+the programs (``program_set``) and runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from eagle_jax.decoding.engine import Plan, extend_drafter, pick, run_rounds
+from eagle_jax.decoding.prefill import prefill_chunk, prefill_packed
+from eagle_jax.decoding.sampling import split_rows
+from eagle_jax.decoding.state import DrafterOut, LoopState, start_row
+
+INSERT_ROWS = 8  # prompts one insert prefills at most, packed into one row (``SlotEngine.insert_many``)
+# LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar, and
+# adaptive chains' ``worth`` / ``costs``, unused here, are per program).
+PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds", "worth", "costs"))
+Merge = Callable  # (target state, drafter state) -> (Target, Drafter | None)
+
+
+def _done(first, max_tokens, stop_at_eos, eos: tuple[int, ...]):
+    """Whether a request ends at its first token: a one-token limit, or EOS where EOS stops it."""
+    return (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
+
+
+def insert_program(merge: Merge, plan: Plan):
+    """Prefills ``INSERT_ROWS`` prompts packed into one row (``prefill_packed``; a repeated prompt writes
+    what its first listing does) and starts each in its slot."""
+
+    def insert(t_state, d_state, st: LoopState, slots, ids, positions, segments, starts, plen, rs, keys, max_tokens, stop_at_eos):
+        tgt, drf = merge(t_state, d_state)
+        keys = split_rows(keys, 2)
+        pre = prefill_packed(tgt, drf, plan, ids, positions, segments, starts, plen, rs, keys[:, 1])
+        done = _done(pre.first, max_tokens, stop_at_eos, plan.eos_ids)
+
+        def put(big, rows, i):  # prompt i's cache row [P slots] into row ``slots[i]`` of big [slots, ...]
+            return jax.lax.dynamic_update_slice(big, rows[i: i + 1].astype(big.dtype), (slots[i],) + (0,) * (big.ndim - 1))
+
+        for i in range(INSERT_ROWS):
+            st = dataclasses.replace(
+                st, t_cache=jax.tree.map(lambda a, r: put(a, r, i), st.t_cache, pre.t_cache),
+                d_cache=None if drf is None else jax.tree.map(lambda a, r: put(a, r, i), st.d_cache, pre.d_cache))
+            row_rs = jax.tree.map(lambda a: a[i: i + 1], rs)
+            drafted = None if drf is None else DrafterOut(pre.d_logits[i: i + 1], pre.d_feat[i: i + 1])
+            st = start_row(st, slots[i], plen[i], pre.first[i], done[i], max_tokens[i], stop_at_eos[i], row_rs, keys[i, 0], drafted)
+        return st, pre.first, done, pre.last_logits, pre.last_aux
+
+    return insert
+
+
+def fork_program(merge: Merge, plan: Plan):
+    """Starts another request for the prompt prefilled in slot ``src`` in slot ``dst``: its caches copied,
+    its first token drawn from the stored last-position logits, the drafter's last prompt pair recomputed."""
+
+    def fork(t_state, d_state, st: LoopState, src, dst, plen, last_logits, last_aux, rs, key, max_tokens, stop_at_eos):
+        tgt, drf = merge(t_state, d_state)
+        keys = split_rows(key[None], 2)
+        first = pick(last_logits, plan, rs, keys[:, 1])
+
+        def copy(c):  # row src of a cache into row dst (positions past the prompt are rewritten before they are read)
+            return c.at[dst].set(c[src])
+
+        st = dataclasses.replace(st, t_cache=jax.tree.map(copy, st.t_cache))
+        d_out = None
+        if drf is not None:
+            # The drafter's last prompt pair is (feature of the last prompt token, first token): recomputed for this one.
+            row = tuple(jax.lax.dynamic_slice_in_dim(c, src, 1, axis=0) for c in st.d_cache)
+            logits_1, feat_1, row = extend_drafter(drf, plan, last_aux[:, None], first[:, None], jnp.zeros((1,), jnp.int32),
+                                                   (plen - 1)[None], row)
+            st = dataclasses.replace(st, d_cache=tuple(jax.lax.dynamic_update_slice_in_dim(c, r, dst, axis=0) for c, r in zip(st.d_cache, row)))
+            d_out = DrafterOut(logits_1, feat_1)
+        first = first[0]
+        done = _done(first, max_tokens, stop_at_eos, plan.eos_ids)
+        return start_row(st, dst, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], d_out), first, done
+
+    return fork
+
+
+def chunk_program(merge: Merge, plan: Plan, c: int):
+    """Computes prompt positions ``start..start+c-1`` into ``slot`` (``prefill_chunk``); the request starts
+    where the chunk reaches the prompt's end, and otherwise its row stays stopped at ``start + c``."""
+
+    def chunk(t_state, d_state, st: LoopState, slot, ids, start, plen, rs, key, max_tokens, stop_at_eos):
+        tgt, drf = merge(t_state, d_state)
+        keys = split_rows(key[None], 2)
+
+        def row(a):
+            return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0)
+
+        def put(a, r):
+            return jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0)
+
+        d_row = None if drf is None else jax.tree.map(row, st.d_cache)
+        pre = prefill_chunk(tgt, drf, plan, ids, start[None], plen[None], jax.tree.map(row, st.t_cache), d_row, rs, keys[:, 1])
+        st = dataclasses.replace(st, t_cache=jax.tree.map(put, st.t_cache, pre.t_cache),
+                                 d_cache=None if drf is None else jax.tree.map(put, st.d_cache, pre.d_cache))
+        first = pre.first[0]
+        done = _done(first, max_tokens, stop_at_eos, plan.eos_ids)
+        new = start_row(st, slot, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre,
+                        when=plen <= start + c, held=start + c)
+        return new, first, done, pre.last_logits, pre.last_aux
+
+    return chunk
+
+
+def copy_program(src_kind: str, dst_kind: str):
+    """Copies one cache row between the slots ("slot") and the prefix pool ("pool"); a destination slot
+    stops at length ``held`` (``SlotEngine.copy_row``)."""
+
+    def copy(st: LoopState, pool, src, dst, held):
+        caches = {"slot": (st.t_cache, st.d_cache), "pool": pool}
+        row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, src, 1, axis=0), caches[src_kind])
+        out = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), dst, axis=0), caches[dst_kind], row)
+        if dst_kind == "pool":
+            return st, out
+        return dataclasses.replace(st, t_cache=out[0], d_cache=out[1], length=st.length.at[dst].set(held),
+                                   done=st.done.at[dst].set(True)), pool
+
+    return copy
+
+
+def step_program(merge: Merge, plan: Plan):
+    """Up to ``plan.max_rounds`` rounds over the leading ``plan.batch`` slots; slots in ``cancel`` stop first."""
+    rows = plan.batch
+
+    def step(t_state, d_state, st: LoopState, cancel):
+        tgt, drf = merge(t_state, d_state)
+        # A step's outputs start empty; what the last step emitted comes off each row's budget.
+        st = dataclasses.replace(st, limit=st.limit - st.n_out, n_out=jnp.zeros_like(st.n_out), done=st.done | cancel,
+                                 rounds=jnp.int32(0), accepted=jnp.full_like(st.accepted, -1),
+                                 probe=None if st.probe is None else jnp.zeros_like(st.probe))
+        # The rounds see the leading ``rows`` rows of every per-row array and the whole caches, which
+        # they update in place (rows beyond are free slots: neither read nor written).
+        sub = dataclasses.replace(st, **{f: jax.tree.map(lambda a: a[:rows], getattr(st, f)) for f in PER_ROW})
+        sub = run_rounds(tgt, drf, plan, sub, jnp.int32(plan.max_rounds))
+        return dataclasses.replace(sub, **{
+            f: jax.tree.map(lambda a, b: a.at[:rows].set(b), getattr(st, f), getattr(sub, f)) for f in PER_ROW
+        })
+
+    return step

@@ -1,15 +1,17 @@
 """Per-user output throughput against concurrency through the OpenAI-compatible server (the EAGLE 3.1
 release's serving measurement), speculative vs no speculation, on the bundled pair.
 
-    python -m bench.serve [--concurrency 1 4 16] [--ks 3 5 7] [--requests 8] [--max-new 256] [--temperature 1]
+    python -m bench.serve [--concurrency 1 4 16 64] [--ks 3 5 7] [--requests 8] [--max-new 256] [--temperatures 0 1]
 
 For each served system (the target alone; EAGLE-3.1 at each fixed chain depth K; EAGLE-3.1 and EAGLE-3
 with the depth schedule of ``configs/serve/bundled.yaml``; EAGLE-3.1 with ``--spec auto``, the server's
 default: depth per step from measured costs and live acceptance) a server is started on a loopback port and C
 users run a closed loop (each sends its next request when the last returns, streaming) over held-out
 code prompts. Per-user tokens/s = a user's generated tokens / its own wall time, mean over users;
-total = all tokens / the run's wall time; TTFT and inter-token latency percentiles from the stream.
-A warm-up pass at each concurrency compiles the programs first (compile time is reported apart).
+total = all tokens / the run's wall time; TTFT and inter-token latency percentiles from the stream
+(guidellm's metrics, measured the same way). The servers precompile their programs before they report
+ready, as ``eagle-jax-serve`` does; the first pass at each concurrency on a fresh server is reported as
+"cold", then passes run until one compiles nothing new, and the next is measured ("warm").
 
 The same request sequence is then run through ``eagle_jax.generate`` in batches of C (no server, one
 program per batch) for the fixed-depth systems: the server's per-user tokens/s over generate's is what
@@ -113,6 +115,45 @@ def generate_per_user(target, drafter, spec, per_user, max_new: int, eos) -> flo
     return float(np.mean(tokens / seconds))
 
 
+def _row_key(c: int, temperature: float, temperatures: list[float]):
+    """Rows by concurrency; by (concurrency, temperature) when several temperatures are measured."""
+    return c if len(temperatures) == 1 else f"{c}@T={temperature:g}"
+
+
+def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float, prompts, args, target, eos, baseline_texts: dict) -> dict:
+    """One system at one concurrency and temperature: the cold first pass, warm-up passes until nothing
+    new compiles, then the measured pass."""
+    per_user = assign(prompts, c, max(args.requests, c))
+    engine = svc.scheduler.engine
+    t0 = time.perf_counter()
+    cold = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature))
+    for _ in range(3):
+        before = len(engine.compile_events)
+        engine.wait_for_compiles()
+        if len(engine.compile_events) == before:
+            break
+        asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature))
+    warm_s = time.perf_counter() - t0
+    compiles_before = len(engine.compile_events)
+    r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature))
+    r["warmup_s"] = warm_s
+    r["compiles_while_measured"] = len(engine.compile_events) - compiles_before
+    r["cold"] = {k: cold[k] for k in ("per_user_tok_s", "total_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
+    texts = r.pop("texts")
+    key = (c, temperature)
+    if name == "none":
+        baseline_texts[key] = texts
+    r["same_text_as_none"] = texts == baseline_texts.get(key) if temperature == 0 else None
+    if not args.no_generate and temperature == 0 and len(getattr(schedule, "rules", ())) == 1:
+        r["generate_per_user_tok_s"] = generate_per_user(target, drafter, schedule.rules[0][1], per_user, args.max_new, eos)
+        r["server_vs_generate"] = r["per_user_tok_s"] / r["generate_per_user_tok_s"]
+    print(f"{name:20s} C={c:2d} T={temperature:g}: per-user {r['per_user_tok_s']:7.1f} tok/s (cold {cold['per_user_tok_s']:7.1f}), "
+          f"total {r['total_tok_s']:7.1f}, TTFT p50/p99 {r['ttft_p50'] * 1e3:6.0f}/{r['ttft_p99'] * 1e3:6.0f} ms, "
+          f"ITL p50/p99 {(r['itl_p50'] or 0) * 1e3:5.1f}/{(r['itl_p99'] or 0) * 1e3:5.1f} ms"
+          + (f", vs generate {r['server_vs_generate']:.2f}" if "server_vs_generate" in r else ""), flush=True)
+    return r
+
+
 def main(argv=None) -> None:
     import eagle_jax
     from eagle_jax import bundled, compile_cache
@@ -131,7 +172,8 @@ def main(argv=None) -> None:
     ap.add_argument("--schedule", default=None, help="depth schedule of the schedule rows (default: the bundled profile's)")
     ap.add_argument("--systems", nargs="*", default=None, help="the systems to run, by name (default: all)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-at-batch-C comparison")
-    ap.add_argument("--temperature", type=float, default=0.0, help="of every request (seeded per request; outputs are compared only when 0)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+                    help="each concurrency is measured at each (requests seeded; outputs compared with none's only at 0)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="the servers' per-step prefill budget (default: the server's)")
     ap.add_argument("--no-prefix-cache", action="store_true", help="serve without prefix caching")
     ap.add_argument("--out", default="bench/results/serve.json")
@@ -170,44 +212,22 @@ def main(argv=None) -> None:
         rows = {}
         try:
             for c in args.concurrency:
-                per_user = assign(prompts, c, max(args.requests, c))
-                t0 = time.perf_counter()
-                engine = svc.scheduler.engine
-                for _ in range(3):  # warm-up passes until one compiles nothing new
-                    before = len(engine.compile_events)
-                    asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, args.temperature))
-                    engine.wait_for_compiles()
-                    if len(engine.compile_events) == before:
-                        break
-                warm_s = time.perf_counter() - t0
-                compiles_before = len(engine.compile_events)
-                r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, args.temperature))
-                r["warmup_s"] = warm_s
-                r["compiles_while_measured"] = len(engine.compile_events) - compiles_before
-                texts = r.pop("texts")
-                if name == "none":
-                    baseline_texts[c] = texts
-                r["same_text_as_none"] = texts == baseline_texts.get(c) if args.temperature == 0 else None
-                if not args.no_generate and args.temperature == 0 and len(getattr(schedule, "rules", ())) == 1:
-                    r["generate_per_user_tok_s"] = generate_per_user(target, drafter, schedule.rules[0][1], per_user, args.max_new, eos)
-                    r["server_vs_generate"] = r["per_user_tok_s"] / r["generate_per_user_tok_s"]
-                rows[c] = r
-                print(f"{name:20s} C={c:2d}: per-user {r['per_user_tok_s']:7.1f} tok/s, total {r['total_tok_s']:7.1f}, "
-                      f"TTFT p50/p99 {r['ttft_p50'] * 1e3:6.0f}/{r['ttft_p99'] * 1e3:6.0f} ms, "
-                      f"ITL p50/p99 {(r['itl_p50'] or 0) * 1e3:5.1f}/{(r['itl_p99'] or 0) * 1e3:5.1f} ms"
-                      + (f", vs generate {r['server_vs_generate']:.2f}" if "server_vs_generate" in r else ""), flush=True)
+                for temperature in args.temperatures:
+                    rows[_row_key(c, temperature, args.temperatures)] = _measure(srv, svc, name, schedule, drafter, c, temperature, prompts, args,
+                                                                                 target, eos, baseline_texts)
         finally:
             srv.stop()
         results["systems"][name] = {"schedule": schedule.describe(), "by_concurrency": rows,
                                     "compile_s": sum(s for _, s in svc.scheduler.engine.compile_events)}
         write_json(args.out, results)
 
-    report(results, args.concurrency, Path(args.out).with_suffix(".png"))
+    report(results, args.concurrency, args.temperatures, Path(args.out).with_suffix(".png"))
     write_json(args.out, results)
 
 
-def report(results: dict, levels: list[int], plot: Path) -> None:
+def report(results: dict, concurrency: list[int], temperatures: list[float], plot: Path) -> None:
     systems = results["systems"]
+    levels = [_row_key(c, t, temperatures) for t in temperatures for c in concurrency]
     base = systems["none"]["by_concurrency"] if "none" in systems else None
     header = ["system"] + [f"C={c} per-user tok/s (x none)" for c in levels] + [f"C={c} total tok/s" for c in levels]
     rows = []
@@ -228,23 +248,29 @@ def report(results: dict, levels: list[int], plot: Path) -> None:
     for name, s in systems.items():
         for c in levels:
             r = s["by_concurrency"][c]
+            cold = r.get("cold", {})
             lat.append([name, c, f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p90'] * 1e3:.0f}", f"{r.get('ttft_p99', float('nan')) * 1e3:.0f}",
                         f"{(r['itl_p50'] or 0) * 1e3:.1f}",
                         f"{(r['itl_p90'] or 0) * 1e3:.1f}", f"{(r['itl_p99'] or 0) * 1e3:.1f}",
+                        f"{cold['per_user_tok_s'] / r['per_user_tok_s']:.2f}" if cold else "-",
                         f"{r['server_vs_generate']:.2f}" if "server_vs_generate" in r else "-",
                         {True: "yes", False: "NO", None: "-"}[r["same_text_as_none"]]])
-    print_table(["system", "C", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p90", "p99", "server / generate per-user", "text = none"], lat)
+    print_table(["system", "C", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p90", "p99", "cold / warm per-user",
+                 "server / generate per-user", "text = none"], lat)
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key, ax, label in (("per_user_tok_s", axes[0], "per-user output tokens/s"), ("total_tok_s", axes[1], "total output tokens/s")):
-        for name, s in systems.items():
-            ax.plot(levels, [s["by_concurrency"][c][key] for c in levels], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.set_xlabel("concurrent users")
-        ax.set_ylabel(label)
+    fig, axes = plt.subplots(len(temperatures), 2, figsize=(11, 4 * len(temperatures)), squeeze=False)
+    for row, t in zip(axes, temperatures):
+        keys = [_row_key(c, t, temperatures) for c in concurrency]
+        for key, ax, label in (("per_user_tok_s", row[0], "per-user output tokens/s"), ("total_tok_s", row[1], "total output tokens/s")):
+            for name, s in systems.items():
+                ax.plot(concurrency, [s["by_concurrency"][k][key] for k in keys], marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(concurrency, [str(c) for c in concurrency])
+            ax.set_xlabel("concurrent users")
+            ax.set_ylabel(label)
+            ax.set_title(f"temperature {t:g}", fontsize=9)
+        row[0].legend(fontsize=7)
     fig.suptitle("Bundled pair through the server (2-core CPU)")
-    axes[0].legend(fontsize=7)
     fig.tight_layout()
     plot.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(plot, dpi=120)

@@ -112,7 +112,8 @@ async def _drain(url: str, proc: subprocess.Popen, prompts) -> dict:
 
 
 def _check(log: list, sample: int) -> dict:
-    """A sample of finished greedy requests against the target's greedy decoding of each prompt alone."""
+    """Finished greedy requests against the target's greedy decoding of each prompt alone: every one
+    with a long prompt (chunked prefill, prefix reuse) and a sample of the others, ``sample`` in all."""
     import eagle_jax
     from eagle_jax import bundled
     from eagle_jax.generate import eos_ids
@@ -122,14 +123,18 @@ def _check(log: list, sample: int) -> dict:
     target = eagle_jax.load_target(profile["target"], dtype="float32")
     tok = eagle_jax.load_tokenizer(profile["target"])
     eos = list(eos_ids(target, tok))
-    done = [r for r in log if r["kind"] in ("normal", "long") and "text" in r]
-    picked = random.Random(0).sample(done, min(sample, len(done)))
+    long = [r for r in log if r["kind"] == "long" and "text" in r][:sample]
+    normal = [r for r in log if r["kind"] == "normal" and "text" in r]
+    picked = long + random.Random(0).sample(normal, min(sample - len(long), len(normal)))
     bad = []
     for r in picked:
         out = eagle_jax.generate(target, None, [r["prompt"]], max_new_tokens=r["max_tokens"], eos_token_id=eos)
-        if tok.decode(out.tokens[0], skip_special_tokens=True) != r["text"]:
-            bad.append({"prompt_tokens": len(r["prompt"]), "max_tokens": r["max_tokens"]})
-    return {"checked": len(picked), "mismatched": len(bad), "examples": bad[:5]}
+        solo = tok.decode(out.tokens[0], skip_special_tokens=True)
+        if solo != r["text"]:
+            at = next((i for i, (a, b) in enumerate(zip(solo, r["text"])) if a != b), min(len(solo), len(r["text"])))
+            bad.append({"kind": r["kind"], "prompt_tokens": len(r["prompt"]), "max_tokens": r["max_tokens"], "first_difference": at,
+                        "solo": solo[max(0, at - 40): at + 40], "served": r["text"][max(0, at - 40): at + 40]})
+    return {"checked": len(picked), "long_prompts": len(long), "mismatched": len(bad), "examples": bad[:5]}
 
 
 def main(argv=None) -> None:

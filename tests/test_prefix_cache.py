@@ -29,9 +29,18 @@ def attending():
     return random_pair(vocab=64, hidden=32, logit_scale=4.0)
 
 
-def _engine(pair, **kw) -> SlotEngine:
-    target, drafter = pair
-    return SlotEngine(target, drafter, slots=2, max_len=MAX_LEN, specs=(SPEC,), rounds_per_step=2, **kw)
+_ENGINES: dict = {}
+
+
+def _engine(pair, slots: int = 2, rounds: int = 2, **kw) -> SlotEngine:
+    """A reset engine (one per configuration for the module: its programs compile once). By default
+    32-token chunks and prefix caching with one pool row."""
+    kw = {"chunk": 32, "prefix_cache": True, "pool_rows": 1, **kw}
+    key = (id(pair), slots, rounds, tuple(sorted(kw.items())))
+    if key not in _ENGINES:
+        _ENGINES[key] = SlotEngine(*pair, slots=slots, max_len=MAX_LEN, specs=(SPEC,), rounds_per_step=rounds, **kw)
+    _ENGINES[key].reset()
+    return _ENGINES[key]
 
 
 def _decode(engine: SlotEngine, slot: int, first: int, new: int) -> tuple[list[int], list[int]]:
@@ -51,11 +60,11 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def test_chunks_and_reused_prefixes_equal_a_whole_prefill(pair):
     prompt, new = _prompt(0, 70), 24
-    whole = _engine(pair)
+    whole = _engine(pair)  # one engine, reset: the prefill paths below share its programs
     ref = _decode(whole, 0, whole.insert(0, prompt, new, SamplingParams(), 0)[0], new)
     assert len(ref[1]) > 3
 
-    chunked = _engine(pair, chunk=32)
+    chunked = _engine(pair)
     for start in range(0, 70, 13):  # uneven pieces, none a chunk size
         got = chunked.prefill_chunk(0, prompt, start, min(start + 13, 70), new, SamplingParams(), 0)
         assert (got is None) == (start + 13 < 70)
@@ -63,7 +72,7 @@ def test_chunks_and_reused_prefixes_equal_a_whole_prefill(pair):
 
     # Another request left the first 50 tokens (and its own continuation) in slot 0: slot 1 starts
     # from a copy of that row and computes positions 49.. (the drafter's entry 49 needs token 50).
-    reuse = _engine(pair, prefix_cache=True, pool_rows=1)
+    reuse = _engine(pair)
     other = prompt[:50] + _prompt(1, 30)
     _decode(reuse, 0, reuse.insert(0, other, 20, SamplingParams(), 0)[0], 20)
     reuse.copy_row(("slot", 0), ("pool", 0))  # through the pool and back, as an evicted slot's prefix would
@@ -77,14 +86,14 @@ def test_a_stopped_row_never_writes_into_what_its_slot_holds(attending):
     copied in, is stopped at the end of what it holds, not at the length of the request it held before,
     while another request's steps run."""
     prompt, new = _prompt(20, 100), 16
-    engine = _engine(attending, chunk=32, prefix_cache=True, pool_rows=1)
+    engine = _engine(attending)
     ref = _decode(engine, 0, engine.insert(0, prompt, new, SamplingParams(), 0)[0], new)
 
     def after_short_request(engine):  # slot 0 finished a 10-token request; slot 1 decodes meanwhile
         _decode(engine, 0, engine.insert(0, _prompt(21, 10), 4, SamplingParams(), 0)[0], 4)
         engine.insert(1, prompt, 50, SamplingParams(), 0)
 
-    engine = _engine(attending, chunk=32, prefix_cache=True, pool_rows=1)
+    engine = _engine(attending)
     after_short_request(engine)
     for start in range(0, 100, 32):
         got = engine.prefill_chunk(0, prompt, start, min(start + 32, 100), new, SamplingParams(), 0)
@@ -92,7 +101,7 @@ def test_a_stopped_row_never_writes_into_what_its_slot_holds(attending):
             engine.step(SPEC, True, engine.spans[-1])
     assert _decode(engine, 0, got[0], new) == ref
 
-    engine = _engine(attending, chunk=32, prefix_cache=True, pool_rows=1)
+    engine = _engine(attending)
     after_short_request(engine)
     engine.copy_row(("slot", 1), ("slot", 0), held=99)
     engine.step(SPEC, True, engine.spans[-1])
@@ -109,7 +118,7 @@ def test_packed_prompts_equal_prompts_alone(attending):
             Admission(3, tuple(_prompt(32, 60)), 12, SamplingParams(temperature=1.0), 8)]
 
     def run(rows):
-        engine = SlotEngine(*attending, slots=4, max_len=MAX_LEN, specs=(SPEC,), rounds_per_step=2)
+        engine = _engine(attending, slots=4)
         got = {r.slot: ([first], []) for r, (first, _) in zip(rows, engine.insert_many(rows))}
         while not all(len(t) >= 12 for t, _ in got.values()):
             out = engine.step(SPEC, False, engine.spans[-1])
@@ -122,7 +131,7 @@ def test_packed_prompts_equal_prompts_alone(attending):
     for r in rows:
         alone.update(run([r]))
     assert run(rows) == alone
-    engine = SlotEngine(*attending, slots=4, max_len=MAX_LEN, specs=(SPEC,))
+    engine = _engine(attending, slots=4)
     with pytest.raises(ConfigError, match="distinct slots"):
         engine.insert_many([rows[0], rows[0]])
     with pytest.raises(ConfigError, match=f"1..{INSERT_ROWS} prompts"):
@@ -132,23 +141,22 @@ def test_packed_prompts_equal_prompts_alone(attending):
 
 
 def test_chunk_errors(pair):
-    engine = _engine(pair, chunk=32)
+    engine = _engine(pair)
     with pytest.raises(ConfigError, match="must lie in the prompt"):
         engine.prefill_chunk(0, [1, 2, 3], 2, 5, 4, SamplingParams(), 0)
     with pytest.raises(ConfigError, match="1..32"):
         engine.prefill_chunk(0, list(range(1, 31)) * 2, 0, 40, 4, SamplingParams(), 0)
     with pytest.raises(ConfigError, match="no cache row"):
-        engine.copy_row(("slot", 0), ("pool", 0))
+        engine.copy_row(("slot", 0), ("pool", 1))  # one pool row
     with pytest.raises(ConfigError, match="holds 0.."):
-        _engine(pair, prefix_cache=True, pool_rows=1).copy_row(("pool", 0), ("slot", 1), held=-1)
+        engine.copy_row(("pool", 0), ("slot", 1), held=-1)
     with pytest.raises(ConfigError, match="need prefix_cache"):
-        _engine(pair, pool_rows=2)
+        SlotEngine(*pair, slots=2, max_len=MAX_LEN, specs=(SPEC,), pool_rows=2)
 
 
 def _serve(pair, requests: list[Request], **kw) -> list:
     """The requests one after another through a scheduler (one slot: the same steps with or without reuse)."""
-    target, drafter = pair
-    engine = SlotEngine(target, drafter, slots=1, max_len=MAX_LEN, specs=(SPEC,), rounds_per_step=2, **kw)
+    engine = _engine(pair, slots=1, **{"chunk": 512, "prefix_cache": False, "pool_rows": 0, **kw})
     sched = Scheduler(engine, SpecSchedule.fixed(SPEC)).start()
     try:
         return [sched.submit(r).wait(300) for r in requests]
@@ -184,10 +192,9 @@ def test_long_prompts_prefill_in_chunks_between_steps(attending):
     """Chunk budget 32: a 120-token prompt takes four steps' budgets while a running request keeps
     getting tokens, and both equal their runs alone (on a target that reads its whole cache, in slots
     that finished requests used before)."""
-    target, drafter = attending
     running, long = Request(tuple(_prompt(12, 8)), 60), Request(tuple(_prompt(20, 120)), 10)
     alone = [_serve(attending, [r])[0].tokens for r in (running, long)]
-    engine = SlotEngine(target, drafter, slots=2, max_len=MAX_LEN, specs=(SPEC,), rounds_per_step=1, chunk=32)
+    engine = _engine(attending, rounds=1, prefix_cache=False, pool_rows=0)
     sched = Scheduler(engine, SpecSchedule.fixed(SPEC)).start()
     try:
         # A short request takes slot 0 and ends; the running one decodes in slot 1; the long prompt is

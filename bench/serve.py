@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -115,9 +117,9 @@ def generate_per_user(target, drafter, spec, per_user, max_new: int, eos) -> flo
     return float(np.mean(tokens / seconds))
 
 
-def _row_key(c: int, temperature: float, temperatures: list[float]):
+def _row_key(c: int, temperature: float, temperatures: list[float]) -> str:
     """Rows by concurrency; by (concurrency, temperature) when several temperatures are measured."""
-    return c if len(temperatures) == 1 else f"{c}@T={temperature:g}"
+    return str(c) if len(temperatures) == 1 else f"{c}@T={temperature:g}"
 
 
 def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float, prompts, args, target, eos, baseline_texts: dict) -> dict:
@@ -139,11 +141,11 @@ def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float,
     r["warmup_s"] = warm_s
     r["compiles_while_measured"] = len(engine.compile_events) - compiles_before
     r["cold"] = {k: cold[k] for k in ("per_user_tok_s", "total_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
-    texts = r.pop("texts")
-    key = (c, temperature)
+    r["texts_sha"] = hashlib.sha256(json.dumps(r.pop("texts")).encode()).hexdigest()
+    key = _row_key(c, temperature, args.temperatures)
     if name == "none":
-        baseline_texts[key] = texts
-    r["same_text_as_none"] = texts == baseline_texts.get(key) if temperature == 0 else None
+        baseline_texts[key] = r["texts_sha"]
+    r["same_text_as_none"] = r["texts_sha"] == baseline_texts.get(key) if temperature == 0 and key in baseline_texts else None
     if not args.no_generate and temperature == 0 and len(getattr(schedule, "rules", ())) == 1:
         r["generate_per_user_tok_s"] = generate_per_user(target, drafter, schedule.rules[0][1], per_user, args.max_new, eos)
         r["server_vs_generate"] = r["per_user_tok_s"] / r["generate_per_user_tok_s"]
@@ -177,6 +179,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-chunk", type=int, default=None, help="the servers' per-step prefill budget (default: the server's)")
     ap.add_argument("--no-prefix-cache", action="store_true", help="serve without prefix caching")
     ap.add_argument("--out", default="bench/results/serve.json")
+    ap.add_argument("--resume", action="store_true", help="keep the systems --out already holds (same configuration) and measure the rest")
     args = ap.parse_args(argv)
 
     compile_cache.enable(compile_cache.default_dir())  # as the server does: a rerun loads the programs
@@ -202,9 +205,19 @@ def main(argv=None) -> None:
             raise SystemExit(f"--systems: unknown {sorted(unknown)}; known: {[name for name, _, _ in systems]}")
         systems = [s for s in systems if s[0] in args.systems]
 
-    results = {"config": vars(args) | {"schedule": schedule_text, "rounds_per_step": rounds, "eos": list(eos)}, "systems": {}}
+    config = vars(args) | {"schedule": schedule_text, "rounds_per_step": rounds, "eos": list(eos)}
+    results = {"config": config, "systems": {}}
+    if args.resume and Path(args.out).exists():
+        results = json.loads(Path(args.out).read_text())
+        if {k: v for k, v in results["config"].items() if k not in ("systems", "resume")} != {k: v for k, v in config.items() if k not in ("systems", "resume")}:
+            raise SystemExit(f"--resume: {args.out} was measured with another configuration")
     baseline_texts = {}
+    if "none" in results["systems"]:
+        baseline_texts = {key: row["texts_sha"] for key, row in results["systems"]["none"]["by_concurrency"].items() if "texts_sha" in row}
     for name, drafter, schedule in systems:
+        if name in results["systems"]:
+            print(f"{name}: measured before (--resume)")
+            continue
         chunk = ({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}) | {"prefix_cache": not args.no_prefix_cache}
         svc = make_service(target, drafter, tokenizer, schedule, eos, slots=args.slots, max_len=profile["max_len"], precompile=True, **chunk,
                            rounds_per_step=rounds, model_name="target")
@@ -220,6 +233,10 @@ def main(argv=None) -> None:
         results["systems"][name] = {"schedule": schedule.describe(), "by_concurrency": rows,
                                     "compile_s": sum(s for _, s in svc.scheduler.engine.compile_events)}
         write_json(args.out, results)
+        # A precompiled engine's programs hold ~400 memory maps each: free them before the next server's
+        # (one process runs every system; Linux allows 65530 maps by default).
+        del svc, srv
+        gc.collect()
 
     report(results, args.concurrency, args.temperatures, Path(args.out).with_suffix(".png"))
     write_json(args.out, results)

@@ -447,13 +447,23 @@ class Scheduler:
         return budget
 
     def _insert(self, slots: list[int]) -> None:
-        """Prefills the whole prompts of ``slots``, ``INSERT_ROWS`` at a time."""
-        for i in range(0, len(slots), INSERT_ROWS):
-            group = slots[i: i + INSERT_ROWS]
-            rows = [Admission(s, self._slots[s].request.prompt, self._slots[s].request.max_tokens, self._slots[s].request.sampling,
-                              self._slots[s].request.seed, not self._slots[s].request.ignore_eos, self._slots[s].request.penalties)
-                    for s in group]
-            self._run_prefill(group, lambda: self.engine.insert_many(rows))
+        """Prefills the whole prompts of ``slots`` in packs of at most ``INSERT_ROWS`` prompts and the
+        engine's ``chunk`` tokens (a longer prompt alone): a pack's attention spans all of it, masked,
+        so a longer pack would cost more than its prompts apart."""
+
+        def admission(slot: int) -> Admission:
+            r = self._slots[slot].request
+            return Admission(slot, r.prompt, r.max_tokens, r.sampling, r.seed, not r.ignore_eos, r.penalties)
+
+        packs: list[list[Admission]] = []
+        for row in map(admission, slots):
+            pack = packs[-1] if packs else None
+            if pack is None or len(pack) == INSERT_ROWS or sum(len(a.prompt) for a in pack) + len(row.prompt) > self.engine.chunk:
+                packs.append([row])
+            else:
+                pack.append(row)
+        for pack in packs:
+            self._run_prefill([a.slot for a in pack], lambda: self.engine.insert_many(pack))
 
     def _run_prefill(self, slots: list[int], program: Callable[[], list[tuple[int, bool] | None]]) -> None:
         """Runs a prefill program for the requests in ``slots``; once it gives a request's first token the

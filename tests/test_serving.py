@@ -169,6 +169,22 @@ def test_engine_rejects_impossible_requests(pair):
         SlotEngine(target, None, specs=(SpecConfig(),))
 
 
+def test_precompiling_past_the_memory_map_limit_is_a_clear_error(pair, tmp_path, monkeypatch):
+    """On the CPU each compiled program holds hundreds of memory maps; past vm.max_map_count LLVM would
+    abort the process mid-compile, so precompile refuses first, naming the limit and the ways out."""
+    import eagle_jax.serving.slots as slots
+
+    limit = tmp_path / "max_map_count"
+    limit.write_text("5000\n")
+    real = slots.check_map_limit
+    monkeypatch.setattr(slots, "check_map_limit", lambda n: real(n, str(limit)))
+    engine = SlotEngine(*pair, slots=16, max_len=96, specs=(None, SpecConfig(num_speculative_tokens=3)))
+    with pytest.raises(ConfigError, match=r"vm.max_map_count \(5000\).*sysctl -w vm.max_map_count=\d+.*do not precompile"):
+        engine.precompile()
+    assert not engine.compile_events  # refused before compiling anything
+    real(1, str(limit))  # a few programs fit
+
+
 def test_spec_schedule():
     s = SpecSchedule.parse("1:5,4:3,9:0")
     assert [s.choose(n) for n in (1, 3, 4, 8, 9, 16)] == [SpecConfig(num_speculative_tokens=5)] * 2 + [SpecConfig(num_speculative_tokens=3)] * 2 + [None] * 2

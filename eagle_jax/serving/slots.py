@@ -26,6 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -69,6 +70,26 @@ def describe_program(key: tuple) -> str:
     depth = "no drafts" if spec is None else (f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else
                                               f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}")
     return f"step, {depth}, {'greedy' if greedy else 'sampling'}, {rows} rows, span {span}"
+
+
+# Memory maps one compiled program holds on the CPU backend (LLVM maps each kernel's code sections apart;
+# measured: ~410 per program of the serving set); Linux allows 65530 maps per process by default.
+CPU_MAPS_PER_PROGRAM = 450
+
+
+def check_map_limit(programs: int, limit_file: str = "/proc/sys/vm/max_map_count") -> None:
+    """Raises ConfigError where compiling ``programs`` more CPU programs would pass the process's
+    memory-map limit: LLVM then aborts the whole process ("Unable to allocate section memory")."""
+    if jax.default_backend() != "cpu" or not Path(limit_file).exists():
+        return
+    limit = int(Path(limit_file).read_text())
+    in_use = sum(1 for _ in open("/proc/self/maps"))
+    need = in_use + programs * CPU_MAPS_PER_PROGRAM
+    if need > limit:
+        raise ConfigError(
+            f"precompiling {programs} programs on the CPU needs about {need} memory maps, more than this system's "
+            f"vm.max_map_count ({limit}): raise it (sysctl -w vm.max_map_count={1 << (need * 2).bit_length()}), "
+            "serve fewer speculation depths, slots or context (fewer programs), or do not precompile")
 
 
 @dataclass
@@ -257,8 +278,10 @@ class SlotEngine:
         """Compiles ``program_set`` (``on_compile`` hears each), so that serving never compiles: every step
         and prompt then finds its own program. With JAX's persistent compilation cache on (the server's
         default) a restart loads them instead."""
+        keys = self.program_set(scoring)
+        check_map_limit(len([k for k in keys if k not in self._programs]))
         self._precompiled = True
-        for key in self.program_set(scoring):
+        for key in keys:
             if key in self._programs:
                 continue
             if key[0] == "insert":

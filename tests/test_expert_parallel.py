@@ -14,10 +14,10 @@ import subprocess
 import sys
 import textwrap
 
+from host_devices import env_with_devices
+
 SCRIPT = textwrap.dedent(
     """
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -61,8 +61,7 @@ SCRIPT = textwrap.dedent(
 
 TRAIN_SCRIPT = textwrap.dedent(
     """
-    import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import sys
     import numpy as np
     from eagle_jax.training.trainer import load_config, train
 
@@ -80,10 +79,8 @@ TRAIN_SCRIPT = textwrap.dedent(
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
     here = os.path.dirname(os.path.abspath(__file__))  # engine_models
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.path.dirname(here), env.get("PYTHONPATH")) if p)
+    env = env_with_devices(8, here, os.path.dirname(here))
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=900)
 
 

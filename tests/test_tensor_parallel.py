@@ -3,15 +3,14 @@
 XLA_FLAGS must be set before jax is imported, so the check runs in a subprocess.
 """
 
-import os
 import subprocess
 import sys
 import textwrap
 
+from host_devices import env_with_devices
+
 SCRIPT = textwrap.dedent(
     """
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax
     from flax import nnx
     import eagle_jax as ej
@@ -48,7 +47,5 @@ SCRIPT = textwrap.dedent(
 
 
 def test_tensor_parallel_matches_single_device():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env_with_devices(8), timeout=900)
     assert proc.returncode == 0 and "TP-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -15,7 +15,6 @@ Gradient accumulation (2 x 8 vs 16) is held to the same 2e-5; bf16 compute to 5e
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -31,6 +30,7 @@ from safetensors.numpy import load_file
 from eagle_jax import load_drafter
 from eagle_jax.config import default_aux_layer_ids
 from eagle_jax.training.trainer import build_target, export_checkpoint, load_config, train
+from host_devices import env_with_devices
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT = 20  # steps of the sharded / multi-process runs
@@ -140,17 +140,11 @@ def _compare_weights(got_dir: Path, want: dict[str, np.ndarray]) -> None:
         np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-4, err_msg=k)
 
 
-def _env(devices: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    return env
-
-
 def test_eight_devices_match_one_device(reference, work):
     run = work / "eight"
     cmd = [sys.executable, "-m", "train.ttt", "--config", str(reference["cfg_path"]), "--set", f"run_dir={run}",
            "--set", f"train.steps={SHORT}", "--set", "mesh={data: 2, fsdp: 2, model: 2}"]
-    p = subprocess.run(cmd, cwd=REPO, env=_env(8), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(cmd, cwd=REPO, env=env_with_devices(8, str(REPO)), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "mesh {'data': 2, 'fsdp': 2, 'model': 2}" in p.stdout
     np.testing.assert_allclose(losses_of(run), reference["losses"][:SHORT], rtol=2e-5)
@@ -172,7 +166,7 @@ def test_two_processes_match_one_process(reference, work):
         cmd = [sys.executable, "-m", "train.ttt", "--config", str(reference["cfg_path"]), "--set", f"run_dir={run}",
                "--set", f"train.steps={SHORT}", "--set", "mesh={data: 1, fsdp: 2, model: 1}",
                "--set", f"distributed={{coordinator: '127.0.0.1:{port}', num_processes: 2, process_id: {pid}}}"]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_with_devices(1, str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]

@@ -293,7 +293,7 @@ def test_models_health_metrics(server, client):
     assert _metric(server, 'eagle_compile_events_total{program="insert"}') >= 1
 
 
-def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path):
+def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path, monkeypatch):
     """``precompile`` builds the engine's whole program set (inserts and scoring per prompt bucket, steps
     per spec, greedy or not, rows and span) before serving; then no request compiles anything, whatever
     it asks (sampling, ignore_eos, penalties, logprobs with echo, any prompt length). With the persistent
@@ -301,6 +301,8 @@ def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path):
     import jax
 
     from eagle_jax import compile_cache
+    from eagle_jax.decoding.engine import run_rounds
+    from eagle_jax.serving import slot_programs
 
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
     old = {name: getattr(jax.config, name) for name in names}
@@ -322,19 +324,37 @@ def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path):
             bodies = [dict(prompt="abc", max_tokens=12, temperature=0), dict(prompt="x" * 40, max_tokens=6, temperature=1.0, seed=1),
                       dict(prompt="hello", max_tokens=10, ignore_eos=True, presence_penalty=0.5, logit_bias={"3": 2.0}),
                       dict(prompt="score me", max_tokens=3, echo=True, logprobs=2, temperature=0)]
+            texts = []
             for body in bodies * 2:
                 r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, **body}, timeout=120)
                 assert r.status_code == 200, r.text
+                texts.append(r.json()["choices"][0]["text"])
             engine.wait_for_compiles()  # a program compiled in the background would count now
             assert len(engine.compile_events) == len(engine.program_set())
             assert _metric(srv, "eagle_compile_events_total") == len(engine.program_set())
         finally:
             srv.stop()
+        # Each program is also stored as traced, so a restart neither traces nor compiles: the second
+        # engine lowers the stored programs, loads their executables, and serves the same tokens.
+        assert len(list((tmp_path / "xla" / "exported").glob("*.jaxexport"))) == len(engine.program_set())
         hits.clear()
-        build_service(t_dir, d_dir, spec="1:2", slots=1, max_len=64, rounds_per_step=2, precompile=True)
-        assert len(hits) >= len(engine.program_set())
+        traced = []
+        monkeypatch.setattr(slot_programs, "run_rounds", lambda *a, **k: traced.append(1) or run_rounds(*a, **k))
+        again = build_service(t_dir, d_dir, spec="1:2", slots=1, max_len=64, rounds_per_step=2, precompile=True)
+        assert len(hits) >= len(engine.program_set()) and not traced
+        srv = Server(again).start()
+        try:
+            for body, text in zip(bodies, texts):
+                if body.get("temperature") != 0 and "seed" not in body:
+                    continue  # unseeded sampling
+                r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, **body}, timeout=120)
+                assert r.json()["choices"][0]["text"] == text, body
+            assert len(again.scheduler.engine.compile_events) == len(engine.program_set())
+        finally:
+            srv.stop()
     finally:
         jax.monitoring.unregister_event_listener(listen)
+        compile_cache.disable()
         for name, value in old.items():
             jax.config.update(name, value)
 

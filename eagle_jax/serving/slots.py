@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle_jax.compile_cache import compile_program
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding.engine import Plan, scratch_slots
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
@@ -180,6 +181,9 @@ class SlotEngine:
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="eagle_jax-compile")
         self.compile_events: list[tuple[str, float]] = []
         self._precompiled = False  # ``precompile`` ran: steps use its programs only
+        # What every program closes over besides its key and arguments (``compile_cache.compile_program``).
+        self._fingerprint = repr((target.config, None if drafter is None else drafter.config, self._t_graph, self._d_graph,
+                                  self._plan(), self.rounds_per_step, self.chunk_sizes))
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -245,9 +249,9 @@ class SlotEngine:
         """Blocks until the programs being compiled in the background are ready (benchmarks)."""
         self._compiler.submit(lambda: None).result()
 
-    def _compile(self, key: tuple, build, abstract: tuple):
+    def _compile(self, key: tuple, build, abstract: tuple, donate_argnums: tuple[int, ...] = (2,)):
         t0 = time.perf_counter()
-        compiled = jax.jit(build, donate_argnums=(2,)).lower(*abstract).compile()
+        compiled = compile_program(build, abstract, donate_argnums=donate_argnums, fingerprint=f"{self._fingerprint}|{key!r}")
         self._compiled(key, compiled, time.perf_counter() - t0)
         return compiled
 
@@ -485,11 +489,9 @@ class SlotEngine:
         with self._lock:
             program = self._programs.get(key)
         if program is None:
-            t0 = time.perf_counter()
             args = (self.state, self.pool, jnp.int32(0), jnp.int32(0), jnp.int32(0))
             abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-            program = jax.jit(copy_program(key[1], key[2]), donate_argnums=(0, 1)).lower(*abstract).compile()
-            self._compiled(key, program, time.perf_counter() - t0)
+            program = self._compile(key, copy_program(key[1], key[2]), abstract, donate_argnums=(0, 1))
         return program
 
     # ------------------------------------------------------------------ scoring
@@ -510,12 +512,11 @@ class SlotEngine:
             program = self._programs.get(("score", p))
         if program is not None:
             return program
-        t0 = time.perf_counter()
         compute = jnp.float32 if self.exact else None
-        program = jax.jit(lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute))
-        program = program.lower(self._t_state, jax.ShapeDtypeStruct((1, p), jnp.int32)).compile()
-        self._compiled(("score", p), program, time.perf_counter() - t0)
-        return program
+        abstract = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), self._t_state),
+                    jax.ShapeDtypeStruct((1, p), jnp.int32))
+        return self._compile(("score", p), lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute),
+                             abstract, donate_argnums=())
 
     # ------------------------------------------------------------------ step
 

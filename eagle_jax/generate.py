@@ -69,12 +69,23 @@ class _Programs:
 
     def __init__(self) -> None:
         self._by_pair: dict[Any, dict[Any, Any]] = {}
+        self._plain_of: dict[int, dict[Any, Any]] = {}
 
     def pair(self, t_graph, d_graph) -> dict[Any, Any]:
         return self._by_pair.setdefault((t_graph, d_graph), {})
 
-    def get(self, kind: str, t_graph, d_graph, plan: Plan, args: tuple, build, programs: dict | None = None) -> tuple[Any, float]:
-        """(the compiled program, seconds spent compiling it now); ``programs``: ``pair(t_graph, d_graph)``."""
+    def pair_and_plain(self, t_graph, d_graph) -> tuple[dict[Any, Any], dict[Any, Any]]:
+        """``pair(t_graph, d_graph)`` and ``pair(t_graph, None)`` for one graph hash (the dicts live as
+        long as the process, so their ids name the pair)."""
+        programs = self.pair(t_graph, d_graph)
+        if id(programs) not in self._plain_of:
+            self._plain_of[id(programs)] = self.pair(t_graph, None)
+        return programs, self._plain_of[id(programs)]
+
+    def get(self, kind: str, t_graph, d_graph, plan: Plan, args: tuple, build, programs: dict | None = None,
+            donate_argnums: tuple[int, ...] = ()) -> tuple[Any, float]:
+        """(the compiled program, seconds spent compiling it now); ``programs``: ``pair(t_graph, d_graph)``;
+        ``donate_argnums``: arguments the program consumes (each ``kind`` always donates the same)."""
         cache = self.pair(t_graph, d_graph) if programs is None else programs
         key = (kind, plan, jax.tree_util.tree_structure(args), tuple(
             (getattr(a, "shape", None), str(getattr(a, "dtype", "")), getattr(a, "sharding", None)) for a in jax.tree_util.tree_leaves(args)
@@ -82,7 +93,7 @@ class _Programs:
         if key in cache:
             return cache[key], 0.0
         t0 = time.perf_counter()
-        compiled = jax.jit(build).lower(*args).compile()
+        compiled = jax.jit(build, donate_argnums=donate_argnums).lower(*args).compile()
         cache[key] = compiled
         return compiled, time.perf_counter() - t0
 
@@ -264,7 +275,11 @@ class _AutoRun:
 
             self.t_state, self.d_state = shard_tree(self.t_state, kw["mesh"]), shard_tree(self.d_state, kw["mesh"])
         greedy = self.plan.greedy
-        pair = (self.t_graph, self.d_graph, id(target), id(drafter))
+        # One lookup of the pair's graphs per call (hashing a graph walks all its nodes): its programs with
+        # and without the drafter, and its costs and acceptance, keyed by the programs' dict.
+        fed, plain = _PROGRAMS.pair_and_plain(self.t_graph, self.d_graph)
+        self._pairs = {True: fed, False: plain}
+        pair = (id(fed), id(target), id(drafter))
         self.costs = autospec.cost_model((*pair, greedy, self.plan.exact, kw["mesh"], jax.default_backend()))
         self.estimate = autospec.acceptance_estimate((*pair, greedy))
         self.compile_s = 0.0
@@ -272,12 +287,9 @@ class _AutoRun:
         self.chunks: list[tuple[int | None, int]] = []  # (depth, rounds): None = probe rounds
         self._args = (prompt, lens, rs, jax.random.key(kw["seed"]))
         self._programs: dict[tuple[int | None, bool], Any] = {}
-        self._pairs: dict[bool, dict] = {}
 
-    def _compiled(self, kind: str, plan: Plan, fed: bool, args: tuple, build):
-        if fed not in self._pairs:
-            self._pairs[fed] = _PROGRAMS.pair(self.t_graph, self.d_graph if fed else None)
-        compiled, seconds = _PROGRAMS.get(kind, self.t_graph, None, plan, args, build, self._pairs[fed])
+    def _compiled(self, kind: str, plan: Plan, fed: bool, args: tuple, build, donate_argnums: tuple[int, ...] = ()):
+        compiled, seconds = _PROGRAMS.get(kind, self.t_graph, None, plan, args, build, self._pairs[fed], donate_argnums)
         self.compile_s += seconds
         return compiled
 
@@ -312,7 +324,8 @@ class _AutoRun:
         fresh = False
         if (depth, fed) not in self._programs:
             compile0 = self.compile_s
-            self._programs[depth, fed] = self._compiled("auto_chunk", plan, fed, args, chunk)
+            # The loop state is consumed: its caches are updated in place, not copied once per chunk.
+            self._programs[depth, fed] = self._compiled("auto_chunk", plan, fed, args, chunk, donate_argnums=(2,))
             fresh = self.compile_s > compile0
         return self._programs[depth, fed](*args), fresh
 
@@ -337,12 +350,23 @@ class _AutoRun:
         todo = autospec.unexplored(self.costs, batch)
         if todo:
             return todo[0], autospec.EXPLORE_ROUNDS
+        if not observed and batch in self.costs.last_call:  # before this call's own evidence: the last call's rows
+            last = self.costs.last_call[batch]
+            rows = [(n, last[i % len(last)]) for i, (n, _) in enumerate(rows)]
         times = autospec.finish_times(self.costs, batch, rows)
         depth = min(times, key=times.get)
         if not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]:
             return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # may win: measured (the rest of this call decodes plainly)
         if depth == autospec.PLAIN and observed < autospec.PROBE_ROUNDS:
             return None, autospec.PROBE_ROUNDS  # plain decoding only on fresh evidence
+        if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
+            return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
+        # A clear choice made again runs twice as long (each chunk costs a host round trip); a close one is
+        # looked at again after CHUNK_ROUNDS, as the evidence may tip it.
+        last_depth, last_n = self.chunks[-1] if self.chunks else (None, 0)
+        runner_up = min((t for d, t in times.items() if d != depth), default=float("inf"))
+        if depth == last_depth and last_n >= autospec.CHUNK_ROUNDS and runner_up >= autospec.CLEAR_CHOICE * times[depth]:
+            return depth, min(2 * last_n, autospec.MAX_CHUNK_ROUNDS)
         return depth, autospec.CHUNK_ROUNDS
 
     def __iter__(self) -> Iterator[Any]:
@@ -351,7 +375,8 @@ class _AutoRun:
         fed = not self._plain_from_start()
         st = self._begin(fed)
         jax.block_until_ready(st.out)
-        self.run_s += time.perf_counter() - t0 - (self.compile_s - compile0)
+        prefill_s = time.perf_counter() - t0 - (self.compile_s - compile0)
+        self.run_s += prefill_s
         yield st
         observed, rounds = 0, 0
         # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
@@ -391,7 +416,7 @@ class _AutoRun:
             rounds = int(new_rounds)
             yield st
         if observed:  # which depth would have finished this call soonest, had it been known from the start
-            self.costs.record_hindsight([(int(n), est) for n, est in zip(n_out, row_est)])
+            self.costs.record_hindsight([(int(n), est) for n, est in zip(n_out, row_est)], prefill_s)
 
     def result(self, tokenizer) -> GenerationResult:
         st = None

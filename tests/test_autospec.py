@@ -133,6 +133,47 @@ def test_a_hard_first_prompt_does_not_switch_speculation_off(fixed_costs):
     assert sum(d not in (None, autospec.PLAIN) for d in depths[-1]) >= len(depths[-1]) // 2
 
 
+def test_a_batch_starts_from_its_last_calls_rows_and_clear_choices_run_longer(fixed_costs):
+    """A batch ends with its slowest row. After a call of one prompt the drafter follows and one it never
+    does, the next such call starts with a probe (the last call's rows: plain decoding is fastest), not
+    with the chain the pooled estimate of both would pick. A prompt the drafter always follows runs
+    its chain in chunks that double (fewer host round trips). Outputs are plain decoding's."""
+    target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1)
+    drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.0, draft_vocab=list(range(0, 32, 2)))
+    mixed = [[1, 1], [25, 25]]
+    runs = [eagle_jax.generate(target, drafter, mixed, max_new_tokens=32, eos_token_id=[]) for _ in range(2)]
+    assert all(r.tokens == eagle_jax.generate(target, None, mixed, max_new_tokens=32, eos_token_id=[]).tokens for r in runs)
+    assert runs[1].stats["chunks"][0] == (None, autospec.PROBE_ROUNDS)
+    pooled = autospec.finish_times(fixed_costs, 2, [(32, autospec.acceptance_estimate(k)) for k in autospec._ESTIMATES][:1] * 2)
+    best = min(pooled, key=pooled.get)  # what the pooled estimate alone would have run: clearly a chain
+    assert best != autospec.PLAIN and pooled[best] < autospec.PROBE_FIRST_BELOW * pooled[autospec.PLAIN]
+
+    sure, _ = markov_drafter(target, succ, seed=0, disagree=0.0)
+    easy = [[25, 25]]
+    expect = eagle_jax.generate(target, None, easy, max_new_tokens=160, eos_token_id=[]).tokens
+    for _ in range(2):
+        out = eagle_jax.generate(target, sure, easy, max_new_tokens=160, eos_token_id=[])
+        assert out.tokens == expect
+    (d1, n1), (d2, n2) = out.stats["chunks"][:2]
+    assert d1 == d2 not in (None, autospec.PLAIN) and (n1, n2) == (autospec.CHUNK_ROUNDS, 2 * autospec.CHUNK_ROUNDS), out.stats["chunks"]
+
+
+def test_hindsight_counts_the_drafters_prefill():
+    """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting the
+    drafter's share of the prefill (the probe round's cost over plain decoding's) makes plain decoding
+    the better start, so such calls go on to skip the drafter."""
+    model = autospec.CostModel()
+    model.update(autospec.PLAIN, 4, 1.0, 10)  # 0.1 s per round
+    model.update(None, 4, 1.2, 10)  # probe rounds: 0.12 s (a sixth of it the drafter)
+    model.update(1, 4, 1.3, 10)
+    est = autospec.AcceptanceEstimate()
+    est.observe_probe(0.3, 1000)  # a chain of 1 emits 1.3 tokens per round: 0.13 / 1.3 = plain's 0.1 per token
+    model.record_hindsight([(32, est)] * 4)
+    assert model.plain_rows[4] == 0
+    model.record_hindsight([(32, est)] * 4, prefill_s=2.0)
+    assert model.plain_rows[4] == 4
+
+
 def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed_costs, pair):
     """Where drafts cost more than any acceptance repays (a large batch), once plain decoding was fastest
     in hindsight on PLAIN_EVIDENCE_ROWS prompts, a call decodes plainly from its start without the

@@ -101,17 +101,24 @@ def calibrate(key: Any, run: Runner, widths: tuple[int, ...], max_drafts: int) -
 DEPTHS = (1, 3, 5, 7)  # chains auto chooses among, besides plain decoding (0)
 PLAIN = 0
 CHUNK_ROUNDS = 8  # rounds of a generate call between two choices (one host sync each)
+MAX_CHUNK_ROUNDS = 64  # ... doubling up to this while the choice stays the same (fewer syncs)
+CLEAR_CHOICE = 1.1  # ... and its expected time beats every other depth's by this factor
 EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
 PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance before plain decoding
+# ... and that start a call whose best depth, on the acceptance known before it, is not clearly ahead of
+# plain decoding (expected to finish in more than this share of plain's time): the call's own rows then
+# decide (in a batch the slowest row sets the end, and the pair's pooled estimate hides it), for the price
+# of a drafter step on a few rounds instead of a chunk of drafts the batch cannot use.
+PROBE_FIRST_BELOW = 0.8
 # A call skips the drafter altogether (its prefill and the probe) and decodes plainly from its start
-# where plain decoding was clearly fastest in hindsight (by PLAIN_MARGIN: a near tie must not lock
-# speculation out) on the last calls at its batch size, together at least PLAIN_EVIDENCE_ROWS prompts
+# where plain decoding was fastest in hindsight (by PLAIN_MARGIN, the drafter's prefill counted;
+# REPROBE_ROUNDS keeps a near tie from locking speculation out) on the last calls at its batch size, together at least PLAIN_EVIDENCE_ROWS prompts
 # (one hard prompt must not decide the next call), and acceptance was observed within REPROBE_ROUNDS
 # rounds: a batch size at which speculation does not pay then costs what plain decoding costs, and
 # still probes about every REPROBE_ROUNDS rounds.
 PLAIN_EVIDENCE_ROWS = 8
-PLAIN_MARGIN = 1.1
-REPROBE_ROUNDS = 48  # below one call of ~64 tokens: a call that skipped the drafter is followed by one that probes
+PLAIN_MARGIN = 1.02
+REPROBE_ROUNDS = 192  # about one call in four of ~64 tokens probes: the drafter's prefill and a probe cost ~5-10% of such a call
 # Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
 # estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
 PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth
@@ -236,6 +243,9 @@ class CostModel:
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     probe: dict[int, float] = field(default_factory=dict)
     plain_rows: dict[int, int] = field(default_factory=dict)  # per batch: prompts of the latest calls in a row that plain decoding finished soonest
+    # per batch: the rows' own estimates at the end of the last call that observed acceptance. A call's
+    # first choice reads them: its slowest row sets its end, and the pooled estimate hides the spread.
+    last_call: dict[int, list["AcceptanceEstimate"]] = field(default_factory=dict)
 
     def update(self, depth: int | None, rows: int, seconds: float, rounds: int) -> None:
         """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``."""
@@ -279,11 +289,17 @@ class CostModel:
         slopes = {r: s for r in {r for r, d in self.seconds if d != PLAIN} if (s := self._slope(r)) is not None}
         return None if not slopes else base + _along(slopes, rows) * depth
 
-    def record_hindsight(self, rows: Sequence[tuple[int, "AcceptanceEstimate"]]) -> None:
-        """A call of ``len(rows)`` prompts that observed acceptance ended: ``rows`` = (tokens it made, the row's estimate)."""
+    def record_hindsight(self, rows: Sequence[tuple[int, "AcceptanceEstimate"]], prefill_s: float = 0.0) -> None:
+        """A call of ``len(rows)`` prompts that observed acceptance ended: ``rows`` = (tokens it made, the
+        row's estimate); ``prefill_s``: its prefill, the drafter's included. Speculating pays the drafter's
+        share of that prefill, which plain decoding from the start does not: the share of a round that
+        feeding the drafter adds (the probe round's cost over plain decoding's)."""
         batch = len(rows)
+        self.last_call[batch] = [est.copy() for _, est in rows]
         times = finish_times(self, batch, rows)
-        spec = min((t for d, t in times.items() if d != PLAIN), default=None)
+        plain, probe = self.seconds.get((batch, PLAIN)), self.probe.get(batch)
+        feeding = prefill_s * max(0.0, 1.0 - plain / probe) if plain and probe else 0.0
+        spec = min((t + feeding for d, t in times.items() if d != PLAIN), default=None)
         clear = self.measured(PLAIN, batch) and spec is not None and PLAIN_MARGIN * times[PLAIN] <= spec
         self.plain_rows[batch] = self.plain_rows.get(batch, 0) + batch if clear else 0
 

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import eagle_jax
 from eagle_jax.config import SpecConfig
@@ -88,7 +89,9 @@ def test_bf16_greedy_divergences_are_near_ties(capsys, record_property):
     # PROMPT_LEN - 1 + p scores token p given prompt + plain[:p] (== spec[:p] up to the first difference).
     ids = np.asarray([p + t for p, t in zip(prompts, out["bfloat16", "plain"])], np.int32)
     assert ids.shape == (N_PROMPTS, PROMPT_LEN + MAX_NEW)
-    logits = {d: np.asarray(jax.jit(lambda x, t=targets[d]: t(x)[0].astype(jnp.float32))(ids))[:, PROMPT_LEN - 1 : -1] for d in targets}
+    # The weights go in as arguments: closed over, they would be baked into the program as constants.
+    forward = jax.jit(lambda graph, state, x: nnx.merge(graph, state)(x)[0].astype(jnp.float32), static_argnums=0)
+    logits = {d: np.asarray(forward(*nnx.split(t), ids))[:, PROMPT_LEN - 1 : -1] for d, t in targets.items()}
     ref = logits["float32"]
     unit = 2.0**-8 * np.abs(ref).max(-1)  # [N, MAX_NEW]: bf16 resolution of each position's logits
     top2 = np.sort(ref, -1)[..., -2:]

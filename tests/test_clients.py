@@ -92,7 +92,7 @@ def _samples(model: str, model_args: str, tasks_dir: Path) -> dict[str, list]:
     from lm_eval.tasks import TaskManager
 
     out = simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS), batch_size=1, log_samples=True,
-                          task_manager=TaskManager(include_path=str(tasks_dir)), random_seed=0, numpy_random_seed=0,
+                          task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False), random_seed=0, numpy_random_seed=0,
                           torch_random_seed=0, fewshot_random_seed=0)
     return {name: [s["resps"] for s in sorted(out["samples"][name], key=lambda s: s["doc_id"])] for name in TASKS}
 

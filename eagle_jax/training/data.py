@@ -327,21 +327,7 @@ def greedy_samples(target: Any, num_samples: int, prompt_length: int, length: in
     A stand-in for regenerated data when there is no tokenizer or corpus (tiny recipes and tests):
     the continuations are the target's own, which is what the drafter must learn to predict.
     """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    graphdef, state = nnx.split(target)
-
-    @jax.jit
-    def extend(state, ids):
-        model = nnx.merge(graphdef, state)
-
-        def body(t, ids):
-            logits, _ = model(ids)  # causal: position t-1 does not see the not-yet-written tail
-            return ids.at[:, t].set(jnp.argmax(logits[:, t - 1], axis=-1).astype(ids.dtype))
-
-        return jax.lax.fori_loop(prompt_length, length, body, ids)
+    from eagle_jax.generate import generate  # the inference engine's plain decoding, KV cache and all
 
     rng = np.random.default_rng(seed)
     vocab = target.config.vocab_size
@@ -349,8 +335,7 @@ def greedy_samples(target: Any, num_samples: int, prompt_length: int, length: in
     mask = np.concatenate([np.zeros(prompt_length, np.uint8), np.ones(length - prompt_length, np.uint8)])
     for start in range(0, num_samples, batch_size):
         n = min(batch_size, num_samples - start)
-        ids = np.zeros((batch_size, length), np.int32)
-        ids[:, :prompt_length] = rng.integers(0, vocab, (batch_size, prompt_length))
-        ids = np.asarray(extend(state, jnp.asarray(ids)))
-        out += [Sample(ids[r].copy(), mask.copy()) for r in range(n)]
+        prompts = rng.integers(0, vocab, (batch_size, prompt_length)).tolist()  # full batches: one compiled program
+        replies = generate(target, None, prompts, max_new_tokens=length - prompt_length, eos_token_id=[]).tokens
+        out += [Sample(np.asarray(p + r, np.int32), mask.copy()) for p, r in zip(prompts[:n], replies)]
     return out

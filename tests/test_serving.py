@@ -186,6 +186,39 @@ def test_precompiling_past_the_memory_map_limit_is_a_clear_error(pair, tmp_path,
     real(1, str(limit))  # a few programs fit
 
 
+def test_warm_up_runs_every_program_once_and_frees_the_slots(pair, eos):
+    """``precompile`` then runs each program once (a program's first run pays one-time costs the first
+    requests would otherwise pay): every step over live rows, and afterwards every slot is free and a
+    request's output is what it would have been."""
+    target, drafter = pair
+    engine = SlotEngine(target, drafter, slots=2, max_len=64, specs=(None, SpecConfig(num_speculative_tokens=2)), rounds_per_step=2,
+                        eos_ids=(eos,))
+    engine.precompile(warm_up=False)
+    keys = engine.program_set()
+    runs, emitted = {}, {}
+
+    def counting(key, program):
+        def run(*args):
+            runs[key] = runs.get(key, 0) + 1
+            out = program(*args)
+            if key[0] == "step":
+                emitted[key] = int(np.asarray(out.n_out).sum())
+            return out
+        return run
+
+    engine._programs = {k: counting(k, p) for k, p in engine._programs.items()}
+    engine.warm_up(keys)
+    assert set(runs) == set(keys) and not engine.compile_events[len(keys):]
+    assert all(emitted[k] > 0 for k in keys if k[0] == "step"), emitted  # each step ran a round over live rows
+    assert bool(np.asarray(engine.state.done).all()) and not np.asarray(engine.state.length).any() and not engine._prompts
+    sched = Scheduler(engine, SpecSchedule.fixed(SpecConfig(num_speculative_tokens=2))).start()
+    try:
+        got = sched.submit(Request((5, 6, 7), 20)).wait(300).tokens
+    finally:
+        sched.stop()
+    assert got == eagle_jax.generate(target, None, [[5, 6, 7]], max_new_tokens=20, eos_token_id=eos).tokens[0]
+
+
 def test_spec_schedule():
     s = SpecSchedule.parse("1:5,4:3,9:0")
     assert [s.choose(n) for n in (1, 3, 4, 8, 9, 16)] == [SpecConfig(num_speculative_tokens=5)] * 2 + [SpecConfig(num_speculative_tokens=3)] * 2 + [None] * 2

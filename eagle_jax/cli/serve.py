@@ -16,7 +16,8 @@ Before it listens, the server compiles every program it may run (``--no-precompi
 first needed, while serving): per prompt bucket a prefill and a scoring program, the fork of ``n``
 choices, and per speculation depth, number of computed rows (powers of two up to ``--slots``) and
 attention span (powers of two from 256 up to the context) a step (a sampling program: greedy rows run
-on it exactly). Compiled programs go to JAX's persistent
+on it exactly). Then it runs each once on throwaway rows, so that no program's first run (which links
+its kernels on the CPU) falls on a request. Compiled programs go to JAX's persistent
 compilation cache (``--compile-cache``), so a restart loads them.
 ``--drafter none`` serves the target alone (a profile's speculation schedule is then ignored). Checkpoints are directories or Hugging Face Hub repo ids; a
 target may also be a .gguf file or a named model (``smollm2-135m-instruct``); relative paths in a profile
@@ -48,8 +49,8 @@ def main(argv: list[str] | None = None) -> None:
                          "depend on the requests sharing its steps (bf16 otherwise can flip near-ties)")
     ap.add_argument("--max-queue", type=int, default=256)
     ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
-                    help="compile every program serving may run before listening (one log line each), so that no "
-                         "request waits for a compile (default: on)")
+                    help="compile every program serving may run before listening (one log line each), and run each "
+                         "once, so that no request waits for a compile or a first run (default: on)")
     ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
                     help="JAX's persistent compilation cache: a restart loads the compiled programs (default: "
                          "<cache dir>/xla, the cache dir being $EAGLE_JAX_CACHE, $XDG_CACHE_HOME/eagle_jax or ~/.cache/eagle_jax)")

@@ -150,7 +150,7 @@ def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth,
     if precompile:
         t0 = time.perf_counter()
         engine.precompile()
-        log.info("%d programs ready in %.1f s (%d compiled, the rest from the compilation cache or already built)",
+        log.info("%d programs ready and run once in %.1f s (%d compiled, the rest from the compilation cache or already built)",
                  len(engine.program_set()), time.perf_counter() - t0, len(engine.compile_events))
     return Service(scheduler, tokenizer, model_name, metrics)
 

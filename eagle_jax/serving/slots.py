@@ -278,29 +278,66 @@ class SlotEngine:
         rows = sorted({self.rows_for([r - 1]) for r in range(1, self.slots + 1)})
         return keys + [("step", spec, False, span, r) for spec in self.specs for r in rows for span in self.spans]
 
-    def precompile(self, scoring: bool = True) -> None:
+    def precompile(self, scoring: bool = True, warm_up: bool = True) -> None:
         """Compiles ``program_set`` (``on_compile`` hears each), so that serving never compiles: every step
         and prompt then finds its own program. With JAX's persistent compilation cache on (the server's
-        default) a restart loads them instead."""
+        default) a restart loads them instead. ``warm_up``: then runs each once (``warm_up``)."""
         keys = self.program_set(scoring)
         check_map_limit(len([k for k in keys if k not in self._programs]))
         self._precompiled = True
         for key in keys:
             if key in self._programs:
                 continue
-            if key[0] == "insert":
-                self._program(key, self._insert_fn(key[1]), self._insert_args(key[1], [Admission(0, (0,), 1, SamplingParams(), 0)]))
-            elif key[0] == "fork":
-                self._program(key, self._fork_fn(), self._fork_args(0, 0, (0,), None, None, 1, SamplingParams(), 0, True, Penalties()))
-            elif key[0] == "score":
+            if key[0] == "score":
                 self._score_program(key[1])
-            elif key[0] == "chunk":
-                _, c, span = key
-                self._program(key, self._chunk_fn(c, span), self._chunk_args(c, 0, [0], 0, 1, SamplingParams(), 0, True, Penalties()))
             elif key[0] == "copy":
                 self._copy_program(key)
             else:
-                self._program(key, self._step_fn(*key[1:]), (self._t_state, self._d_state, self.state, np.zeros((self.slots,), bool)))
+                self._program(key, self._build(key), self._example_args(key))
+        if warm_up:
+            self.warm_up(keys)
+
+    def warm_up(self, keys: Sequence[tuple]) -> None:
+        """Runs each program of ``keys`` once on throwaway rows, then frees every slot. A program's first run
+        pays one-time costs (the CPU backend links its kernels then), which would otherwise land on the
+        first requests; each step runs one round over rows that are not done."""
+        for key in keys:
+            if key[0] == "step":
+                rows = key[4]
+                self.reset()
+                for first in range(0, rows, INSERT_ROWS):  # live rows under the step, each done after one more token
+                    self.insert_many([Admission(slot, (0,), 2, SamplingParams(), 0) for slot in range(first, min(first + INSERT_ROWS, rows))])
+                self.state = self._programs[key](*self._example_args(key))
+            elif key[0] == "score":
+                self._score_program(key[1])(self._t_state, jnp.zeros((1, key[1]), jnp.int32))
+            elif key[0] == "copy":
+                self.state, self.pool = self._copy_program(key)(self.state, self.pool, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+            else:
+                self.state = self._programs[key](*self._example_args(key))[0]
+        jax.block_until_ready(self.state)
+        self.reset()
+
+    def _build(self, key: tuple):
+        """The function ``key``'s program compiles (inserts, the fork, prefill chunks, steps)."""
+        if key[0] == "insert":
+            return self._insert_fn(key[1])
+        if key[0] == "fork":
+            return self._fork_fn()
+        if key[0] == "chunk":
+            return self._chunk_fn(*key[1:])
+        return self._step_fn(*key[1:])
+
+    def _example_args(self, key: tuple) -> tuple:
+        """Arguments of ``key``'s program for a one-token request in slot 0 (what precompiling traces and
+        warming up runs)."""
+        if key[0] == "insert":
+            return self._insert_args(key[1], [Admission(0, (0,), 1, SamplingParams(), 0)])
+        if key[0] == "fork":
+            args = self._fork_args(0, 0, (0,), None, None, 1, SamplingParams(), 0, True, Penalties())
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, args)
+        if key[0] == "chunk":
+            return self._chunk_args(key[1], 0, [0], 0, 1, SamplingParams(), 0, True, Penalties())
+        return (self._t_state, self._d_state, self.state, jnp.zeros((self.slots,), bool))
 
     def _plan(self, **kw) -> Plan:
         """A program's plan: one row, the whole cache, no rounds, unless ``kw`` says otherwise."""

@@ -6,7 +6,8 @@ Two fresh processes in turn build the bundled profile's service as ``eagle-jax-s
 program compiled before it listens, ``--precompile``), over one compilation-cache directory that starts
 empty: the first compiles everything (cold), the second loads it (warm cache). Each then serves C
 closed-loop users twice over held-out code prompts (greedy, streaming, as ``bench.serve``): the first
-sweep is what the first users of a fresh server get, the second the same server warm.
+sweep is what the first users of a fresh server get, the second the same server warm (prefix caching off
+unless ``--prefix-cache``: the second sweep repeats the first's prompts, and would otherwise hit the cache).
 
 Goals: ready with a warm cache in <= 0.2x the cold start; the warm-cache server's first sweep at C=4
 >= 0.9x its second's per-user throughput; no compiles while serving.
@@ -39,7 +40,8 @@ def child(args) -> None:
     profile = read_profile(profile_path)
     t0 = time.perf_counter()
     svc = build_service(profile["target"], profile["drafter"], spec=profile["spec"], slots=profile["slots"], max_len=profile["max_len"],
-                        rounds_per_step=profile["rounds_per_step"], dtype=profile["dtype"], model_name="target", precompile=True)
+                        rounds_per_step=profile["rounds_per_step"], dtype=profile["dtype"], model_name="target", precompile=True,
+                        prefix_cache=args.prefix_cache)
     ready = time.perf_counter() - t0
     engine = svc.scheduler.engine
     compiled = len(engine.compile_events)
@@ -63,6 +65,9 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--out", default="bench/results/startup.json")
+    ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
+                    help="serve with prefix caching (off by default: the second sweep repeats the first's prompts, so "
+                         "with it on the second sweep's prefills are cache hits and the sweeps no longer compare startup alone)")
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -73,6 +78,7 @@ def main(argv=None) -> None:
         for phase in ("cold", "warm cache"):
             out = Path(tmp) / "child.json"
             cmd = [sys.executable, "-m", "bench.startup", "--cache", str(Path(tmp) / "xla"), "--child-out", str(out),
+                   "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
                    "--concurrency", str(args.concurrency), "--requests", str(args.requests), "--max-new", str(args.max_new)]
             subprocess.run(cmd, check=True)
             runs[phase] = json.loads(out.read_text())

@@ -5,7 +5,7 @@ Compiled programs are written under the user's cache directory and a later proce
 programs (models, shapes, JAX version, device) loads them instead of compiling. JAX's cache key is the
 lowered program, so a restart still traces and lowers every program first (about a second for each
 of the serving engine's step loops); ``compile_program`` therefore also stores each program as traced
-(``jax.export``, under ``exported/``), keyed by what it was traced from, and a later process lowers
+(``jax.export``, under ``exported/<code digest>/``), keyed by what it was traced from, and a later process lowers
 that instead of tracing the Python again.
 """
 
@@ -16,6 +16,8 @@ import hashlib
 import logging
 import os
 import pickle
+import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -46,8 +48,24 @@ def enable(directory: str | Path | None) -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _exported_dir = path / "exported"
+    prune_exported(_exported_dir)
     log.info("compiled programs are cached in %s", path)
     return path
+
+
+STALE_DAYS = 14
+
+
+def prune_exported(directory: Path, stale_days: float = STALE_DAYS) -> None:
+    """Removes the traced programs of other versions of the code (one folder per code digest) that have
+    stored nothing for ``stale_days``: only the code that traced a program can reuse it."""
+    if not directory.is_dir():
+        return
+    cutoff = time.time() - stale_days * 86400
+    for folder in directory.iterdir():
+        if folder.is_dir() and folder.name != _code_digest()[:16] and folder.stat().st_mtime < cutoff:
+            shutil.rmtree(folder, ignore_errors=True)
+            log.info("removed the stored programs of an older version of the code (%s)", folder.name)
 
 
 def disable() -> None:
@@ -99,7 +117,7 @@ def compile_program(fn: Callable, abstract: Sequence[Any], *, donate_argnums: Se
     avals = [(x.shape, str(x.dtype), str(getattr(x, "sharding", None))) for x in flat]
     devices = [(d.platform, d.device_kind) for d in jax.devices()]
     key = hashlib.sha256(repr((fingerprint, str(in_tree), avals, devices, _code_digest())).encode()).hexdigest()[:32]
-    path = _exported_dir / f"{key}.jaxexport"
+    path = _exported_dir / _code_digest()[:16] / f"{key}.jaxexport"
     stored = _load(path)
     if stored is None:
         out_tree = []

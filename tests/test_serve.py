@@ -293,6 +293,26 @@ def test_models_health_metrics(server, client):
     assert _metric(server, 'eagle_compile_events_total{program="insert"}') >= 1
 
 
+def test_stored_programs_of_other_code_are_pruned_when_stale(tmp_path):
+    """Traced programs are kept per version of the code; another version's are removed once they have
+    stored nothing for ``STALE_DAYS`` (a version in use elsewhere keeps its recent ones), never the current's."""
+    import os
+    import time
+
+    from eagle_jax import compile_cache
+
+    root = tmp_path / "exported"
+    month_ago = time.time() - 30 * 86400
+    folders = {name: root / name for name in ("0123456789abcdef", "fedcba9876543210", compile_cache._code_digest()[:16])}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+        (folder / "p.jaxexport").write_bytes(b"")
+    for name in ("0123456789abcdef", compile_cache._code_digest()[:16]):
+        os.utime(folders[name], (month_ago, month_ago))
+    compile_cache.prune_exported(root)
+    assert sorted(p.name for p in root.iterdir()) == sorted(["fedcba9876543210", compile_cache._code_digest()[:16]])
+
+
 def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path, monkeypatch):
     """``precompile`` builds the engine's whole program set (inserts and scoring per prompt bucket, steps
     per spec, greedy or not, rows and span) before serving; then no request compiles anything, whatever
@@ -336,7 +356,7 @@ def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path, 
             srv.stop()
         # Each program is also stored as traced, so a restart neither traces nor compiles: the second
         # engine lowers the stored programs, loads their executables, and serves the same tokens.
-        assert len(list((tmp_path / "xla" / "exported").glob("*.jaxexport"))) == len(engine.program_set())
+        assert len(list((tmp_path / "xla" / "exported").rglob("*.jaxexport"))) == len(engine.program_set())
         hits.clear()
         traced = []
         monkeypatch.setattr(slot_programs, "run_rounds", lambda *a, **k: traced.append(1) or run_rounds(*a, **k))

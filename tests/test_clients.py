@@ -133,13 +133,19 @@ def test_lm_eval_local_completions_equals_its_hf_backend(served, tmp_path, monke
         print(f"lm-eval local-completions vs hf, tokenized_requests={tokenized}: largest log-likelihood difference {worst:.2e}")
 
 
-def test_guidellm_concurrent_streaming_completes_without_errors(served, tmp_path):
+@pytest.mark.parametrize("temperature", [None, 0.0], ids=["default_temperature", "greedy"])
+def test_guidellm_concurrent_streaming_completes_without_errors(served, tmp_path, temperature):
+    """As guidellm runs by default (no temperature sent: the API's 1.0), and greedy through its backend's
+    ``extras`` (fields merged into every request body)."""
     server, hf_dir = served
     exe = Path(sys.executable).with_name("guidellm")
     if not exe.exists():
         pytest.skip("guidellm is not installed (pip install -e '.[clients]')")
     out = tmp_path / "guidellm.json"
-    cmd = [str(exe), "run", "--backend", f"kind=openai_http,target={server.url},model={MODEL}",
+    backend = {"kind": "openai_http", "target": server.url, "model": MODEL}
+    if temperature is not None:
+        backend["extras"] = {"body": {"temperature": temperature}}
+    cmd = [str(exe), "run", "--backend", json.dumps(backend),
            "--profile", "kind=concurrent,streams=2", "--constraint", "kind=max_requests,count=6",
            "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=8", "--tokenizer", f"kind=huggingface_auto,model={hf_dir}",
            "--output", f"kind=json,path={out}", "--disable-console-interactive"]
@@ -151,5 +157,7 @@ def test_guidellm_concurrent_streaming_completes_without_errors(served, tmp_path
     assert len(requests["errored"]) == 0 and len(requests["incomplete"]) == 0
     assert len(requests["successful"]) == 6
     first = requests["successful"][0]
-    assert json.loads(first["request_args"])["stream"] is True  # streamed, as guidellm runs by default
+    sent = json.loads(first["request_args"])
+    assert sent["stream"] is True  # streamed, as guidellm runs by default
+    assert sent.get("body", sent).get("temperature") == temperature, sent
     assert all(r["output"] for r in requests["successful"])

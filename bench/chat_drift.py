@@ -53,6 +53,7 @@ from bench.common import (
     load_models,
     print_table,
     pyplot,
+    round_robin,
     run_batched,
     stop_ids,
     write_json,
@@ -199,14 +200,6 @@ def long_prompts(tokenizer, turns: list[str], contexts: list[int], n: int, seed:
         for L in contexts:
             out[L].append({**long_prompt(tokenizer, turns[e], fillers, L), "name": e})
     return out
-
-
-def round_robin(sets: list[list[str]], n: int) -> list[str]:
-    """``n`` items taken in turn from each list (first items first)."""
-    picked = [s[i] for i in range(max(map(len, sets), default=0)) for s in sets if i < len(s)]
-    if len(picked) < n:
-        print(f"only {len(picked)} questions available (asked for {n})")
-    return picked[:n]
 
 
 def long_system_prompt(tokenizer, min_tokens: int) -> str:

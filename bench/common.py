@@ -38,9 +38,13 @@ def local_target(target: str | Path | None) -> str | None:
 
 
 def load_pair_or_random(target_dir: str | None, drafter_dir: str | None, prompts_file: str | None, prompt_len: int,
-                        dtype: str = "float32"):
-    """(target, drafter, tokenizer or None, prompts as id lists, description of the models). ``target_dir``:
-    a checkpoint directory, a Hub repo id, a .gguf file or a named model."""
+                        dtype: str = "float32", *, questions: list[str] | None = None, n_questions: int = 0, max_new: int = 0):
+    """(target, drafter, tokenizer or None, prompts as id lists, description of the models and prompts).
+    ``target_dir``: a checkpoint directory, a Hub repo id, a .gguf file or a named model.
+
+    Prompts: with ``questions``, ``chat_prompts(questions, tokenizer, n_questions)`` whole (cutting a
+    chat prompt would drop its template's start), those too long for ``max_new`` new tokens dropped;
+    else ``prompts_file``'s or held-out code prompts, each cut to its last ``prompt_len`` tokens."""
     target_dir = local_target(target_dir) or (str(BUNDLED_TARGET) if BUNDLED_TARGET.exists() else None)
     drafter_dir = drafter_dir or (str(BUNDLED_DRAFTER) if BUNDLED_DRAFTER.exists() else None)
     tokenizer = None
@@ -52,14 +56,23 @@ def load_pair_or_random(target_dir: str | None, drafter_dir: str | None, prompts
     else:
         target, drafter = random_pair()
         source = {"target": "random 12x384", "drafter": "random (acceptance meaningless)"}
-    if prompts_file and tokenizer is not None:
+    if questions:
+        chat = fit_prompts(chat_prompts(questions, tokenizer, n_questions), max_new, target.config.max_position_embeddings)
+        if not chat:
+            raise SystemExit(f"--questions: no question fits {target.config.max_position_embeddings} positions with {max_new} new tokens")
+        prompts = [p["ids"] for p in chat]
+        source["prompts"] = chat_source(questions, n_questions, chat)
+    elif prompts_file and tokenizer is not None:
         rows = [json.loads(line) for line in Path(prompts_file).read_text().splitlines() if line.strip()]
         prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False)[-prompt_len:] for r in rows]
+        source["prompts"] = {"kind": "file", "file": prompts_file, "prompt_len": prompt_len, "count": len(prompts)}
     elif tokenizer is not None:  # held-out code, the last prompt_len tokens up to a def/class header
         prompts = [p["ids"][-prompt_len:] for p in heldout_code_prompts(tokenizer, 16, min_chars=4 * prompt_len)]
+        source["prompts"] = {"kind": "heldout code", "prompt_len": prompt_len, "count": len(prompts)}
     else:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(10, target.config.vocab_size, prompt_len).tolist() for _ in range(16)]
+        source["prompts"] = {"kind": "random tokens", "prompt_len": prompt_len, "count": len(prompts)}
     return target, drafter, tokenizer, prompts, source
 
 
@@ -80,7 +93,8 @@ def load_recipe_pair(recipe: str, prompt_len: int, num_prompts: int = 16):
     drafter = eagle_jax.load_drafter(export, target)
     rng = np.random.default_rng(12345)
     prompts = [rng.integers(0, target.config.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
-    source = {"recipe": recipe, "target": f"random {target.config.architecture} (seeded)", "drafter": str(export)}
+    source = {"recipe": recipe, "target": f"random {target.config.architecture} (seeded)", "drafter": str(export),
+              "prompts": {"kind": "random tokens", "prompt_len": prompt_len, "count": num_prompts}}
     return target, drafter, None, prompts, source
 
 
@@ -235,6 +249,38 @@ def question_prompts(path: str | Path, tokenizer, limit: int | None = None) -> l
         if limit and len(out) >= limit:
             break
     return out
+
+
+def round_robin(sets: list[list], n: int = 0) -> list:
+    """The lists' items taken in turn (every list's first item, then every second one, ...), so any
+    leading slice mixes the lists; the first ``n`` of them (0: all)."""
+    picked = [s[i] for i in range(max(map(len, sets), default=0)) for s in sets if i < len(s)]
+    return picked[:n] if n else picked
+
+
+def question_set_name(path: str | Path) -> str:
+    """A question file's set name: its stem, or its folder's name for FastChat's ``<set>/question.jsonl``."""
+    p = Path(path)
+    return p.parent.name if p.stem == "question" and p.parent.name else p.stem
+
+
+def chat_prompts(paths: list[str | Path], tokenizer, per_file: int = 0) -> list[dict]:
+    """The first ``per_file`` questions (0: all) of each FastChat question file as chat prompts
+    (``question_prompts``), the files interleaved round-robin so a truncated list still mixes the sets;
+    each dict also has "set" and is named "<set>:<question_id>"."""
+    sets = []
+    for path in paths:
+        name = question_set_name(path)
+        sets.append([{**q, "set": name, "name": f"{name}:{q['name']}"} for q in question_prompts(path, tokenizer, per_file or None)])
+    return round_robin(sets)
+
+
+def chat_source(paths: list[str | Path], per_file: int, prompts: list[dict]) -> dict:
+    """The JSON record of a ``chat_prompts`` prompt list (after any ``fit_prompts``)."""
+    sets = {question_set_name(p): 0 for p in paths}
+    for p in prompts:
+        sets[p["set"]] += 1
+    return {"kind": "questions", "files": [str(p) for p in paths], "n_questions": per_file, "per_set": sets, "count": len(prompts)}
 
 
 def fit_prompts(prompts: list[dict], max_new: int, limit: int) -> list[dict]:

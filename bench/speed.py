@@ -4,6 +4,14 @@
     python -m bench.speed --target DIR --drafter DIR --batch 1 4 16 --ks 1 3 5 --trees 8,5,48
     python -m bench.speed --dtype bfloat16 --exact          # bf16 weights, every row also in exact mode
     python -m bench.speed --recipe configs/train/tiny_mla_moe.yaml --prompt-len 8   # the DeepSeek-V3-shaped tiny pair
+    python -m bench.speed --target smollm2-135m-instruct --drafter assets/smollm2/drafter-eagle3.1 \
+        --questions ../shared/data/eval/mt_bench.jsonl ../shared/data/eval/alpaca.jsonl --n-questions 8 \
+        --batch 1 4 --ks 3 5 --trees 8,5,48            # a real chat model on chat prompts
+
+Prompts: held-out code (the last --prompt-len tokens up to a def/class header), a ``--prompts`` JSONL,
+or with ``--questions`` the first turns of FastChat question files rendered with the tokenizer's chat
+template, whole, the files interleaved round-robin (a batch of b rows takes the first b prompts,
+cycling); the JSON's ``models.prompts`` records which.
 
 Writes JSON (``--out``) and prints tables. Roofline columns (bench/roofline.py): per row, model FLOPs and
 bytes per generated token (weights and KV cache read by the target forwards at the verification width
@@ -35,7 +43,7 @@ from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.generate import bucket
 from bench import roofline as rl
-from bench.common import TARGET_HELP, load_pair_or_random, load_recipe_pair, print_table, spec_name, write_json
+from bench.common import TARGET_HELP, load_pair_or_random, load_recipe_pair, print_table, spec_name, stop_ids, write_json
 
 
 def _timed_interleaved(calls: dict, repeats: int = 9) -> dict:
@@ -163,8 +171,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
     ap.add_argument("--trees", nargs="*", default=["8,5,48"], help="top_k,depth,total_tokens")
     ap.add_argument("--max-new", type=int, default=96)
-    ap.add_argument("--prompt-len", type=int, default=100)
-    ap.add_argument("--prompts", help="JSONL with 'prompt' fields (default: held-out code prompts with the bundled pair)")
+    ap.add_argument("--prompt-len", type=int, default=100,
+                    help="code / --prompts prompts keep their last N tokens (--questions prompts stay whole); the round split's context")
+    source_args = ap.add_mutually_exclusive_group()
+    source_args.add_argument("--prompts", help="JSONL with 'prompt' fields (default: held-out code prompts with the bundled pair)")
+    source_args.add_argument("--questions", nargs="+", help="FastChat question files: their first turns in the target "
+                             "tokenizer's chat template replace the code prompts")
+    ap.add_argument("--n-questions", type=int, default=0, help="first N questions of each --questions file (0: all)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--split-only", action="store_true", help="only the round time split")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the bundled pair's dtype")
@@ -172,11 +185,18 @@ def main(argv=None) -> dict:
                     "relative to the default plain row, so the exact rows show the mode's cost")
     ap.add_argument("--out", default="bench/results/speed.json")
     args = ap.parse_args(argv)
+    if args.recipe and (args.questions or args.prompts):
+        ap.error("--recipe brings its own random-token prompts (no tokenizer): drop --questions / --prompts")
 
     if args.recipe:
         target, drafter, tokenizer, prompts, source = load_recipe_pair(args.recipe, args.prompt_len)
     else:
-        target, drafter, tokenizer, prompts, source = load_pair_or_random(args.target, args.drafter, args.prompts, args.prompt_len, args.dtype)
+        target, drafter, tokenizer, prompts, source = load_pair_or_random(
+            args.target, args.drafter, args.prompts, args.prompt_len, args.dtype, questions=args.questions,
+            n_questions=args.n_questions, max_new=args.max_new)
+    # Chat replies end at the template's end-of-turn token, as users meet them; code continuations and
+    # random prompts run --max-new tokens (nothing to stop at).
+    eos = list(stop_ids(tokenizer)) if args.questions else []
     specs = [SpecConfig(num_speculative_tokens=k) for k in args.ks]
     for t in args.trees:
         k, d, n = (int(x) for x in t.split(","))
@@ -206,7 +226,7 @@ def main(argv=None) -> dict:
                 pre_rows.append([b, mode, who, bucket(max(len(p) for p in batch_prompts)), f"{secs * 1e3:.1f}",
                                  f"{pr['prefill_tokens_per_s']:.0f}", *rl.roofline_cells(pr)])
                 results["prefill"].append({"batch": b, "mode": mode, "models": who, **pr})
-            kw = dict(max_new_tokens=args.max_new, temperature=args.temperature, eos_token_id=[], exact=exact)
+            kw = dict(max_new_tokens=args.max_new, temperature=args.temperature, eos_token_id=eos, exact=exact)
             for spec in [None, *specs]:
                 d = None if spec is None else drafter
                 first = eagle_jax.generate(target, d, batch_prompts, spec=spec, **kw)

@@ -9,7 +9,8 @@ import jinja2
 import numpy as np
 import pytest
 
-from bench.chat_drift import PARAPHRASED_SYSTEM, VARIANTS, long_prompts, long_system_prompt, robustness_prompts, round_robin
+from bench.chat_drift import PARAPHRASED_SYSTEM, VARIANTS, long_prompts, long_system_prompt, robustness_prompts
+from bench.common import round_robin
 
 # SmolLM2-Instruct's template (ChatML with a default system prompt) and a non-ChatML one.
 TEMPLATES = {

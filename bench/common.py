@@ -233,7 +233,8 @@ def heldout_code_prompts(tokenizer, n: int, *, seed: int = 0, min_chars: int = 2
 
 def question_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[dict]:
     """FastChat question file (``{"question_id", "category", "turns": [...]}`` per line): the first turn
-    rendered with the tokenizer's chat template and ``add_generation_prompt=True``."""
+    rendered with the tokenizer's chat template and ``add_generation_prompt=True`` ("ids", "text"; "turn": the
+    question itself, for a chat endpoint to render)."""
     if tokenizer is None:
         raise SystemExit(f"--questions {path}: needs a tokenizer with a chat template (none loaded)")
     if not getattr(tokenizer, "chat_template", None):
@@ -245,7 +246,7 @@ def question_prompts(path: str | Path, tokenizer, limit: int | None = None) -> l
         q = json.loads(line)
         text = tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, tokenize=False)
         out.append({"ids": tokenizer.encode(text, add_special_tokens=False), "name": str(q.get("question_id")),
-                    "category": q.get("category", "all"), "text": text})
+                    "category": q.get("category", "all"), "text": text, "turn": q["turns"][0]})
         if limit and len(out) >= limit:
             break
     return out

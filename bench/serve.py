@@ -1,21 +1,36 @@
 """Per-user output throughput against concurrency through the OpenAI-compatible server (the EAGLE 3.1
-release's serving measurement), speculative vs no speculation, on the bundled pair.
+release's serving measurement), speculative vs no speculation: the bundled pair on held-out code, or a
+real chat pair as its users run it.
 
     python -m bench.serve [--concurrency 1 4 16 64] [--ks 3 5 7] [--requests 8] [--max-new 256] [--temperatures 0 1]
+    python -m bench.serve --target smollm2-135m-instruct \\
+        --drafters assets/smollm2/drafter-eagle3.1 assets/smollm2/drafter-eagle3 \\
+        --questions ../shared/data/eval/mt_bench.jsonl ../shared/data/eval/alpaca.jsonl ../shared/data/eval/gsm8k.jsonl \\
+        --concurrency 1 4 16 --ks --requests 16 --max-new 128 --temperatures 0 1 --out bench/results/serve_smollm2.json
 
-For each served system (the target alone; EAGLE-3.1 at each fixed chain depth K; EAGLE-3.1 and EAGLE-3
-with the depth schedule of ``configs/serve/bundled.yaml``; EAGLE-3.1 with ``--spec auto``, the server's
-default: depth per step from measured costs and live acceptance) a server is started on a loopback port and C
-users run a closed loop (each sends its next request when the last returns, streaming) over held-out
-code prompts. Per-user tokens/s = a user's generated tokens / its own wall time, mean over users;
+Every server is built as ``eagle-jax-serve`` builds it (``eagle_jax.cli.serve.service_settings``: slots,
+context, rounds per step, dtype), the bundled profile's without ``--target``, ``eagle-jax-serve --target
+T --drafter D`` with it; ``--slots`` / ``--rounds-per-step`` / ``--prefill-chunk`` / ``--no-prefix-cache``
+are passed on as its flags. Systems are named by drafter kind (``--drafters``: the EAGLE-3.1 one first,
+optionally an EAGLE-3 one): the target alone (``none``); the first drafter at each fixed chain depth K
+(``--ks``); without ``--target`` each drafter with the depth schedule of ``configs/serve/bundled.yaml``
+("schedule") and the first with ``--spec auto``, with ``--target`` each drafter with the server's default
+spec ("auto": depth per step from measured costs and live acceptance).
+
+A server is started on a loopback port and C users run a closed loop (each sends its next request when
+the last returns, streaming) over the prompts: held-out code as token ids through ``/v1/completions``,
+or with ``--questions`` the first turns of FastChat question files (the first ``--n-questions`` of each,
+files in turn) as a user message through ``/v1/chat/completions``, so the server applies the model's
+chat template. Per-user tokens/s = a user's generated tokens / its own wall time, mean over users;
 total = all tokens / the run's wall time; TTFT and inter-token latency percentiles from the stream
 (guidellm's metrics, measured the same way). The servers precompile their programs before they report
 ready, as ``eagle-jax-serve`` does; the first pass at each concurrency on a fresh server is reported as
 "cold", then passes run until one compiles nothing new, and the next is measured ("warm").
 
 The same request sequence is then run through ``eagle_jax.generate`` in batches of C (no server, one
-program per batch) for the fixed-depth systems: the server's per-user tokens/s over generate's is what
-serving costs. Greedy, so every system returns the same tokens (checked).
+program per batch; chat prompts rendered with the tokenizer's chat template, as the server renders
+them) for the fixed-depth systems: the server's per-user tokens/s over generate's is what serving
+costs. At temperature 0 every system must return the same text as ``none`` (checked).
 """
 
 from __future__ import annotations
@@ -26,28 +41,45 @@ import gc
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import jax
 import numpy as np
 
-from bench.common import heldout_code_prompts, print_table, pyplot, write_json
+from bench.common import (TARGET_HELP, chat_prompts, chat_source, drafter_label, fit_prompts, heldout_code_prompts, print_table, pyplot,
+                          write_json)
 from eagle_jax.config import SpecConfig
 from eagle_jax.serving import SpecSchedule
-from eagle_jax.serving.depth import AutoDepth
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """What a request depends on its endpoint for: the path, the prompt's fields of the body (from a
+    prompt dict: "ids", and "turn" for chat), and a streamed choice's new text."""
 
-async def _user(client, url: str, model: str, prompts: list[list[int]], max_new: int, log: list, user: int,
-                temperature: float = 0.0) -> dict:
+    path: str
+    prompt: Callable[[dict], dict]
+    delta: Callable[[dict], str | None]
+
+
+COMPLETIONS = Endpoint("/v1/completions", lambda p: {"prompt": p["ids"]}, lambda choice: choice.get("text"))
+CHAT = Endpoint("/v1/chat/completions", lambda p: {"messages": [{"role": "user", "content": p["turn"]}]},
+                lambda choice: choice.get("delta", {}).get("content"))
+
+
+async def _user(client, url: str, model: str, prompts: list[dict], max_new: int, log: list, user: int,
+                temperature: float, endpoint: Endpoint) -> dict:
     t_user = time.perf_counter()
     tokens = 0
-    for i, ids in enumerate(prompts):
-        body = {"model": model, "prompt": ids, "max_tokens": max_new, "temperature": temperature, "stream": True,
+    for i, prompt in enumerate(prompts):
+        body = {"model": model, **endpoint.prompt(prompt), "max_tokens": max_new, "temperature": temperature, "stream": True,
                 "stream_options": {"include_usage": True}, "seed": 1000 * user + i}
         t0 = time.perf_counter()
         first, last, text, usage, spec = None, None, [], None, {}
         gaps = []
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async with client.stream("POST", url + endpoint.path, json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
             async for line in r.aiter_lines():
@@ -56,14 +88,15 @@ async def _user(client, url: str, model: str, prompts: list[list[int]], max_new:
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     usage, spec = chunk["usage"], chunk.get("speculation", {})
-                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                piece = endpoint.delta(chunk["choices"][0]) if chunk.get("choices") else None
+                if piece:  # chat's first chunk (the role) and the finish chunks carry no text
                     now = time.perf_counter()
                     if first is None:
                         first = now
                     else:
                         gaps.append(now - last)
                     last = now
-                    text.append(chunk["choices"][0]["text"])
+                    text.append(piece)
         n = usage["completion_tokens"]
         tokens += n
         log.append({"request": (user, i), "ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": n, "text": "".join(text),
@@ -71,14 +104,17 @@ async def _user(client, url: str, model: str, prompts: list[list[int]], max_new:
     return {"tokens": tokens, "seconds": time.perf_counter() - t_user}
 
 
-async def closed_loop(url: str, model: str, per_user: list[list[list[int]]], max_new: int, temperature: float = 0.0) -> dict:
+async def closed_loop(url: str, model: str, per_user: list[list[dict]], max_new: int, temperature: float = 0.0,
+                      endpoint: Endpoint = COMPLETIONS) -> dict:
+    """``per_user[u]``: user u's prompts (dicts with "ids", and "turn" for ``CHAT``), sent one after another."""
     import httpx
 
     log: list = []
     limits = httpx.Limits(max_connections=len(per_user) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        users = await asyncio.gather(*[_user(client, url, model, p, max_new, log, u, temperature) for u, p in enumerate(per_user)])
+        users = await asyncio.gather(*[_user(client, url, model, p, max_new, log, u, temperature, endpoint)
+                                       for u, p in enumerate(per_user)])
         wall = time.perf_counter() - t0
     gaps = [g for r in log for g in r["gaps"]]
     ttft = [r["ttft"] for r in log]
@@ -94,21 +130,22 @@ async def closed_loop(url: str, model: str, per_user: list[list[list[int]]], max
     }
 
 
-def assign(prompts: list[list[int]], users: int, requests: int) -> list[list[list[int]]]:
+def assign(prompts: list[dict], users: int, requests: int) -> list[list[dict]]:
     """User u's requests: prompts u, u + C, u + 2C, ... (``requests`` in all, spread over the users)."""
     per = max(1, requests // users)
     return [[prompts[(u + i * users) % len(prompts)] for i in range(per)] for u in range(users)]
 
 
-def generate_per_user(target, drafter, spec, per_user, max_new: int, eos) -> float:
-    """The same requests through ``eagle_jax.generate``: request i of every user in one batch of C."""
+def generate_per_user(target, drafter, spec: SpecConfig | None, per_user: list[list[dict]], max_new: int, eos) -> float:
+    """The same requests through ``eagle_jax.generate`` (their "ids": a chat prompt rendered as the server
+    renders it): request i of every user in one batch of C."""
     import eagle_jax
 
     users = len(per_user)
     tokens = np.zeros(users)
     seconds = 0.0
     for i in range(len(per_user[0])):
-        batch = [per_user[u][i] for u in range(users)]
+        batch = [per_user[u][i]["ids"] for u in range(users)]
         kw = dict(max_new_tokens=max_new, eos_token_id=list(eos), spec=spec)
         eagle_jax.generate(target, drafter, batch, **kw)  # compile (and warm) outside the timing
         r = eagle_jax.generate(target, drafter, batch, **kw)
@@ -122,22 +159,23 @@ def _row_key(c: int, temperature: float, temperatures: list[float]) -> str:
     return str(c) if len(temperatures) == 1 else f"{c}@T={temperature:g}"
 
 
-def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float, prompts, args, target, eos, baseline_texts: dict) -> dict:
+def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float, prompts: list[dict], endpoint: Endpoint, args, target, eos,
+             baseline_texts: dict) -> dict:
     """One system at one concurrency and temperature: the cold first pass, warm-up passes until nothing
     new compiles, then the measured pass."""
     per_user = assign(prompts, c, max(args.requests, c))
     engine = svc.scheduler.engine
     t0 = time.perf_counter()
-    cold = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature))
+    cold = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature, endpoint))
     for _ in range(3):
         before = len(engine.compile_events)
         engine.wait_for_compiles()
         if len(engine.compile_events) == before:
             break
-        asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature))
+        asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature, endpoint))
     warm_s = time.perf_counter() - t0
     compiles_before = len(engine.compile_events)
-    r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature))
+    r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature, endpoint))
     r["warmup_s"] = warm_s
     r["compiles_while_measured"] = len(engine.compile_events) - compiles_before
     r["cold"] = {k: cold[k] for k in ("per_user_tok_s", "total_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
@@ -156,22 +194,32 @@ def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float,
     return r
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     import eagle_jax
     from eagle_jax import bundled, compile_cache
+    from eagle_jax.cli.serve import service_settings
     from eagle_jax.generate import eos_ids
-    from eagle_jax.serving.server import Server, make_service, read_profile
+    from eagle_jax.serving.server import Server, make_service, parse_spec, served_name
+    from eagle_jax.serving.slots import slot_len
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help=TARGET_HELP + " (default: the bundled profile's)")
+    ap.add_argument("--drafters", nargs="+", default=None,
+                    help="the EAGLE-3.1 drafter, then optionally an EAGLE-3 one (default: the bundled ones)")
+    ap.add_argument("--questions", nargs="+", default=None,
+                    help="FastChat question files: their first turns through /v1/chat/completions (default: held-out code "
+                         "prompts through /v1/completions)")
+    ap.add_argument("--n-questions", type=int, default=0, help="first N questions of each --questions file (0: all)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--ks", type=int, nargs="*", default=[3, 5, 7], help="fixed chain depths to measure (none: only the schedule rows)")
+    ap.add_argument("--ks", type=int, nargs="*", default=[3, 5, 7], help="fixed chain depths to measure (none: no fixed-depth rows)")
     ap.add_argument("--requests", type=int, default=8, help="requests per concurrency level (at least one per user)")
-    ap.add_argument("--n-prompts", type=int, default=32)
-    ap.add_argument("--max-chars", type=int, default=1200)
+    ap.add_argument("--n-prompts", type=int, default=32, help="held-out code prompts (without --questions)")
+    ap.add_argument("--max-chars", type=int, default=1200, help="held-out code prompts' length at most")
     ap.add_argument("--max-new", type=int, default=256)
-    ap.add_argument("--slots", type=int, default=16)
-    ap.add_argument("--rounds-per-step", type=int, default=None)
-    ap.add_argument("--schedule", default=None, help="depth schedule of the schedule rows (default: the bundled profile's)")
+    ap.add_argument("--slots", type=int, default=None, help="(default: eagle-jax-serve's)")
+    ap.add_argument("--rounds-per-step", type=int, default=None, help="(default: eagle-jax-serve's)")
+    ap.add_argument("--schedule", default=None,
+                    help="depth schedule of the schedule rows (default: the bundled profile's without --target, no rows with it)")
     ap.add_argument("--systems", nargs="*", default=None, help="the systems to run, by name (default: all)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-at-batch-C comparison")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
@@ -183,29 +231,60 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     compile_cache.enable(compile_cache.default_dir())  # as the server does: a rerun loads the programs
-    profile = read_profile(bundled.config_path("serve/bundled.yaml"))
-    schedule_text = args.schedule or profile["spec"]
-    rounds = args.rounds_per_step or profile["rounds_per_step"]
-    target = eagle_jax.load_target(profile["target"], dtype="float32")
-    tokenizer = eagle_jax.load_tokenizer(profile.get("tokenizer") or profile["target"])
-    eos = eos_ids(target, tokenizer)
-    d31 = eagle_jax.load_drafter(bundled.drafter_dir("eagle3.1"), target, dtype="float32")
-    d3 = eagle_jax.load_drafter(bundled.drafter_dir("eagle3"), target, dtype="float32")
-    prompts = [p["ids"] for p in heldout_code_prompts(tokenizer, args.n_prompts, max_chars=args.max_chars)]
-    print(f"{len(prompts)} held-out prompts, {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "
-          f"{args.max_new} new tokens; {args.slots} slots; {rounds} rounds per step; EOS {eos}")
+    drafter_dirs = args.drafters or [str(bundled.drafter_dir("eagle3.1")), str(bundled.drafter_dir("eagle3"))]
+    # The server's settings as eagle-jax-serve resolves them from its command line.
+    flags = ["--target", args.target, "--drafter", drafter_dirs[0]] if args.target else []
+    for flag, value in (("--slots", args.slots), ("--rounds-per-step", args.rounds_per_step), ("--prefill-chunk", args.prefill_chunk)):
+        flags += [] if value is None else [flag, str(value)]
+    flags += ["--no-prefix-cache"] if args.no_prefix_cache else []
+    settings = service_settings(flags)
+    target_dir, dtype, default_spec = settings.pop("target_dir"), settings.pop("dtype"), settings.pop("spec")
+    tokenizer_dir = settings.pop("tokenizer_dir") or target_dir
+    del settings["drafter_dir"], settings["model_name"], settings["precompile"]  # per system below; always precompiled
+    schedule_text = args.schedule or (None if args.target else default_spec)
 
-    systems = [("none", None, SpecSchedule.fixed(None))]
-    systems += [(f"EAGLE-3.1 K={k}", d31, SpecSchedule.fixed(SpecConfig(num_speculative_tokens=k))) for k in args.ks]
-    systems += [("EAGLE-3.1 schedule", d31, SpecSchedule.parse(schedule_text)), ("EAGLE-3 schedule", d3, SpecSchedule.parse(schedule_text))]
-    systems += [("EAGLE-3.1 auto", d31, AutoDepth())]  # the server's default
+    target = eagle_jax.load_target(target_dir, dtype=dtype)
+    tokenizer = eagle_jax.load_tokenizer(tokenizer_dir)
+    eos = eos_ids(target, tokenizer)
+    drafters = {}
+    for d in drafter_dirs:
+        drafter = eagle_jax.load_drafter(d, target, dtype=dtype)
+        if drafter_label(drafter) in drafters:
+            raise SystemExit(f"--drafters: two {drafter_label(drafter)} drafters; give one of each kind")
+        drafters[drafter_label(drafter)] = drafter
+    first, d0 = next(iter(drafters.items()))
+    if args.questions:
+        limit = slot_len(target.config, settings["max_len"])  # the served context
+        prompts = fit_prompts(chat_prompts(args.questions, tokenizer, args.n_questions), args.max_new, limit)
+        prompt_source, endpoint = chat_source(args.questions, args.n_questions, prompts), CHAT
+    else:
+        prompts = heldout_code_prompts(tokenizer, args.n_prompts, max_chars=args.max_chars)
+        prompt_source, endpoint = {"kind": "heldout code", "count": len(prompts)}, COMPLETIONS
+    if not prompts:
+        raise SystemExit("no prompts")
+    print(f"{len(prompts)} prompts ({prompt_source['kind']}), {min(len(p['ids']) for p in prompts)}-{max(len(p['ids']) for p in prompts)} "
+          f"tokens through {endpoint.path}; {args.max_new} new tokens; {settings['slots']} slots; "
+          f"{settings['rounds_per_step']} rounds per step; EOS {eos}")
+
+    def fixed(k: int | None) -> SpecSchedule:
+        return SpecSchedule.fixed(None if k is None else SpecConfig(num_speculative_tokens=k))
+
+    systems = [("none", None, fixed(None))]
+    if args.target:  # as eagle-jax-serve --target T --drafter D serves each drafter (no --spec)
+        systems += [(f"{label} auto", d, parse_spec(default_spec, True)) for label, d in drafters.items()]
+    systems += [(f"{first} K={k}", d0, fixed(k)) for k in args.ks]
+    if schedule_text:
+        systems += [(f"{label} schedule", d, parse_spec(schedule_text, True)) for label, d in drafters.items()]
+    if not args.target:
+        systems += [(f"{first} auto", d0, parse_spec("auto", True))]
     if args.systems is not None:
         unknown = set(args.systems) - {name for name, _, _ in systems}
         if unknown:
             raise SystemExit(f"--systems: unknown {sorted(unknown)}; known: {[name for name, _, _ in systems]}")
         systems = [s for s in systems if s[0] in args.systems]
 
-    config = vars(args) | {"schedule": schedule_text, "rounds_per_step": rounds, "eos": list(eos)}
+    config = vars(args) | {"slots": settings["slots"], "rounds_per_step": settings["rounds_per_step"], "schedule": schedule_text,
+                           "eos": list(eos), "server": settings | {"dtype": dtype}, "prompts": prompt_source}
     results = {"config": config, "systems": {}}
     if args.resume and Path(args.out).exists():
         results = json.loads(Path(args.out).read_text())
@@ -218,16 +297,14 @@ def main(argv=None) -> None:
         if name in results["systems"]:
             print(f"{name}: measured before (--resume)")
             continue
-        chunk = ({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}) | {"prefix_cache": not args.no_prefix_cache}
-        svc = make_service(target, drafter, tokenizer, schedule, eos, slots=args.slots, max_len=profile["max_len"], precompile=True, **chunk,
-                           rounds_per_step=rounds, model_name="target")
+        svc = make_service(target, drafter, tokenizer, schedule, eos, **settings, model_name="target", precompile=True)
         srv = Server(svc).start()
         rows = {}
         try:
             for c in args.concurrency:
                 for temperature in args.temperatures:
-                    rows[_row_key(c, temperature, args.temperatures)] = _measure(srv, svc, name, schedule, drafter, c, temperature, prompts, args,
-                                                                                 target, eos, baseline_texts)
+                    rows[_row_key(c, temperature, args.temperatures)] = _measure(srv, svc, name, schedule, drafter, c, temperature, prompts,
+                                                                                 endpoint, args, target, eos, baseline_texts)
         finally:
             srv.stop()
         results["systems"][name] = {"schedule": schedule.describe(), "by_concurrency": rows,
@@ -238,11 +315,13 @@ def main(argv=None) -> None:
         del svc, srv
         gc.collect()
 
-    report(results, args.concurrency, args.temperatures, Path(args.out).with_suffix(".png"))
+    pair = served_name(target_dir) if args.target else "Bundled pair"
+    report(results, args.concurrency, args.temperatures, Path(args.out).with_suffix(".png"),
+           f"{pair} through the server ({jax.devices()[0].device_kind})")
     write_json(args.out, results)
 
 
-def report(results: dict, concurrency: list[int], temperatures: list[float], plot: Path) -> None:
+def report(results: dict, concurrency: list[int], temperatures: list[float], plot: Path, title: str) -> None:
     systems = results["systems"]
     levels = [_row_key(c, t, temperatures) for t in temperatures for c in concurrency]
     base = systems["none"]["by_concurrency"] if "none" in systems else None
@@ -253,7 +332,7 @@ def report(results: dict, concurrency: list[int], temperatures: list[float], plo
         rows.append([name] + [f"{by[c]['per_user_tok_s']:.1f}" + (f" ({by[c]['per_user_tok_s'] / base[c]['per_user_tok_s']:.2f}x)" if base else "")
                               for c in levels]
                     + [f"{by[c]['total_tok_s']:.0f}" for c in levels])
-    fixed = {n: s for n, s in systems.items() if n.startswith("EAGLE-3.1 K=")}
+    fixed = {n: s for n, s in systems.items() if " K=" in n}
     if fixed and base:
         best = ["best fixed K"]
         for c in levels:
@@ -287,7 +366,7 @@ def report(results: dict, concurrency: list[int], temperatures: list[float], plo
             ax.set_ylabel(label)
             ax.set_title(f"temperature {t:g}", fontsize=9)
         row[0].legend(fontsize=7)
-    fig.suptitle("Bundled pair through the server (2-core CPU)")
+    fig.suptitle(title)
     fig.tight_layout()
     plot.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(plot, dpi=120)

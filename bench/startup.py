@@ -45,7 +45,7 @@ def child(args) -> None:
     ready = time.perf_counter() - t0
     engine = svc.scheduler.engine
     compiled = len(engine.compile_events)
-    prompts = [p["ids"] for p in heldout_code_prompts(svc.tokenizer, 32, max_chars=1200)]
+    prompts = heldout_code_prompts(svc.tokenizer, 32, max_chars=1200)
     per_user = assign(prompts, args.concurrency, args.requests)
     srv = Server(svc).start()
     try:

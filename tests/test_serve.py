@@ -379,6 +379,23 @@ def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path, 
             jax.config.update(name, value)
 
 
+def test_a_stopped_server_frees_its_service(pair_dirs):
+    """A stopped and dropped ``Server`` takes its service (the engine's caches and programs) with it:
+    nothing process-wide keeps it (FastAPI caches endpoint functions), so one process can serve one model
+    after another (``bench.serve``)."""
+    import gc
+    import weakref
+
+    t_dir, _ = pair_dirs
+    srv = Server(build_service(t_dir, None, slots=1, max_len=64, precompile=False)).start()
+    assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == t_dir.name
+    srv.stop()
+    engine = weakref.ref(srv.service.scheduler.engine)
+    del srv
+    gc.collect()
+    assert engine() is None
+
+
 def test_cli_serves_a_target_alone(pair_dirs, monkeypatch):
     """``eagle-jax-serve --target DIR --drafter none --spec none``: the target alone, its tokenizer, and the
     directory's name on /v1/models (no precompile, no compilation cache; the app is queried in process)."""

@@ -33,7 +33,7 @@ import logging
 BUNDLED_PROFILE = "serve/bundled.yaml"  # under the repository's configs/
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="YAML serving profile; flags override it (default: the bundled pair's)")
     ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct")
@@ -67,14 +67,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-name", help="the name /v1/models lists (default: the target's directory name, .gguf stem or model name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return ap
 
-    from eagle_jax import CheckpointError, ConfigError, bundled, compile_cache
+
+def service_settings(args: argparse.Namespace | list[str]) -> dict:
+    """``build_service``'s keyword arguments for these flags (parsed, or a command line): the profile
+    (default: the bundled pair's) under the flags, and the defaults for what neither gives. A ``--target``
+    keeps only the profile's slots, rounds per step, dtype and exact. Benchmarks call it to serve a pair
+    as ``eagle-jax-serve`` would."""
+    from eagle_jax import ConfigError, bundled
     from eagle_jax.serving.server import read_profile
 
-    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
-
+    if not isinstance(args, argparse.Namespace):
+        args = parser().parse_args(args)
     try:
         profile_path = args.profile or bundled.config_path(BUNDLED_PROFILE)
     except bundled.BundleNotFound as exc:
@@ -96,13 +101,31 @@ def main(argv: list[str] | None = None) -> None:
 
     target = checkpoint(pick(args.target, "target"))
     if target is None:
-        ap.error("no --target and the profile names none")
+        parser().error("no --target and the profile names none")
     drafter = checkpoint(pick(args.drafter, "drafter"))
     spec = pick(args.spec, "spec")
     if drafter is None and args.spec is None and spec is not None and str(spec).strip() != "none":
         # A profile's schedule is for its drafter: serving the target alone decodes plainly.
         logging.getLogger("serve").info("no drafter is served: the profile's speculation schedule %r is ignored", spec)
         spec = None
+    return dict(
+        target_dir=target, drafter_dir=drafter, spec=spec, slots=pick(args.slots, "slots", 16), max_len=pick(args.max_len, "max_len"),
+        rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), dtype=pick(args.dtype, "dtype", "float32"),
+        max_queue=args.max_queue, model_name=args.model_name, tokenizer_dir=pick(args.tokenizer, "tokenizer"),
+        exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile,
+        prefix_cache=args.prefix_cache, prefix_pool_rows=args.prefix_cache_rows,
+        **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    from eagle_jax import CheckpointError, ConfigError, compile_cache
+
+    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
+    settings = service_settings(args)
 
     import uvicorn
 
@@ -110,14 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     from eagle_jax.serving.server import build_service
 
     try:
-        service = build_service(
-            target, drafter, spec=spec, slots=pick(args.slots, "slots", 16), max_len=pick(args.max_len, "max_len"),
-            rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), dtype=pick(args.dtype, "dtype", "float32"),
-            max_queue=args.max_queue, model_name=args.model_name, tokenizer_dir=pick(args.tokenizer, "tokenizer"),
-            exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile,
-            prefix_cache=args.prefix_cache, prefix_pool_rows=args.prefix_cache_rows,
-            **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}),
-        )
+        service = build_service(settings.pop("target_dir"), settings.pop("drafter_dir"), **settings)
     except (ConfigError, CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None
     service.scheduler.start()

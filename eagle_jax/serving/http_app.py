@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -294,8 +294,16 @@ def _prompt_ids(service: Service, prompt: str | list[int], add_special_tokens: b
     return list(prompt)
 
 
+def _service(http: HTTPRequest) -> Service:
+    return http.app.state.service
+
+
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="eagle_jax", version="0.1.0")
+    # The endpoints get the service from the app (``Depends(_service)``), never from a closure: FastAPI
+    # caches endpoint functions process-wide, so a closure would keep the service's engine (its caches and
+    # programs) alive after the app is gone, and a process that serves one model after another runs out.
+    app.state.service = service
     name = service.model_name
 
     @app.exception_handler(APIError)
@@ -311,16 +319,16 @@ def create_app(service: Service) -> FastAPI:
         return JSONResponse(APIError(405, f"method {http.method} is not allowed on {http.url.path}").body(), status_code=405)
 
     @app.get("/health")
-    async def health():
+    async def health(service: Service = Depends(_service)):
         s = service.scheduler
         return {"status": "ok", "slots": s.engine.slots, "active": s.active, "queue": s.queue_depth}
 
     @app.get("/v1/models")
-    async def models():
+    async def models(service: Service = Depends(_service)):
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "eagle_jax", "max_model_len": service.max_len}]}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(service: Service = Depends(_service)):
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def check_model(body) -> None:
@@ -328,7 +336,7 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {name!r}", param="model", code="model_not_found")
 
     @app.post("/v1/completions")
-    async def completions(http: HTTPRequest):
+    async def completions(http: HTTPRequest, service: Service = Depends(_service)):
         body = _parse(await http.body(), CompletionRequest)
         check_model(body)
         prompts = [_prompt_ids(service, p, body.add_special_tokens) for p in body.prompt]
@@ -356,7 +364,7 @@ def create_app(service: Service) -> FastAPI:
         return out
 
     @app.post("/v1/chat/completions")
-    async def chat(http: HTTPRequest):
+    async def chat(http: HTTPRequest, service: Service = Depends(_service)):
         body = _parse(await http.body(), ChatRequest)
         check_model(body)
         gens = _start(service, [_chat_ids(service, body, body.add_special_tokens)], body.limit, body)
@@ -382,7 +390,7 @@ def create_app(service: Service) -> FastAPI:
                 "usage": _total_usage(gens), "speculation": _speculation(service, gens)}
 
     @app.post("/tokenize")
-    async def tokenize(http: HTTPRequest):
+    async def tokenize(http: HTTPRequest, service: Service = Depends(_service)):
         """vLLM's: the prompt's token ids (a text prompt, or chat messages through the template)."""
         body = _parse(await http.body(), TokenizeRequest)
         if body.model is not None:
@@ -395,7 +403,7 @@ def create_app(service: Service) -> FastAPI:
         return {"count": len(ids), "max_model_len": service.max_len, "tokens": ids, "token_strs": strs}
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info():
+    async def tokenizer_info(service: Service = Depends(_service)):
         """vLLM's: the tokenizer's special tokens and chat template (lm-evaluation-harness's remote
         tokenizer reads it, then tokenizes through /tokenize and /detokenize)."""
         tok = service.tokenizer
@@ -405,7 +413,7 @@ def create_app(service: Service) -> FastAPI:
                 "add_bos_token": getattr(tok, "add_bos_token", None), "add_eos_token": getattr(tok, "add_eos_token", None)}
 
     @app.post("/detokenize")
-    async def detokenize(http: HTTPRequest):
+    async def detokenize(http: HTTPRequest, service: Service = Depends(_service)):
         """vLLM's: the text of token ids, special tokens included."""
         body = _parse(await http.body(), DetokenizeRequest)
         if body.model is not None:

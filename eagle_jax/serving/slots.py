@@ -53,6 +53,12 @@ CHUNK_SIZES = (32, 128)  # prefill chunk programs below the engine's ``chunk`` (
 # Prompt tokens one step's prefill computes at most while streams decode: smaller keeps running streams
 # smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill").
 DEFAULT_CHUNK = 512
+DEFAULT_MAX_LEN = 4096  # a slot's tokens when no max_len is given (the target's context if shorter)
+
+
+def slot_len(target_config, max_len: int | None = None) -> int:
+    """A slot's tokens at most: ``max_len``, else the target's context up to ``DEFAULT_MAX_LEN``."""
+    return min(target_config.max_position_embeddings, DEFAULT_MAX_LEN) if max_len is None else int(max_len)
 
 
 def describe_program(key: tuple) -> str:
@@ -159,7 +165,7 @@ class SlotEngine:
         if drafter is None and any(s is not None for s in specs):
             raise ConfigError("speculation configs were given but there is no drafter")
         limit = target.config.max_position_embeddings
-        max_len = min(limit, 4096) if max_len is None else int(max_len)
+        max_len = slot_len(target.config, max_len)
         if not 2 <= max_len <= limit:
             raise ConfigError(f"max_len must be in 2..{limit} (the target's max_position_embeddings), got {max_len}")
         self.target, self.drafter = target, drafter

@@ -274,7 +274,9 @@ def long_study(target, drafters: dict, tokenizer, args, kw: dict) -> tuple[dict,
             continue
         tokens = float(np.mean([len(p["ids"]) for p in ps]))
         for dname, drafter in drafters.items():
-            st = acceptance_stats(run_batched(target, drafter, [p["ids"] for p in ps], **kw)["accepted"], args.k)
+            # generate's prefill holds a [rows, heads, L, L] score block: rows shrink as prompts grow.
+            rows = max(1, min(args.batch_size, args.batch_tokens // max(len(p["ids"]) for p in ps)))
+            st = acceptance_stats(run_batched(target, drafter, [p["ids"] for p in ps], **{**kw, "batch_size": rows})["accepted"], args.k)
             stats[key, dname] = st
             runs.append({"drafter": dname, "context": key, "mean_prompt_tokens": tokens, "prompt_tokens": [len(p["ids"]) for p in ps],
                          "background_docs": [p["docs"] for p in ps], "end_articles": [p["name"] for p in ps], **st})
@@ -360,6 +362,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, default=5, help="chain depth")
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=4, help="rows per generate call (long prompts need memory)")
+    ap.add_argument("--batch-tokens", type=int, default=8192,
+                    help="long study: prompt tokens per generate call at most (a lone longer prompt runs alone); 8k-token rows x4 exceed 24 GB")
     ap.add_argument("--seed", type=int, default=0, help="end articles, background order and sampling keys")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="bench/results/chat_drift.json")

@@ -42,6 +42,7 @@ from bench.common import (
     parse_tree,
     print_table,
     pyplot,
+    save_plot,
     question_prompts,
     run_batched,
     spec_name,
@@ -66,13 +67,7 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.set_xlabel("chain K (drafts per round)")
     ax.set_ylabel("acceptance length (tokens / target forward)")
     ax.set_title("Acceptance length vs K (mean over prompts, 95% CI)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_plot(fig, ax, path)
 
 
 def main(argv=None) -> dict:

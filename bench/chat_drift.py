@@ -53,6 +53,7 @@ from bench.common import (
     load_models,
     print_table,
     pyplot,
+    save_plot,
     round_robin,
     run_batched,
     stop_ids,
@@ -340,13 +341,7 @@ def plot_long(runs: list[dict], path: Path, k: int) -> None:
     ax.set_xlabel("prompt tokens (chat-rendered; leftmost: the article alone)")
     ax.set_ylabel("acceptance length (tokens / target forward)")
     ax.set_title(f"Summarisation prompts with background documents (greedy, chain K={k})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_plot(fig, ax, path)
 
 
 def main(argv=None) -> dict:

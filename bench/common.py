@@ -371,3 +371,16 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_plot(fig, ax, path: str | Path) -> None:
+    """Grid, legend, tight layout, then ``path`` (its folder made) at 120 dpi; closes the figure."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")

@@ -175,9 +175,13 @@ def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float,
         asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature, endpoint))
     warm_s = time.perf_counter() - t0
     compiles_before = len(engine.compile_events)
+    steps_before = svc.metrics.steps_per_depth()
     r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature, endpoint))
     r["warmup_s"] = warm_s
     r["compiles_while_measured"] = len(engine.compile_events) - compiles_before
+    # Which depths the measured pass ran (auto's choices): engine steps per drafts per round.
+    r["steps_by_depth"] = {d: n - steps_before.get(d, 0) for d, n in sorted(svc.metrics.steps_per_depth().items())
+                           if n > steps_before.get(d, 0)}
     r["cold"] = {k: cold[k] for k in ("per_user_tok_s", "total_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
     r["texts_sha"] = hashlib.sha256(json.dumps(r.pop("texts")).encode()).hexdigest()
     key = _row_key(c, temperature, args.temperatures)
@@ -190,7 +194,8 @@ def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float,
     print(f"{name:20s} C={c:2d} T={temperature:g}: per-user {r['per_user_tok_s']:7.1f} tok/s (cold {cold['per_user_tok_s']:7.1f}), "
           f"total {r['total_tok_s']:7.1f}, TTFT p50/p99 {r['ttft_p50'] * 1e3:6.0f}/{r['ttft_p99'] * 1e3:6.0f} ms, "
           f"ITL p50/p99 {(r['itl_p50'] or 0) * 1e3:5.1f}/{(r['itl_p99'] or 0) * 1e3:5.1f} ms"
-          + (f", vs generate {r['server_vs_generate']:.2f}" if "server_vs_generate" in r else ""), flush=True)
+          + (f", vs generate {r['server_vs_generate']:.2f}" if "server_vs_generate" in r else "")
+          + f", steps by depth {r['steps_by_depth']}", flush=True)
     return r
 
 

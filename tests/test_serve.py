@@ -291,6 +291,8 @@ def test_models_health_metrics(server, client):
         assert name in text, name
     assert _metric(server, "eagle_acceptance_length") > 1.0
     assert _metric(server, 'eagle_compile_events_total{program="insert"}') >= 1
+    # every step is counted under the depth it ran
+    assert _metric(server, "eagle_steps_by_depth_total") == _metric(server, "eagle_steps_total") > 0
 
 
 def test_stored_programs_of_other_code_are_pruned_when_stale(tmp_path):

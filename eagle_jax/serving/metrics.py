@@ -31,6 +31,7 @@ class Metrics:
         self.al = Gauge("eagle_acceptance_length", "Mean tokens per target forward over all rounds so far.", registry=r)
         self.position = Counter("eagle_spec_accepted_position", "Rounds whose draft at this position (0-based) was accepted.", ["position"], registry=r)
         self.steps = Counter("eagle_steps", "Engine steps.", registry=r)
+        self.steps_by_depth = Counter("eagle_steps_by_depth", "Engine steps by drafts per round (0: none).", ["depth"], registry=r)
         self.compiles = Counter("eagle_compile_events", "Programs compiled, by kind (insert, step).", ["program"], registry=r)
         self.compile_seconds = Counter("eagle_compile_seconds", "Seconds spent compiling.", registry=r)
         self.prefix_queries = Counter("eagle_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
@@ -45,7 +46,9 @@ class Metrics:
 
     def on_step(self, active: int, spec, out: StepOutput) -> None:
         self.steps.inc()
-        self.depth.set(0 if spec is None else spec.max_emitted - 1)
+        depth = 0 if spec is None else spec.max_emitted - 1
+        self.depth.set(depth)
+        self.steps_by_depth.labels(str(depth)).inc()
         for row in out.accepted:
             for a in row:
                 self._rounds += 1
@@ -56,6 +59,11 @@ class Metrics:
                     self.position.labels(str(i)).inc()
         if self._rounds:
             self.al.set(self._emitted / self._rounds)
+
+    def steps_per_depth(self) -> dict[int, int]:
+        """Engine steps so far by drafts per round (what ``eagle_steps_by_depth`` exposes)."""
+        return {int(s.labels["depth"]): int(s.value) for m in self.steps_by_depth.collect() for s in m.samples
+                if s.name == "eagle_steps_by_depth_total"}
 
     def on_finish(self, h: Handle) -> None:
         self.requests.labels(h.finish_reason or "error").inc()

@@ -13,8 +13,8 @@ case where one measurement on the first prompt used to decide the whole process)
 
 For each (dtype, temperature, batch): every order starts from a fresh ``autospec`` (no costs, no
 acceptance known: the first call pays the measurement), the programs already compiled (compile time is
-apart, and so is each program's first run: ``warm``). Each call runs auto, then plain decoding and each fixed chain on the same prompts, side by
-side, so the machine's drift touches all alike. Fixed configurations do not depend on the order; auto
+apart, and so is each program's first run: ``warm``). Each call runs auto, plain decoding and each fixed chain on the same prompts, side by
+side (their order rotated call by call), so the machine's drift touches all alike. Fixed configurations do not depend on the order; auto
 does. Per order: tokens/s of auto, plain and each fixed chain over the whole sequence; auto against
 the best fixed configuration in hindsight (goal >= 0.95) and against plain (goal >= 1.0); the first
 call's time per token against plain decoding's on the same call (goal <= 1.3). Greedy outputs are checked
@@ -98,21 +98,23 @@ def warm(target, drafter, calls, fixed: dict, *, max_new: int, temperature: floa
 
 
 def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperature: float, eos) -> dict:
-    """One sequence from a fresh autospec: per call, auto then every fixed configuration."""
+    """One sequence from a fresh autospec: per call, auto and every fixed configuration on the same
+    prompts, their order rotated by one each call (the first run after another program is often the
+    slowest here: no configuration always takes that place)."""
     autospec.reset()
     kw = dict(max_new_tokens=max_new, temperature=temperature, eos_token_id=list(eos), seed=0)
+    systems = [("auto", (drafter, "auto")), *fixed.items()]
     rows = []
-    for prompts in calls:
-        row = {}
-        auto = eagle_jax.generate(target, drafter, prompts, **kw)
-        row["auto"] = (auto.run_s, auto.num_generated)
-        row["auto_depth"] = mean_depth(auto.stats["chunks"])
-        row["auto_chunks"] = auto.stats["chunks"]
-        for name, (d, spec) in fixed.items():
+    for c, prompts in enumerate(calls):
+        row, tokens = {}, {}
+        for name, (d, spec) in systems[c % len(systems):] + systems[: c % len(systems)]:
             r = eagle_jax.generate(target, d, prompts, spec=spec, **kw)
-            row[name] = (r.run_s, r.num_generated)
-            if name == "plain" and temperature == 0:
-                row["equal_to_plain"] = r.tokens == auto.tokens
+            row[name], tokens[name] = (r.run_s, r.num_generated), r.tokens
+            if name == "auto":
+                row["auto_depth"] = mean_depth(r.stats["chunks"])
+                row["auto_chunks"] = r.stats["chunks"]
+        if temperature == 0:
+            row["equal_to_plain"] = tokens["plain"] == tokens["auto"]
         rows.append(row)
     return rows
 

@@ -80,3 +80,38 @@ def test_tree_greedy_equals_plain_and_a_one_wide_tree_is_the_chain(pair):
     runs = {n: eagle_jax.generate(target, drafter, rows, spec=s, max_new_tokens=MAX_NEW) for n, s in spec_of.items()}
     assert runs["tree"].accepted == runs["chain"].accepted
     assert runs["tree"].tokens == plain.tokens[:3]
+
+
+def test_the_first_draft_at_inference_is_the_ttt_step_0_prediction(pair, name="eagle3.1"):
+    """Training and inference read the drafter alike: on the sequence a greedy K=1 run produced, TTT step
+    0 (teacher-forced target features, the training path) predicts the first draft's token right exactly
+    in the rounds where inference accepted it (EAGLE-3.1: its fc norms included; the same held on 423 rounds of
+    SmolLM2's EAGLE-3 drafter, ad hoc)."""
+    import jax.numpy as jnp
+
+    from eagle_jax.config import aux_layer_ids_for
+    from eagle_jax.training.features import _forward_fn
+    from eagle_jax.training.ttt import ttt_unroll
+
+    target, prompts, _ = pair
+    drafter = eagle_jax.load_drafter(DRAFTERS[name], target, dtype="float32")
+    res = eagle_jax.generate(target, drafter, prompts[:4], spec=SpecConfig(num_speculative_tokens=1), max_new_tokens=MAX_NEW,
+                             eos_token_id=[])
+    forward = _forward_fn(target, aux_layer_ids_for(drafter.config, target.config))
+    d2t = np.asarray(drafter.d2t[...])
+    agree, rounds, rejected = 0, 0, 0
+    for prompt, out, accepted in zip(prompts, res.tokens, res.accepted):
+        seq = np.asarray([prompt + out], np.int32)
+        positions = np.arange(seq.shape[1], dtype=np.int32)[None]
+        aux, _, _ = forward(seq, positions, np.zeros_like(positions))
+        step0 = np.asarray(ttt_unroll(drafter, aux, jnp.asarray(seq), 1)[0, 0]).argmax(-1)  # index j predicts token j + 2
+        predicted = step0 + d2t[step0]
+        at = len(prompt)  # a round starts after the token at ``at``; its first draft is token at + 1
+        for a in accepted:
+            if at + 2 >= seq.shape[1]:  # the token budget, not the target, ends the last round: it cannot accept
+                break
+            agree += int(predicted[at - 1] == seq[0, at + 1]) == a
+            rounds, rejected = rounds + 1, rejected + (a == 0)
+            at += a + 1
+    assert rounds >= 100 and rejected >= 5, (rounds, rejected)
+    assert agree == rounds, f"{name}: TTT step 0 and inference disagree on {rounds - agree} of {rounds} rounds"

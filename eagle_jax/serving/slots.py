@@ -44,7 +44,7 @@ from eagle_jax.decoding.state import LoopState
 from eagle_jax.generate import PROMPT_BUCKETS, bucket
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
-from eagle_jax.serving.slot_programs import (INSERT_ROWS, chunk_program, copy_program, fork_program, insert_program,
+from eagle_jax.serving.slot_programs import (INSERT_ROWS, chunk_program, copy_program, fork_program, insert_program, row_program,
                                              step_program)
 
 Array = jax.Array
@@ -73,6 +73,8 @@ def describe_program(key: tuple) -> str:
         return f"prefill chunk of up to {key[1]} tokens, span {key[2]}"
     if key[0] == "copy":
         return f"cache row copy, {key[1]} to {key[2]}"
+    if key[0] == "row":
+        return "cache row read (a prefill chunk's input)"
     _, spec, greedy, span, rows = key
     depth = "no drafts" if spec is None else (f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else
                                               f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}")
@@ -278,7 +280,7 @@ class SlotEngine:
         step compiles its greedy program when first needed.)"""
         buckets = sorted({self._insert_bucket(b) for b in PROMPT_BUCKETS if b < bucket(self.max_len)} | {self._insert_bucket(self.max_len)})
         keys = [("insert", p) for p in buckets] + [("fork",)] + ([("score", p) for p in buckets] if scoring else [])
-        keys += [("chunk", c, span) for c in self.chunk_sizes for span in self.spans if span >= c]
+        keys += [("row",)] + [("chunk", c, span) for c in self.chunk_sizes for span in self.spans if span >= c]
         if self.prefix_cache:
             keys += [("copy", "slot", "slot")] + ([("copy", "slot", "pool"), ("copy", "pool", "slot")] if self.pool_rows else [])
         rows = sorted({self.rows_for([r - 1]) for r in range(1, self.slots + 1)})
@@ -298,6 +300,8 @@ class SlotEngine:
                 self._score_program(key[1])
             elif key[0] == "copy":
                 self._copy_program(key)
+            elif key[0] == "row":
+                self._row_program()
             else:
                 self._program(key, self._build(key), self._example_args(key))
         if warm_up:
@@ -318,6 +322,8 @@ class SlotEngine:
                 self._score_program(key[1])(self._t_state, jnp.zeros((1, key[1]), jnp.int32))
             elif key[0] == "copy":
                 self.state, self.pool = self._copy_program(key)(self.state, self.pool, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+            elif key[0] == "row":
+                self._row_program()(self.state, jnp.int32(0))
             else:
                 self.state = self._programs[key](*self._example_args(key))[0]
         jax.block_until_ready(self.state)
@@ -511,7 +517,8 @@ class SlotEngine:
         part = prompt[start: start + c + 1]
         ids[0, : len(part)] = part
         rows = RowPenalties.build([penalties], [list(prompt)], self.target.config.vocab_size)
-        return (self._t_state, self._d_state, self.state, jnp.int32(slot), jnp.asarray(ids), jnp.int32(start), jnp.int32(len(prompt)),
+        t_row, d_row = self._row_program()(self.state, jnp.int32(slot))
+        return (self._t_state, self._d_state, self.state, t_row, d_row, jnp.int32(slot), jnp.asarray(ids), jnp.int32(start), jnp.int32(len(prompt)),
                 RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
 
     def copy_row(self, src: tuple[str, int], dst: tuple[str, int], held: int = 0) -> None:
@@ -527,6 +534,15 @@ class SlotEngine:
             raise ConfigError(f"a copied row holds 0..{self.cache_len - 1} positions, got {held}")
         program = self._copy_program(("copy", src[0], dst[0]))
         self.state, self.pool = program(self.state, self.pool, jnp.int32(src[1]), jnp.int32(dst[1]), jnp.int32(held))
+
+    def _row_program(self):
+        """``row_program`` compiled (it reads the state, donates nothing)."""
+        with self._lock:
+            program = self._programs.get(("row",))
+        if program is None:
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.state, jnp.int32(0)))
+            program = self._compile(("row",), row_program(), abstract, donate_argnums=())
+        return program
 
     def _copy_program(self, key: tuple):
         with self._lock:

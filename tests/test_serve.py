@@ -340,7 +340,7 @@ def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path, 
         compile_cache.enable(tmp_path / "xla")
         service = build_service(t_dir, d_dir, spec="1:2", slots=1, max_len=64, rounds_per_step=2, precompile=True)
         engine = service.scheduler.engine
-        assert len(engine.compile_events) == len(engine.program_set()) == 4 + 1 + 4 + 1 + 2 + 3  # inserts, fork, scoring, the step, prefill chunks (32, the cache), row copies
+        assert len(engine.compile_events) == len(engine.program_set()) == 4 + 1 + 4 + 1 + 1 + 2 + 3  # inserts, fork, scoring, the step, the row read, prefill chunks (32, the cache), row copies
         srv = Server(service).start()
         try:
             bodies = [dict(prompt="abc", max_tokens=12, temperature=0), dict(prompt="x" * 40, max_tokens=6, temperature=1.0, seed=1),

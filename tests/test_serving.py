@@ -4,6 +4,7 @@ schedules, and the stop-string text stream."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -11,6 +12,7 @@ import eagle_jax
 from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
+from eagle_jax.serving.slots import Admission
 from eagle_jax.serving.depth import AutoDepth
 from engine_models import markov_pair
 from eagle_jax.serving.text import TextStream
@@ -116,6 +118,36 @@ def test_tree_speculation_in_slots_equals_generate(pair, eos):
         ref = eagle_jax.generate(target, drafter, [p], max_new_tokens=20, spec=tree, eos_token_id=eos)
         assert h.tokens == ref.tokens[0]
     assert max(a for h in handles for a in h.accepted) >= 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_steps_without_drafts_feed_the_drafter_lazily(pair, temperature):
+    """A step without drafts writes only the drafter's cache in its rounds but the last, which computes
+    its outputs (``Plan.lazy_feed``): after it the drafter's cache and outputs are those of feeding it in
+    full every round, the first round probed the first draft, and the next step's drafts are the same."""
+    target, drafter = pair
+
+    class FedInFull(SlotEngine):
+        def _plan(self, **kw):
+            return super()._plan(**{**kw, "lazy_feed": False})
+
+    sp = SamplingParams(temperature=temperature)
+    prompts = [(1, 2, 3, 4), (9, 8), tuple(range(5, 25))]
+    specs = (None, SpecConfig(num_speculative_tokens=2))
+    states = []
+    for cls in (SlotEngine, FedInFull):
+        engine = cls(target, drafter, slots=4, max_len=96, specs=specs, rounds_per_step=3)
+        engine.insert_many([Admission(i, p, 40, sp, seed=i) for i, p in enumerate(prompts)])
+        plain = engine.step(None, temperature == 0, engine.spans[0], rows=4)
+        st = jax.device_get((engine.state.d_logits, engine.state.d_feat, engine.state.d_cache))  # the next step donates the state
+        states.append((plain, *st, engine.step(specs[1], temperature == 0, engine.spans[0], rows=4)))
+    (lazy, *lazy_drafter, lazy_next), (full, *full_drafter, full_next) = states
+    assert lazy.tokens == full.tokens
+    for a, b in zip(jax.tree.leaves(lazy_drafter), jax.tree.leaves(full_drafter)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(lazy.probe[:3, 1], 1.0)  # the first round probed
+    np.testing.assert_array_equal(full.probe[:3, 1], 3.0)  # ... where full feeding probes every round
+    assert lazy_next.tokens == full_next.tokens and lazy_next.accepted == full_next.accepted
 
 
 def test_seeded_sampling_does_not_depend_on_other_slots(pair):

@@ -83,6 +83,12 @@ class Plan:
     mesh: Any = None  # tensor parallel: caches are laid out by the sharding rules
     exact: bool = False  # the target computes in float32 whatever its weights' dtype (see ``target_dtype``)
     widths: tuple[int, ...] | None = None  # adaptive chains: the verification widths compiled (RoundCosts.widths)
+    # Rounds without drafts (``spec`` None with a drafter) only write the drafter's cache, and compute its
+    # outputs (``extend_drafter``) only in a run's last round (``max_rounds`` - 1), which leaves them current
+    # for the next program; the first draft's acceptance is probed in the first round only. The serving
+    # engine's steps: there a run is one step of ``max_rounds`` rounds, and feeding the drafter in full
+    # every round cost ~18% of a plain step at 16 rows (BENCHMARKS.md).
+    lazy_feed: bool = False
 
     @classmethod
     def one_shot(cls, batch: int, prompt_len: int, max_new: int, spec: SpecConfig | None, greedy: bool,
@@ -228,12 +234,34 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
         n, bonus = accept_chain(sub[:, 1], target_probs(logits, st.sampling), q, drafts, draft_ids, t2d_index)
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], bonus[:, None], padded)
-    d_logits, d_feat, d_cache = extend_drafter(drafter, plan, aux, emitted, n, st.length, d_cache)
+    if k == 0 and plan.lazy_feed:
+        d_logits, d_feat, d_cache = _feed_lazily(drafter, plan, st, aux, emitted, d_cache)
+    else:
+        d_logits, d_feat, d_cache = extend_drafter(drafter, plan, aux, emitted, n, st.length, d_cache)
     probe = None
     if k == 0 and st.probe is not None:
-        hit = probe_acceptance(drafter, plan, st, logits[:, 0], bonus)
-        probe = st.probe + jnp.where(~st.done[:, None], jnp.stack([hit, jnp.ones_like(hit)], axis=1), 0.0)
+        def observe(probe):
+            hit = probe_acceptance(drafter, plan, st, logits[:, 0], bonus)
+            return probe + jnp.where(~st.done[:, None], jnp.stack([hit, jnp.ones_like(hit)], axis=1), 0.0)
+
+        # Under lazy feeding the carried drafter outputs are current in a run's first round only.
+        probe = jax.lax.cond(st.rounds == 0, observe, lambda p: p, st.probe) if plan.lazy_feed else observe(st.probe)
     return t_cache, d_cache, n, emitted, d_logits, d_feat, probe
+
+
+def _feed_lazily(drafter: Drafter, plan: Plan, st: LoopState, aux: Array, emitted: Array, cache):
+    """A round without drafts under ``plan.lazy_feed``: the pair (feature, emitted token) is written into
+    the drafter's cache; the drafter's outputs for it are computed in the run's last round only (until
+    then the carried ones are stale, and no program reads them)."""
+    g = drafter.fuse(aux.astype(drafter.dtype))
+    cache = drafter.write_cache(g, emitted, st.length[:, None], cache, st.length)
+
+    def outputs(_):
+        logits, feat, _ = extend_drafter(drafter, plan, aux, emitted, jnp.zeros_like(st.length), st.length, cache)
+        return logits, feat
+
+    d_logits, d_feat = jax.lax.cond(st.rounds == plan.max_rounds - 1, outputs, lambda _: (st.d_logits, st.d_feat), None)
+    return d_logits, d_feat, cache
 
 
 def probe_acceptance(drafter: Drafter, plan: Plan, st: LoopState, target_logits: Array, emitted: Array) -> Array:

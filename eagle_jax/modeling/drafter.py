@@ -102,6 +102,12 @@ class Drafter(nnx.Module):
         attn, cache = self.self_attn(u, cos, sin, mask, cache, write_index)
         return self.finish(g, attn) + (cache,)
 
+    def write_cache(self, g: Array, input_ids: Array, positions: Array, cache: tuple[Array, Array], write_index: Array) -> tuple[Array, Array]:
+        """The cache after ``layer`` on this block, without the layer's outputs: a pair's keys and values
+        need only its own embedding and feature, a small share of the layer's cost."""
+        u, cos, sin = self.attention_input(g, input_ids, positions)
+        return self.self_attn.write(u, cos, sin, cache, write_index)
+
     def attention_input(self, g: Array, input_ids: Array, positions: Array) -> tuple[Array, Array, Array]:
         """u = cat(input_layernorm(embedding), hidden_norm(g)) [B,T,2H] (embedding first) and RoPE cos/sin."""
         e = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(g.dtype)

@@ -351,6 +351,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def write(self, x: Array, cos: Array, sin: Array, kv: tuple[Array, Array], write_index: Array) -> tuple[Array, Array]:
+        """Writes the block's keys/values into ``kv`` at slots ``write_index`` [B] without attending
+        (what ``__call__`` writes first)."""
+        _, k, v = self.heads(x, cos, sin)
+        return write_kv(kv[0], k, write_index), write_kv(kv[1], v, write_index)
+
     def __call__(
         self,
         x: Array,

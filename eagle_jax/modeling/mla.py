@@ -179,6 +179,12 @@ class MLAttention(nnx.Module):
         k, v = self._expand(latent, k_rot)
         return jnp.concatenate([q_nope, q_rot], axis=-1), k, v
 
+    def write(self, x: Array, cos: Array, sin: Array, kv: tuple[Array, Array], write_index: Array) -> tuple[Array, Array]:
+        """Writes the block's latents and rope keys into ``kv`` at slots ``write_index`` [B] without
+        attending (what ``__call__`` writes first)."""
+        _, _, latent, k_rot = self._project(x, cos, sin)
+        return write_kv(kv[0], latent[:, :, None], write_index), write_kv(kv[1], k_rot[:, :, None], write_index)
+
     def __call__(
         self,
         x: Array,

@@ -366,7 +366,8 @@ class SlotEngine:
         return chunk_program(self._merge, self._plan(span=span), c)
 
     def _step_fn(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int):
-        return step_program(self._merge, self._plan(batch=rows, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy, span=span))
+        return step_program(self._merge, self._plan(batch=rows, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy, span=span,
+                                                    lazy_feed=True))
 
     def _merge(self, t_state, d_state):
         drf = None if self._d_graph is None else nnx.merge(self._d_graph, d_state)

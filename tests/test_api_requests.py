@@ -123,7 +123,7 @@ def test_eos_per_row_beside_ignore_eos(pair):
     assert (stops.tokens, stops.finish_reason) == (through.tokens[:n], "stop")
     assert (len(through.tokens), through.finish_reason) == (40, "length")
     assert sum(a + 1 for a in stops.accepted[:-1]) < n - 1 <= sum(a + 1 for a in stops.accepted)
-    assert len([k for k in engine._programs if k[0] == "step"]) == 1
+    assert len([k for k in engine.programs.keys() if k[0] == "step"]) == 1
 
 
 def test_stop_token_ids_and_stop_strings(server, client):

@@ -204,7 +204,7 @@ def test_engine_rejects_impossible_requests(pair):
 def test_precompiling_past_the_memory_map_limit_is_a_clear_error(pair, tmp_path, monkeypatch):
     """On the CPU each compiled program holds hundreds of memory maps; past vm.max_map_count LLVM would
     abort the process mid-compile, so precompile refuses first, naming the limit and the ways out."""
-    import eagle_jax.serving.slots as slots
+    import eagle_jax.serving.slots as slots  # where precompile looks the check up
 
     in_use = sum(1 for _ in open("/proc/self/maps"))  # this process's maps so far (the whole suite's programs)
     limit = tmp_path / "max_map_count"
@@ -238,7 +238,7 @@ def test_warm_up_runs_every_program_once_and_frees_the_slots(pair, eos):
             return out
         return run
 
-    engine._programs = {k: counting(k, p) for k, p in engine._programs.items()}
+    engine.programs.programs = {k: counting(k, p) for k, p in engine.programs.programs.items()}
     engine.warm_up(keys)
     assert set(runs) == set(keys) and not engine.compile_events[len(keys):]
     assert all(emitted[k] > 0 for k in keys if k[0] == "step"), emitted  # each step ran a round over live rows

@@ -20,7 +20,8 @@ from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.serving.http_app import Service, create_app
 from eagle_jax.serving.metrics import Metrics
-from eagle_jax.serving.slots import DEFAULT_CHUNK, describe_program
+from eagle_jax.serving.program_cache import describe
+from eagle_jax.serving.slots import DEFAULT_CHUNK
 
 log = logging.getLogger("serve")
 
@@ -132,7 +133,7 @@ def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth,
     holder: dict[str, Metrics] = {}
 
     def on_compile(key: tuple, seconds: float) -> None:
-        log.info("compiled %s in %.1f s", describe_program(key), seconds)
+        log.info("compiled %s in %.1f s", describe(key), seconds)
         if "metrics" in holder:
             holder["metrics"].on_compile(key[0], seconds)
 

@@ -8,7 +8,7 @@ runs, with per-slot sampling parameters, logits processors, keys, token limits a
 (``ignore_eos``) as arrays and free slots masked. The host (``scheduler.Scheduler``) admits, streams
 and frees between steps.
 
-The programs form a fixed set (``program_set``): an ``insert`` and a scoring program per prompt bucket, a ``fork``,
+The programs (``slot_programs``; compiled and kept by ``program_cache``) form a fixed set (``program_set``): an ``insert`` and a scoring program per prompt bucket, a ``fork``,
 and a ``step`` per (speculation config, greedy or not, rows, span): rows is the number of leading slots a
 step computes (a power of two over the highest occupied slot) and span the number of leading cache slots
 its rounds read (the least of ``spans``, powers of two from MIN_SPAN, that covers the longest occupied
@@ -22,19 +22,15 @@ computes the same tokens) runs the step while its own compiles in the background
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle_jax.compile_cache import compile_program
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding.engine import Plan, scratch_slots
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
@@ -44,6 +40,7 @@ from eagle_jax.decoding.state import LoopState
 from eagle_jax.generate import PROMPT_BUCKETS, bucket
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
+from eagle_jax.serving.program_cache import ProgramCache, check_map_limit
 from eagle_jax.serving.slot_programs import (INSERT_ROWS, chunk_program, copy_program, fork_program, insert_program, row_program,
                                              step_program)
 
@@ -59,46 +56,6 @@ DEFAULT_MAX_LEN = 4096  # a slot's tokens when no max_len is given (the target's
 def slot_len(target_config, max_len: int | None = None) -> int:
     """A slot's tokens at most: ``max_len``, else the target's context up to ``DEFAULT_MAX_LEN``."""
     return min(target_config.max_position_embeddings, DEFAULT_MAX_LEN) if max_len is None else int(max_len)
-
-
-def describe_program(key: tuple) -> str:
-    """A program key in words (the server logs one line per compiled program)."""
-    if key[0] == "insert":
-        return f"insert of up to {INSERT_ROWS} prompts, {key[1]} tokens in all"
-    if key[0] == "score":
-        return f"score of sequences up to {key[1]} tokens"
-    if key[0] == "fork":
-        return "fork (another choice of a prefilled prompt)"
-    if key[0] == "chunk":
-        return f"prefill chunk of up to {key[1]} tokens, span {key[2]}"
-    if key[0] == "copy":
-        return f"cache row copy, {key[1]} to {key[2]}"
-    if key[0] == "row":
-        return "cache row read (a prefill chunk's input)"
-    _, spec, greedy, span, rows = key
-    depth = "no drafts" if spec is None else (f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else
-                                              f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}")
-    return f"step, {depth}, {'greedy' if greedy else 'sampling'}, {rows} rows, span {span}"
-
-
-# Memory maps one compiled program holds on the CPU backend (LLVM maps each kernel's code sections apart;
-# measured: ~410 per program of the serving set); Linux allows 65530 maps per process by default.
-CPU_MAPS_PER_PROGRAM = 450
-
-
-def check_map_limit(programs: int, limit_file: str = "/proc/sys/vm/max_map_count") -> None:
-    """Raises ConfigError where compiling ``programs`` more CPU programs would pass the process's
-    memory-map limit: LLVM then aborts the whole process ("Unable to allocate section memory")."""
-    if jax.default_backend() != "cpu" or not Path(limit_file).exists():
-        return
-    limit = int(Path(limit_file).read_text())
-    in_use = sum(1 for _ in open("/proc/self/maps"))
-    need = in_use + programs * CPU_MAPS_PER_PROGRAM
-    if need > limit:
-        raise ConfigError(
-            f"precompiling {programs} programs on the CPU needs about {need} memory maps, more than this system's "
-            f"vm.max_map_count ({limit}): raise it (sysctl -w vm.max_map_count={1 << (need * 2).bit_length()}), "
-            "serve fewer speculation depths, slots or context (fewer programs), or do not precompile")
 
 
 @dataclass
@@ -175,7 +132,6 @@ class SlotEngine:
         self.specs = tuple(specs)
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.exact = bool(exact)
-        self.on_compile = on_compile
         self.max_width = max(1 if s is None else s.max_emitted for s in self.specs)
         self.scratch = max(scratch_slots(s) for s in self.specs)
         self.cache_len = max_len + self.scratch + 1
@@ -183,15 +139,11 @@ class SlotEngine:
         self.chunk, self.prefix_cache, self.pool_rows = chunk, bool(prefix_cache), pool_rows
         self._t_graph, self._t_state = nnx.split(target)
         self._d_graph, self._d_state = (None, None) if drafter is None else nnx.split(drafter)
-        self._programs: dict[Any, Any] = {}
-        self._pending: set[tuple] = set()
-        self._lock = threading.Lock()
-        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="eagle_jax-compile")
-        self.compile_events: list[tuple[str, float]] = []
         self._precompiled = False  # ``precompile`` ran: steps use its programs only
         # What every program closes over besides its key and arguments (``compile_cache.compile_program``).
-        self._fingerprint = repr((target.config, None if drafter is None else drafter.config, self._t_graph, self._d_graph,
-                                  self._plan(), self.rounds_per_step, self.chunk_sizes))
+        fingerprint = repr((target.config, None if drafter is None else drafter.config, self._t_graph, self._d_graph,
+                            self._plan(), self.rounds_per_step, self.chunk_sizes))
+        self.programs = ProgramCache(fingerprint, on_compile)
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -231,45 +183,14 @@ class SlotEngine:
             ignore_eos=jnp.zeros((b,), bool),
         )
 
-    def _program(self, key: tuple, build, args: tuple, covers: Sequence[tuple] = ()):
-        """The compiled program for ``key``. If it is not compiled yet but a program in ``covers`` is (a
-        larger one that computes the same thing), that one runs now and ``key`` is compiled in the
-        background; with none, ``key`` is compiled here.
-        Returns (the key of the program that runs, the program).
-        """
-        with self._lock:
-            if key in self._programs:
-                return key, self._programs[key]
-            used = next((c for c in covers if c in self._programs), None)
-            background = used is not None and key not in self._pending
-            if background:
-                self._pending.add(key)
-        if used is not None and not background:  # already being compiled
-            return used, self._programs[used]
-        # Shapes only: the arrays themselves may be donated to a running step meanwhile.
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), args)
-        if background:
-            self._compiler.submit(self._compile, key, build, abstract)
-            return used, self._programs[used]
-        return key, self._compile(key, build, abstract)
+    @property
+    def compile_events(self) -> list[tuple[str, float]]:
+        """(kind, seconds) of every program compiled so far."""
+        return self.programs.events
 
     def wait_for_compiles(self) -> None:
         """Blocks until the programs being compiled in the background are ready (benchmarks)."""
-        self._compiler.submit(lambda: None).result()
-
-    def _compile(self, key: tuple, build, abstract: tuple, donate_argnums: tuple[int, ...] = (2,)):
-        t0 = time.perf_counter()
-        compiled = compile_program(build, abstract, donate_argnums=donate_argnums, fingerprint=f"{self._fingerprint}|{key!r}")
-        self._compiled(key, compiled, time.perf_counter() - t0)
-        return compiled
-
-    def _compiled(self, key: tuple, program, seconds: float) -> None:
-        with self._lock:
-            self._programs[key] = program
-            self._pending.discard(key)
-            self.compile_events.append((key[0], seconds))
-        if self.on_compile is not None:
-            self.on_compile(key, seconds)
+        self.programs.wait()
 
     def program_set(self, scoring: bool = True) -> list[tuple]:
         """The programs ``precompile`` compiles, which run every request: an insert and (``scoring``) a
@@ -291,10 +212,10 @@ class SlotEngine:
         and prompt then finds its own program. With JAX's persistent compilation cache on (the server's
         default) a restart loads them instead. ``warm_up``: then runs each once (``warm_up``)."""
         keys = self.program_set(scoring)
-        check_map_limit(len([k for k in keys if k not in self._programs]))
+        check_map_limit(len([k for k in keys if k not in self.programs]))
         self._precompiled = True
         for key in keys:
-            if key in self._programs:
+            if key in self.programs:
                 continue
             if key[0] == "score":
                 self._score_program(key[1])
@@ -303,7 +224,7 @@ class SlotEngine:
             elif key[0] == "row":
                 self._row_program()
             else:
-                self._program(key, self._build(key), self._example_args(key))
+                self.programs.get(key, self._build(key), self._example_args(key))
         if warm_up:
             self.warm_up(keys)
 
@@ -317,7 +238,7 @@ class SlotEngine:
                 rows = key[4]
                 for first in range(0, rows, INSERT_ROWS):  # live rows under the step, each done after one more token
                     self.insert_many([Admission(slot, (0,), 2, SamplingParams(), 0) for slot in range(first, min(first + INSERT_ROWS, rows))])
-                self.state = self._programs[key](*self._example_args(key))
+                self.state = self.programs.programs[key](*self._example_args(key))
             elif key[0] == "score":
                 self._score_program(key[1])(self._t_state, jnp.zeros((1, key[1]), jnp.int32))
             elif key[0] == "copy":
@@ -325,7 +246,7 @@ class SlotEngine:
             elif key[0] == "row":
                 self._row_program()(self.state, jnp.int32(0))
             else:
-                self.state = self._programs[key](*self._example_args(key))[0]
+                self.state = self.programs.programs[key](*self._example_args(key))[0]
         jax.block_until_ready(self.state)
         self.reset()
 
@@ -412,7 +333,7 @@ class SlotEngine:
         largest = self._insert_bucket(self.max_len - 1)
         larger = [("insert", b) for b in sorted({self._insert_bucket(b) for b in PROMPT_BUCKETS}) if p < b <= largest]
         args = self._insert_args(p, rows)
-        key, program = self._program(("insert", p), self._insert_fn(p), args, covers=larger)
+        key, program = self.programs.get(("insert", p), self._insert_fn(p), args, covers=larger)
         if key[1] != p:  # a larger bucket's program: pad further
             args = self._insert_args(key[1], rows)
         self.state, first, done, last_logits, last_aux = program(*args)
@@ -437,7 +358,7 @@ class SlotEngine:
         prompt, last_logits, last_aux = self._prompts[src]
         self.check_prompt(prompt, max_tokens)
         args = self._fork_args(src, dst, prompt, last_logits, last_aux, max_tokens, sampling, seed, stop_at_eos, penalties)
-        _, program = self._program(("fork",), self._fork_fn(), args)
+        _, program = self.programs.get(("fork",), self._fork_fn(), args)
         self.state, first, done = program(*args)
         self._prompts[dst] = self._prompts[src]
         first, done = jax.device_get((first, done))
@@ -504,7 +425,7 @@ class SlotEngine:
             raise ConfigError(f"a prefill chunk must lie in the prompt: got {start}..{end} of {len(prompt)} tokens")
         start, c, span = self.chunk_program_for(start, end - start)
         args = self._chunk_args(c, slot, prompt, start, max_tokens, sampling, seed, stop_at_eos, penalties)
-        _, program = self._program(("chunk", c, span), self._chunk_fn(c, span), args)
+        _, program = self.programs.get(("chunk", c, span), self._chunk_fn(c, span), args)
         self.state, first, done, last_logits, last_aux = program(*args)
         if end < len(prompt):
             return None
@@ -538,21 +459,11 @@ class SlotEngine:
 
     def _row_program(self):
         """``row_program`` compiled (it reads the state, donates nothing)."""
-        with self._lock:
-            program = self._programs.get(("row",))
-        if program is None:
-            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.state, jnp.int32(0)))
-            program = self._compile(("row",), row_program(), abstract, donate_argnums=())
-        return program
+        return self.programs.compiled(("row",), row_program(), (self.state, jnp.int32(0)), donate_argnums=())
 
     def _copy_program(self, key: tuple):
-        with self._lock:
-            program = self._programs.get(key)
-        if program is None:
-            args = (self.state, self.pool, jnp.int32(0), jnp.int32(0), jnp.int32(0))
-            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-            program = self._compile(key, copy_program(key[1], key[2]), abstract, donate_argnums=(0, 1))
-        return program
+        args = (self.state, self.pool, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+        return self.programs.compiled(key, copy_program(key[1], key[2]), args, donate_argnums=(0, 1))
 
     # ------------------------------------------------------------------ scoring
 
@@ -568,15 +479,9 @@ class SlotEngine:
         return TokenLogprobs(*(np.asarray(x[0, : len(ids)]) for x in out))
 
     def _score_program(self, p: int):
-        with self._lock:
-            program = self._programs.get(("score", p))
-        if program is not None:
-            return program
         compute = jnp.float32 if self.exact else None
-        abstract = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), self._t_state),
-                    jax.ShapeDtypeStruct((1, p), jnp.int32))
-        return self._compile(("score", p), lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute),
-                             abstract, donate_argnums=())
+        return self.programs.compiled(("score", p), lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute),
+                                      (self._t_state, jax.ShapeDtypeStruct((1, p), jnp.int32)), donate_argnums=())
 
     # ------------------------------------------------------------------ step
 
@@ -616,10 +521,10 @@ class SlotEngine:
         rows = self.slots if rows is None else rows
         cancel = np.zeros((self.slots,), bool) if cancel is None else np.asarray(cancel, bool)
         args = (self._t_state, self._d_state, self.state, jnp.asarray(cancel))
-        if greedy and self._precompiled and ("step", spec, True, span, rows) not in self._programs:
+        if greedy and self._precompiled and ("step", spec, True, span, rows) not in self.programs:
             greedy = False  # the precompiled sampling program runs greedy rows exactly: nothing compiles while serving
         key = ("step", spec, greedy, span, rows)
-        _, program = self._program(key, self._step_fn(*key[1:]), args, covers=self._covering(*key[1:]))
+        _, program = self.programs.get(key, self._step_fn(*key[1:]), args, covers=self._covering(*key[1:]))
         t0 = time.perf_counter()
         self.state = program(*args)
         out, n_out, done, accepted, length, probe = jax.device_get(
@@ -633,7 +538,6 @@ class SlotEngine:
     def _covering(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int) -> list[tuple]:
         """Compiled step programs that can run this step, cheapest first: any span and row count at
         least as large, and sampling programs for greedy rows (whose p and q are then one-hot)."""
-        with self._lock:
-            keys = [k for k in self._programs if k[0] == "step" and k[1] == spec and k[3] >= span and k[4] >= rows
-                    and (k[2] == greedy or not k[2])]
+        keys = [k for k in self.programs.keys() if k[0] == "step" and k[1] == spec and k[3] >= span and k[4] >= rows
+                and (k[2] == greedy or not k[2])]
         return sorted(keys, key=lambda k: (k[3] * k[4], k[2] != greedy))

@@ -182,6 +182,8 @@ def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float,
     # Which depths the measured pass ran (auto's choices): engine steps per drafts per round.
     r["steps_by_depth"] = {d: n - steps_before.get(d, 0) for d, n in sorted(svc.metrics.steps_per_depth().items())
                            if n > steps_before.get(d, 0)}
+    if hasattr(schedule, "snapshot"):  # auto: the costs and acceptance its choices came from
+        r["auto_state"] = schedule.snapshot()
     r["cold"] = {k: cold[k] for k in ("per_user_tok_s", "total_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
     r["texts_sha"] = hashlib.sha256(json.dumps(r.pop("texts")).encode()).hexdigest()
     key = _row_key(c, temperature, args.temperatures)

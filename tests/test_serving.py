@@ -97,6 +97,8 @@ def test_auto_depth_in_slots_equals_generate(pair, eos):
     assert {auto.depth_of(s) for s, _ in steps} >= {0, max(auto.depths)}  # the probe and the deepest measured, the rest modelled
     assert all(probe[:, 1].sum() > 0 for s, probe in steps if s is None)  # steps without drafts observed acceptance
     assert any(model.seconds and model.probe for model in auto.models.values())
+    snap = auto.snapshot()  # what bench.serve reports of the chooser
+    assert snap["costs"]["greedy"]["probe_ms"] and len(snap["acceptance"]) == max(auto.depths)
     assert sum(h.accepted.count(2) + h.accepted.count(3) for h in handles) > 0
 
 

@@ -56,6 +56,14 @@ class AutoDepth:
             return self.spec_of(todo[0])
         return self.spec_of(autospec.choose_depth(model, rows, lambda d: sum(e.expected_tokens(d) for e in estimates), self.depths))
 
+    def snapshot(self) -> dict:
+        """What the chooser goes on, for reports: ms per round by sampling mode, rows and depth (measured;
+        "probe": steps without drafts) and the server-wide acceptance per draft position."""
+        models = {("greedy" if g else "sampling"): {
+            "probe_ms": {r: round(1e3 * s, 3) for r, s in sorted(m.probe.items())},
+            "depth_ms": {f"{r}x{d}": round(1e3 * s, 3) for (r, d), s in sorted(m.seconds.items())}} for g, m in self.models.items()}
+        return {"costs": models, "acceptance": [round(float(x), 3) for x in self.estimate.p]}
+
     def observe(self, spec: SpecConfig | None, rows: int, greedy: bool, seconds: float,
                 per_request: Sequence[tuple[AcceptanceEstimate, list[int], tuple[float, float] | None]]) -> None:
         """After a step: its cost, and per request (its estimate, drafts accepted per round, (summed
@@ -69,8 +77,8 @@ class AutoDepth:
             for est, _, p in per_request:
                 if p is not None and p[1] > 0:
                     est.observe_probe(p[0] / p[1], p[1])
-            if total:
-                self.estimate.observe_probe(sum(p[0] for p in total) / sum(p[1] for p in total), ran)
+            if total:  # weighed by the rounds probed (under lazy feeding one per step), not the step's rounds
+                self.estimate.observe_probe(sum(p[0] for p in total) / sum(p[1] for p in total), max(p[1] for p in total))
             return
         for est, acc, _ in per_request:
             est.observe([[a] for a in acc], depth)

@@ -152,6 +152,35 @@ def test_steps_without_drafts_feed_the_drafter_lazily(pair, temperature):
     assert lazy_next.tokens == full_next.tokens and lazy_next.accepted == full_next.accepted
 
 
+def test_steps_are_short_while_a_prompt_is_prefilled_in_chunks(pair, eos):
+    """While a long prompt is prefilled chunk by chunk, the running stream's steps run one round each
+    (``ROUNDS_WHILE_PREFILLING``), so the next chunk follows one round later; once nothing is owed prefill,
+    steps run ``rounds_per_step`` rounds again. Both requests' tokens are generate's."""
+    from eagle_jax.serving.scheduler import ROUNDS_WHILE_PREFILLING
+
+    target, drafter = pair
+    engine = SlotEngine(target, drafter, slots=2, max_len=128, specs=SCHEDULE.specs, rounds_per_step=3, eos_ids=(), chunk=32)
+    sched = Scheduler(engine, SCHEDULE)
+    rounds_of_first: list[tuple[int, int]] = []  # (rounds the stream's row ran, requests prefilling) per step
+    sched.on_step = lambda active, spec, out: rounds_of_first.append((len(out.accepted[0]), len(sched._prefilling)))
+    short, long = [1, 2, 3], list(np.random.default_rng(1).integers(0, 32, size=100))
+    sched.start()
+    try:
+        first = sched.submit(Request(tuple(short), 60))
+        while len(first.tokens) < 4:
+            first._finished.wait(0.01)
+        second = sched.submit(Request(tuple(int(t) for t in long), 10))
+        first.wait(300), second.wait(300)
+    finally:
+        sched.stop()
+    spec = SpecConfig(num_speculative_tokens=3)
+    for prompt, h, m in ((short, first, 60), (long, second, 10)):
+        assert h.tokens == eagle_jax.generate(target, drafter, [prompt], max_new_tokens=m, spec=spec).tokens[0]
+    during = [r for r, prefilling in rounds_of_first if prefilling]
+    assert len(during) >= 2 and set(during) == {ROUNDS_WHILE_PREFILLING}, rounds_of_first  # 100 tokens: chunks over several steps
+    assert max(r for r, _ in rounds_of_first) == 3
+
+
 def test_seeded_sampling_does_not_depend_on_other_slots(pair):
     """Each slot draws from its own key stream: at a fixed depth a seeded request samples the same tokens
     alone or among others (a depth change consumes randomness differently: same law, other draws)."""

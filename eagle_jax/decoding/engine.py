@@ -84,9 +84,9 @@ class Plan:
     exact: bool = False  # the target computes in float32 whatever its weights' dtype (see ``target_dtype``)
     widths: tuple[int, ...] | None = None  # adaptive chains: the verification widths compiled (RoundCosts.widths)
     # Rounds without drafts (``spec`` None with a drafter) only write the drafter's cache, and compute its
-    # outputs (``extend_drafter``) only in a run's last round (``max_rounds`` - 1), which leaves them current
+    # outputs (``extend_drafter``) only in a run's last round (``run_rounds``' limit), which leaves them current
     # for the next program; the first draft's acceptance is probed in the first round only. The serving
-    # engine's steps: there a run is one step of ``max_rounds`` rounds. Feeding the drafter in full every
+    # engine's steps: there a run is one step. Feeding the drafter in full every
     # round costs 3-10% of a plain step (the probe's target probabilities at T > 0 the most; BENCHMARKS.md).
     lazy_feed: bool = False
 
@@ -211,11 +211,11 @@ def _round_plain(target: Target, plan: Plan, st: LoopState, keys: Array | None):
     return t_cache, None, zero, nxt[:, None], None, None
 
 
-def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int):
+def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int, last: Array | None = None):
     """K drafts verified in one target forward of K+1 positions; K = 0 runs one target step and keeps the
     drafter's cache and outputs current, and adds to ``st.probe`` (when the state has one) what its
     first draft would have scored (``probe_acceptance``). Returns the new caches, accepted counts,
-    emitted tokens, drafter outputs and probe (None when K > 0)."""
+    emitted tokens, drafter outputs and probe (None when K > 0). ``last``: the run's last round (``plan.lazy_feed``)."""
     b = st.length.shape[0]
     sub = None if plan.greedy else split_rows(keys, 2)
     drafts, draft_ids, q, d_cache = _draft_chain(drafter, plan, st, None if sub is None else sub[:, 0], k)
@@ -235,7 +235,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], bonus[:, None], padded)
     if k == 0 and plan.lazy_feed:
-        d_logits, d_feat, d_cache = _feed_lazily(drafter, plan, st, aux, emitted, d_cache)
+        d_logits, d_feat, d_cache = _feed_lazily(drafter, plan, st, aux, emitted, d_cache, last)
     else:
         d_logits, d_feat, d_cache = extend_drafter(drafter, plan, aux, emitted, n, st.length, d_cache)
     probe = None
@@ -249,7 +249,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     return t_cache, d_cache, n, emitted, d_logits, d_feat, probe
 
 
-def _feed_lazily(drafter: Drafter, plan: Plan, st: LoopState, aux: Array, emitted: Array, cache):
+def _feed_lazily(drafter: Drafter, plan: Plan, st: LoopState, aux: Array, emitted: Array, cache, last: Array):
     """A round without drafts under ``plan.lazy_feed``: the pair (feature, emitted token) is written into
     the drafter's cache; the drafter's outputs for it are computed in the run's last round only (until
     then the carried ones are stale, and no program reads them)."""
@@ -260,7 +260,7 @@ def _feed_lazily(drafter: Drafter, plan: Plan, st: LoopState, aux: Array, emitte
         logits, feat, _ = extend_drafter(drafter, plan, aux, emitted, jnp.zeros_like(st.length), st.length, cache)
         return logits, feat
 
-    d_logits, d_feat = jax.lax.cond(st.rounds == plan.max_rounds - 1, outputs, lambda _: (st.d_logits, st.d_feat), None)
+    d_logits, d_feat = jax.lax.cond(st.rounds == last, outputs, lambda _: (st.d_logits, st.d_feat), None)
     return d_logits, d_feat, cache
 
 
@@ -467,8 +467,10 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
     return t_cache, d_cache, n, emitted, d_logits, d_feat
 
 
-def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState) -> LoopState:
-    """draft -> verify -> accept -> cache update for every row; finished rows keep their state."""
+def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, last: Array | None = None) -> LoopState:
+    """draft -> verify -> accept -> cache update for every row; finished rows keep their state. ``last``:
+    the index of the run's last round (default ``plan.max_rounds`` - 1), where lazily fed rounds compute
+    the drafter's outputs."""
     if plan.greedy:
         key, k_round = st.key, None
     else:
@@ -478,7 +480,8 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
     if drafter is None:
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_plain(target, plan, st, k_round)
     elif plan.spec is None:
-        t_cache, d_cache, n, emitted, d_logits, d_feat, probe = _round_chain(target, drafter, plan, st, k_round, 0)
+        last = jnp.int32(plan.max_rounds - 1) if last is None else last
+        t_cache, d_cache, n, emitted, d_logits, d_feat, probe = _round_chain(target, drafter, plan, st, k_round, 0, last)
     elif plan.spec.adaptive:
         t_cache, d_cache, n, emitted, d_logits, d_feat, worth = _round_adaptive_or_plain(target, drafter, plan, st, k_round)
     elif plan.spec.method == "chain":
@@ -549,9 +552,9 @@ def run_rounds(target: Target, drafter: Drafter | None, plan: Plan, st: LoopStat
         def fits(s: LoopState, span=span):  # every active row's writes this round stay below the span
             return jnp.any(~s.done) & (s.rounds < stop) & (jnp.max(jnp.where(s.done, 0, s.length)) + scratch <= span)
 
-        st = jax.lax.while_loop(fits, lambda s, phase=phase: one_round(target, drafter, phase, s), st)
+        st = jax.lax.while_loop(fits, lambda s, phase=phase: one_round(target, drafter, phase, s, stop - 1), st)
 
     def cond(s: LoopState):
         return jnp.any(~s.done) & (s.rounds < stop)
 
-    return jax.lax.while_loop(cond, lambda s: one_round(target, drafter, plan, s), st)
+    return jax.lax.while_loop(cond, lambda s: one_round(target, drafter, plan, s, stop - 1), st)

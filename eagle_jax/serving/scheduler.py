@@ -10,6 +10,12 @@ into one program) or, past the engine's per-step prefill budget (``chunk`` token
 the engine's ``prefix_cache`` a prompt starts from the longest prefix of it that a cache row holds
 (``prefix_cache.PrefixIndex``: a busy or freed slot, or a pool row), copied into its slot.
 
+While prompts are owed prefill (chunks in progress, or requests waiting with a slot free), a step runs
+``ROUNDS_WHILE_PREFILLING`` rounds instead of the engine's ``rounds_per_step``, so that the next chunk
+or pack comes one round later, not a whole step: a burst of arrivals waits for the prefills ahead of it
+and little else, and a running stream's gaps while a long prompt is prefilled stay near one round plus
+one chunk (vLLM's chunked prefill interleaves one decode step per scheduler iteration likewise).
+
 Stop tokens (EOS unless a request ignores it, and its own ``stop_token_ids``) are enforced here: each
 delivery is cut after a request's first stop token and the slot is freed. The device stops rows at EOS
 too where every busy request stops there, which only ends their rounds early.
@@ -38,6 +44,7 @@ from eagle_jax.serving.prefix_cache import PrefixIndex
 from eagle_jax.serving.slots import INSERT_ROWS, Admission, SlotEngine, StepOutput
 
 log = logging.getLogger("eagle_jax.serving")
+ROUNDS_WHILE_PREFILLING = 1
 T = TypeVar("T")
 
 
@@ -321,7 +328,7 @@ class Scheduler:
         else:
             spec = self.schedule.choose(len(active))
         span = self.engine.span_for([int(self._lengths[s]) for s in active], spec)
-        out = self.engine.step(spec, greedy, span, rows, cancel)
+        out = self.engine.step(spec, greedy, span, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if self._owed() else None)
         self._stale.clear()
         now = time.perf_counter()
         if auto:
@@ -343,6 +350,14 @@ class Scheduler:
                 self._release(slot, bool(out.done[slot]))
         if self.on_step is not None:
             self.on_step(len(active), spec, out)
+
+    def _owed(self) -> bool:
+        """Whether prompts wait for prefill that the next iteration could start: chunks in progress, or
+        requests waiting while a slot is free."""
+        if self._prefilling:
+            return True
+        with self._cv:
+            return bool(self._waiting) and any(h is None for h in self._slots)
 
     def _release(self, slot: int, row_done: bool) -> None:
         """Frees a slot whose request ended (at a stop token: ``stop``, else ``length``); a device row

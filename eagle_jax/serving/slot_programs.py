@@ -141,10 +141,11 @@ def copy_program(src_kind: str, dst_kind: str):
 
 
 def step_program(merge: Merge, plan: Plan):
-    """Up to ``plan.max_rounds`` rounds over the leading ``plan.batch`` slots; slots in ``cancel`` stop first."""
+    """``rounds`` rounds (at most ``plan.max_rounds``; data, so any count runs the same program) over the
+    leading ``plan.batch`` slots; slots in ``cancel`` stop first."""
     rows = plan.batch
 
-    def step(t_state, d_state, st: LoopState, cancel):
+    def step(t_state, d_state, st: LoopState, cancel, rounds):
         tgt, drf = merge(t_state, d_state)
         # A step's outputs start empty; what the last step emitted comes off each row's budget.
         st = dataclasses.replace(st, limit=st.limit - st.n_out, n_out=jnp.zeros_like(st.n_out), done=st.done | cancel,
@@ -153,7 +154,7 @@ def step_program(merge: Merge, plan: Plan):
         # The rounds see the leading ``rows`` rows of every per-row array and the whole caches, which
         # they update in place (rows beyond are free slots: neither read nor written).
         sub = dataclasses.replace(st, **{f: jax.tree.map(lambda a: a[:rows], getattr(st, f)) for f in PER_ROW})
-        sub = run_rounds(tgt, drf, plan, sub, jnp.int32(plan.max_rounds))
+        sub = run_rounds(tgt, drf, plan, sub, rounds)
         return dataclasses.replace(sub, **{
             f: jax.tree.map(lambda a, b: a.at[:rows].set(b), getattr(st, f), getattr(sub, f)) for f in PER_ROW
         })

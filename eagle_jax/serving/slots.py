@@ -270,7 +270,7 @@ class SlotEngine:
             return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, args)
         if key[0] == "chunk":
             return self._chunk_args(key[1], 0, [0], 0, 1, SamplingParams(), 0, True, Penalties())
-        return (self._t_state, self._d_state, self.state, jnp.zeros((self.slots,), bool))
+        return (self._t_state, self._d_state, self.state, jnp.zeros((self.slots,), bool), jnp.int32(self.rounds_per_step))
 
     def _plan(self, **kw) -> Plan:
         """A program's plan: one row, the whole cache, no rounds, unless ``kw`` says otherwise."""
@@ -512,15 +512,18 @@ class SlotEngine:
         return min(rows, self.slots)
 
     def step(self, spec: SpecConfig | None, greedy: bool, span: int, rows: int | None = None,
-             cancel: np.ndarray | None = None) -> StepOutput:
-        """Up to ``rounds_per_step`` rounds over the first ``rows`` slots (default all); slots in
-        ``cancel`` are stopped first. Rows stop at the engine's EOS unless inserted with ``stop_at_eos``
+             cancel: np.ndarray | None = None, rounds: int | None = None) -> StepOutput:
+        """Up to ``rounds`` rounds (default and at most ``rounds_per_step``; the same program whatever the
+        count) over the first ``rows`` slots (default all); slots in ``cancel`` are stopped first. Rows stop at the engine's EOS unless inserted with ``stop_at_eos``
         False; the caller cuts each row's tokens at its own stop tokens (``stop_token_ids``)."""
         if spec not in self.specs:
             raise ConfigError(f"spec {spec} is not one of this engine's configured specs {self.specs}")
         rows = self.slots if rows is None else rows
         cancel = np.zeros((self.slots,), bool) if cancel is None else np.asarray(cancel, bool)
-        args = (self._t_state, self._d_state, self.state, jnp.asarray(cancel))
+        rounds = self.rounds_per_step if rounds is None else rounds
+        if not 1 <= rounds <= self.rounds_per_step:
+            raise ConfigError(f"a step runs 1..{self.rounds_per_step} rounds, got {rounds}")
+        args = (self._t_state, self._d_state, self.state, jnp.asarray(cancel), jnp.int32(rounds))
         if greedy and self._precompiled and ("step", spec, True, span, rows) not in self.programs:
             greedy = False  # the precompiled sampling program runs greedy rows exactly: nothing compiles while serving
         key = ("step", spec, greedy, span, rows)

@@ -632,3 +632,48 @@ def test_stream_yields_the_same_tokens(markov, runs, eos):
     assert len(chunks) >= 3
     joined = [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))]
     assert joined == ref.tokens
+
+
+def test_the_drafters_prefill_computes_outputs_only_where_drafting_starts():
+    """A prompt's drafter entries need only their own pairs; the drafter's outputs only at the prompt's
+    last position (``prefill._drafter_prompt``). Cache, logits and feature equal the whole layer over the
+    block, for a prompt alone (``prefill``) and for prompts packed in one row (``prefill_packed``)."""
+    from eagle_jax.decoding.engine import Plan
+    from eagle_jax.decoding.prefill import prefill, prefill_packed
+    from eagle_jax.decoding.sampling import RowSampling
+    from eagle_jax.modeling.layers import document_mask
+    from eagle_jax.modeling.target import window_mask
+
+    target, drafter = random_pair(seed=3)
+    rng = np.random.default_rng(0)
+    lens = np.array([9, 5, 12])
+    ids = rng.integers(0, 32, size=(1, int(lens.sum()))).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)])[None].astype(np.int32)
+    positions = np.concatenate([np.arange(n) for n in lens])[None].astype(np.int32)
+    rs = RowSampling.fill(SamplingParams(), 3)
+    plan = Plan(3, int(lens.sum()), 0, None, True, ())
+    keys = jax.random.split(jax.random.key(0), 3)
+    got = prefill_packed(target, drafter, plan, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(segments),
+                         jnp.asarray(starts, jnp.int32), jnp.asarray(lens, jnp.int32), rs, keys)
+    # The reference: the whole layer over the packed block, as a prefill computed it before.
+    _, aux, _ = engine.target_forward(target, drafter, plan, jnp.asarray(ids), jnp.asarray(positions),
+                                      document_mask(jnp.asarray(positions), jnp.asarray(segments), None),
+                                      target.init_cache(1, ids.shape[1]), jnp.zeros((1,), jnp.int32))
+    last = starts + lens - 1
+    nxt = jnp.concatenate([jnp.asarray(ids[0, 1:]), jnp.zeros((1,), jnp.int32)]).at[last].set(got.first)[None]
+    normed, feat, cache = drafter.layer(drafter.fuse(aux), nxt, jnp.asarray(positions), document_mask(jnp.asarray(positions), jnp.asarray(segments), None),
+                                        drafter.init_cache(1, ids.shape[1]), jnp.zeros((1,), jnp.int32))
+    close = dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.d_logits, drafter.lm_head(normed[0, last]), **close)
+    np.testing.assert_allclose(got.d_feat, feat[0, last], **close)
+    for i, (s, n) in enumerate(zip(starts, lens)):
+        for got_c, ref_c in zip(got.d_cache, cache):
+            np.testing.assert_allclose(got_c[i, :, :n], ref_c[0, :, s: s + n], **close)
+    # A prompt alone, in a cache longer than it.
+    one = prefill(target, drafter, Plan(1, 20, 0, None, True, ()), jnp.asarray(ids[:, :lens[0]]), jnp.asarray(lens[:1], jnp.int32),
+                  RowSampling.fill(SamplingParams(), 1), keys[:1])
+    np.testing.assert_allclose(one.d_logits, got.d_logits[:1], **close)
+    np.testing.assert_allclose(one.d_feat, got.d_feat[:1], **close)
+    for one_c, got_c in zip(one.d_cache, got.d_cache):
+        np.testing.assert_allclose(one_c[0, :, : lens[0]], got_c[0, :, : lens[0]], **close)

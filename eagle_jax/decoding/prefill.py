@@ -4,7 +4,10 @@ chunk at a time after what a cache already holds (``prefill_chunk``: the serving
 prefill and prefix reuse).
 
 A drafter's cache entry at position t pairs the target's aux states at t with token t+1, so a prompt's
-entries need only the prompt, except the last one, which pairs with the first generated token.
+entries need only the prompt, except the last one, which pairs with the first generated token. An
+entry's keys and values need only its own pair; the drafter's outputs (attention, MLP, lm_head) are
+needed only at a prompt's last position, where drafting starts, so only there are they computed
+(``_drafter_prompt``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,22 @@ class Prefilled:
     last_aux: Array | None = None  # [B, A]
 
 
+def _drafter_prompt(drafter: Drafter, aux: Array, nxt: Array, positions: Array, cache, write_index: Array, at: Array, mask_at: Array):
+    """The drafter over a block of prompt pairs (aux states [B, T, A] of position t, token t+1 ``nxt``
+    [B, T]): every pair's keys and values written into ``cache`` from slot ``write_index`` [B]; the
+    layer's outputs only at block indices ``at`` [B, M], attending over the cache under ``mask_at``
+    [B, M, S]. The attention and MLP of the other positions, most of a drafter's prefill, would never be
+    read. Returns (logits [B, M, Vd], features [B, M, H], cache)."""
+    g = drafter.fuse(aux.astype(drafter.dtype))
+    cache = drafter.write_cache(g, nxt, positions, cache, write_index)
+
+    def take(x):
+        return jnp.take_along_axis(x, at[:, :, None] if x.ndim == 3 else at, axis=1)
+
+    normed, feat = drafter.read_cache(take(g), take(nxt), take(positions), mask_at, cache)
+    return drafter.lm_head(normed), feat, cache
+
+
 def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, keys: Array) -> Prefilled:
     """Runs the padded prompts [B, P] through the target (capturing aux states) and the drafter, into
     fresh caches of ``plan.cache_len`` slots; picks each row's first token with its key."""
@@ -60,13 +79,10 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     # Pair (feature of position t, token t+1): the prompt shifted left, the first generated token last.
     nxt = jnp.concatenate([prompt[:, 1:], zero[:, None]], axis=1)
     nxt = jnp.where(jnp.arange(p)[None, :] == last[:, None], first[:, None], nxt)
-    normed, feat, d_cache = drafter.layer(
-        drafter.fuse(aux.astype(drafter.dtype)), nxt, positions, window_mask(positions, positions, None), placed(plan, drafter.init_cache(b, s)), zero
-    )
-    normed_last = jnp.take_along_axis(normed, last[:, None, None], axis=1)[:, 0]
-    d_feat = jnp.take_along_axis(feat, last[:, None, None], axis=1)[:, 0]
+    d_logits, d_feat, d_cache = _drafter_prompt(drafter, aux, nxt, positions, placed(plan, drafter.init_cache(b, s)), zero, last[:, None],
+                                                causal_cache_mask(last[:, None], s, None))
     last_aux = jnp.take_along_axis(aux, last[:, None, None], axis=1)[:, 0]
-    return Prefilled(t_cache, d_cache, first, drafter.lm_head(normed_last), d_feat, last_logits, last_aux)
+    return Prefilled(t_cache, d_cache, first, d_logits[:, 0], d_feat[:, 0], last_logits, last_aux)
 
 
 def prefill_packed(target: Target, drafter: Drafter | None, plan: Plan, ids: Array, positions: Array, segments: Array,
@@ -96,9 +112,11 @@ def prefill_packed(target: Target, drafter: Drafter | None, plan: Plan, ids: Arr
         return Prefilled(t_rows, None, first, None, None, last_logits)
     # Pair (feature of position t, token t+1) within each prompt, its first generated token last.
     nxt = jnp.concatenate([ids[0, 1:], jnp.zeros((1,), ids.dtype)]).at[last].set(first)[None]
-    normed, feat, d_cache = drafter.layer(drafter.fuse(aux.astype(drafter.dtype)), nxt, positions, document_mask(positions, segments, None),
-                                          placed(plan, drafter.init_cache(1, p)), zero)
-    return Prefilled(t_rows, jax.tree.map(unpack, d_cache), first, drafter.lm_head(normed[0, last]), feat[0, last], last_logits, aux[0, last])
+    # Each prompt's last position attends to its own earlier slots.
+    mask_at = (segments[0][None, :] == segments[0][last][:, None]) & (jnp.arange(p)[None, :] <= last[:, None])
+    d_logits, d_feat, d_cache = _drafter_prompt(drafter, aux, nxt, positions, placed(plan, drafter.init_cache(1, p)), zero, last[None],
+                                                mask_at[None])
+    return Prefilled(t_rows, jax.tree.map(unpack, d_cache), first, d_logits[0], d_feat[0], last_logits, aux[0, last])
 
 
 def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array, max_new: int,
@@ -156,10 +174,6 @@ def prefill_chunk(target: Target, drafter: Drafter | None, plan: Plan, ids: Arra
     if drafter is None:
         return Prefilled(t_cache, None, first, None, None, last_logits)
     nxt = jnp.where(jnp.arange(c)[None, :] == at[:, None], first[:, None], ids[:, 1:])
-    normed, feat, d_cache = drafter.layer(drafter.fuse(aux.astype(drafter.dtype)), nxt, pos,
-                                          causal_cache_mask(pos, plan.attend_len, None), d_cache, start)
-
-    def last(x):
-        return jnp.take_along_axis(x, at[:, None, None], axis=1)[:, 0]
-
-    return Prefilled(t_cache, d_cache, first, drafter.lm_head(last(normed)), last(feat), last_logits, last(aux))
+    d_logits, d_feat, d_cache = _drafter_prompt(drafter, aux, nxt, pos, d_cache, start, at[:, None],
+                                                causal_cache_mask((start + at)[:, None], plan.attend_len, None))
+    return Prefilled(t_cache, d_cache, first, d_logits[:, 0], d_feat[:, 0], last_logits, jnp.take_along_axis(aux, at[:, None, None], axis=1)[:, 0])

@@ -108,6 +108,12 @@ class Drafter(nnx.Module):
         u, cos, sin = self.attention_input(g, input_ids, positions)
         return self.self_attn.write(u, cos, sin, cache, write_index)
 
+    def read_cache(self, g: Array, input_ids: Array, positions: Array, mask: Array, cache: tuple[Array, Array]) -> tuple[Array, Array]:
+        """``layer``'s outputs (normed h2, next feature) for pairs whose keys and values ``cache`` already
+        holds (``write_cache``), attending over its leading ``mask.shape[-1]`` slots; nothing written."""
+        u, cos, sin = self.attention_input(g, input_ids, positions)
+        return self.finish(g, self.self_attn.read(u, cos, sin, mask, cache))
+
     def attention_input(self, g: Array, input_ids: Array, positions: Array) -> tuple[Array, Array, Array]:
         """u = cat(input_layernorm(embedding), hidden_norm(g)) [B,T,2H] (embedding first) and RoPE cos/sin."""
         e = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(g.dtype)

@@ -357,6 +357,15 @@ class Attention(nnx.Module):
         _, k, v = self.heads(x, cos, sin)
         return write_kv(kv[0], k, write_index), write_kv(kv[1], v, write_index)
 
+    def read(self, x: Array, cos: Array, sin: Array, mask: Array, kv: tuple[Array, Array]) -> Array:
+        """x: [B, T, d_in] attending over the cache's leading ``mask.shape[-1]`` slots under ``mask``
+        [B, T, S'], which already hold what it needs (its own keys/values included): nothing written."""
+        b = x.shape[0]
+        q, _, _ = self.heads(x, cos, sin)
+        span = mask.shape[-1]
+        k_read, v_read = kv[0][:b, :, :span].astype(q.dtype), kv[1][:b, :, :span].astype(q.dtype)
+        return self.o_proj(attend(q, k_read, v_read, mask))
+
     def __call__(
         self,
         x: Array,

@@ -179,6 +179,15 @@ class MLAttention(nnx.Module):
         k, v = self._expand(latent, k_rot)
         return jnp.concatenate([q_nope, q_rot], axis=-1), k, v
 
+    def read(self, x: Array, cos: Array, sin: Array, mask: Array, kv: tuple[Array, Array]) -> Array:
+        """``layers.Attention.read`` for the latent cache: x attends (absorbed) over the leading
+        ``mask.shape[-1]`` slots, which already hold what it needs; nothing written."""
+        b, t, _ = x.shape
+        q_nope, q_rot, _, _ = self._project(x, cos, sin)
+        span = mask.shape[-1]
+        out = self._absorbed(q_nope, q_rot, kv[0][:b, 0, :span].astype(q_nope.dtype), kv[1][:b, 0, :span].astype(q_nope.dtype), mask)
+        return self.o_proj(out.reshape(b, t, -1))
+
     def write(self, x: Array, cos: Array, sin: Array, kv: tuple[Array, Array], write_index: Array) -> tuple[Array, Array]:
         """Writes the block's latents and rope keys into ``kv`` at slots ``write_index`` [B] without
         attending (what ``__call__`` writes first)."""

@@ -181,6 +181,17 @@ def test_steps_are_short_while_a_prompt_is_prefilled_in_chunks(pair, eos):
     assert max(r for r, _ in rounds_of_first) == 3
 
 
+def test_a_short_steps_time_teaches_no_cost():
+    """A one-round step while prompts are prefilled is mostly a step's fixed costs: the chooser learns
+    acceptance from it, not a per-round cost (which would make the depth it ran look dear)."""
+    auto = AutoDepth()
+    est = auto.new_estimate()
+    auto.observe(None, 4, True, None, [(est, [0], (1.0, 1.0))])
+    assert not auto.models and est.trials[0] > 0
+    auto.observe(None, 4, True, 0.5, [(est, [0, 0], (2.0, 2.0))])
+    assert auto.models[True].probed(4)
+
+
 def test_seeded_sampling_does_not_depend_on_other_slots(pair):
     """Each slot draws from its own key stream: at a fixed depth a seeded request samples the same tokens
     alone or among others (a depth change consumes randomness differently: same law, other draws)."""

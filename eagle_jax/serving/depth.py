@@ -64,14 +64,16 @@ class AutoDepth:
             "depth_ms": {f"{r}x{d}": round(1e3 * s, 3) for (r, d), s in sorted(m.seconds.items())}} for g, m in self.models.items()}
         return {"costs": models, "acceptance": [round(float(x), 3) for x in self.estimate.p]}
 
-    def observe(self, spec: SpecConfig | None, rows: int, greedy: bool, seconds: float,
+    def observe(self, spec: SpecConfig | None, rows: int, greedy: bool, seconds: float | None,
                 per_request: Sequence[tuple[AcceptanceEstimate, list[int], tuple[float, float] | None]]) -> None:
-        """After a step: its cost, and per request (its estimate, drafts accepted per round, (summed
-        first-draft acceptance, rounds) of a step without drafts)."""
+        """After a step: its cost (None: not a round cost to learn from, e.g. a one-round step while
+        prompts are prefilled, whose time is mostly the step's fixed costs), and per request (its estimate,
+        drafts accepted per round, (summed first-draft acceptance, rounds) of a step without drafts)."""
         depth = self.depth_of(spec)
         ran = max((len(acc) for _, acc, _ in per_request), default=0)
         # The server's steps without drafts feed the drafter: they are the cost model's probe rounds.
-        self.models.setdefault(greedy, CostModel()).update(None if depth == autospec.PLAIN else depth, rows, seconds, ran)
+        if seconds is not None:
+            self.models.setdefault(greedy, CostModel()).update(None if depth == autospec.PLAIN else depth, rows, seconds, ran)
         if depth == autospec.PLAIN:
             total = [p for _, _, p in per_request if p is not None and p[1] > 0]
             for est, _, p in per_request:

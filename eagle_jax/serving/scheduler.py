@@ -328,12 +328,15 @@ class Scheduler:
         else:
             spec = self.schedule.choose(len(active))
         span = self.engine.span_for([int(self._lengths[s]) for s in active], spec)
-        out = self.engine.step(spec, greedy, span, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if self._owed() else None)
+        short = self._owed()
+        out = self.engine.step(spec, greedy, span, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if short else None)
         self._stale.clear()
         now = time.perf_counter()
         if auto:
             probe = out.probe
-            self.schedule.observe(spec, rows, greedy, out.seconds, [
+            # A short step's time is mostly what every step costs once (dispatch, the drafter's outputs, the
+            # probe): as a per-round cost it would make the depth it ran look dear, so only full steps teach costs.
+            self.schedule.observe(spec, rows, greedy, None if short else out.seconds, [
                 (self._slots[s].estimate, out.accepted[s], None if probe is None else (float(probe[s, 0]), float(probe[s, 1])))
                 for s in active
             ])

@@ -96,9 +96,9 @@ def test_auto_depth_in_slots_equals_generate(pair, eos):
         assert h.tokens == ref and h.estimate is not None
     assert {auto.depth_of(s) for s, _ in steps} >= {0, max(auto.depths)}  # the probe and the deepest measured, the rest modelled
     assert all(probe[:, 1].sum() > 0 for s, probe in steps if s is None)  # steps without drafts observed acceptance
-    assert any(model.seconds and model.probe for model in auto.models.values())
+    assert any(m.seconds and m.probe for costs in auto.models.values() for m in costs.by_span.values())
     snap = auto.snapshot()  # what bench.serve reports of the chooser
-    assert snap["costs"]["greedy"]["probe_ms"] and len(snap["acceptance"]) == max(auto.depths)
+    assert any(at["probe_ms"] for at in snap["costs"]["greedy"].values()) and len(snap["acceptance"]) == max(auto.depths)
     assert sum(h.accepted.count(2) + h.accepted.count(3) for h in handles) > 0
 
 
@@ -186,10 +186,33 @@ def test_a_short_steps_time_teaches_no_cost():
     acceptance from it, not a per-round cost (which would make the depth it ran look dear)."""
     auto = AutoDepth()
     est = auto.new_estimate()
-    auto.observe(None, 4, True, None, [(est, [0], (1.0, 1.0))])
+    auto.observe(None, 4, 256, True, None, [(est, [0], (1.0, 1.0))])
     assert not auto.models and est.trials[0] > 0
-    auto.observe(None, 4, True, 0.5, [(est, [0, 0], (2.0, 2.0))])
+    auto.observe(None, 4, 256, True, 0.5, [(est, [0, 0], (2.0, 2.0))])
     assert auto.models[True].probed(4)
+
+
+def test_costs_are_kept_per_span():
+    """A round reading a longer cache span costs more: each span keeps its own costs, so a depth measured
+    at a short span is not compared with another measured at a long one; a depth not seen at a span is
+    read at the nearest span and scaled by how the two compare where both were measured."""
+    auto = AutoDepth(depths=(1, 3))
+    est = auto.new_estimate()
+    est.observe([[3]] * 20, 3)  # every draft accepted: a chain of 3 emits ~4 tokens per round
+    steps = [(None, 256, 1.0), (3, 256, 2.0), (None, 1024, 2.0)]  # K=3 ran only while the span was short
+    for depth, span, per_round in steps:
+        spec = auto.spec_of(0 if depth is None else depth)
+        auto.observe(spec, 8, span, True, 3 * per_round, [(est, [0 if depth is None else 3] * 3, None)])
+    costs = auto.models[True]
+    assert costs.cost(3, 8, 256) == pytest.approx(2.0) and costs.cost(0, 8, 1024) == pytest.approx(2.0)
+    assert costs.cost(3, 8, 1024) == pytest.approx(4.0)  # K=3's short-span cost, scaled by the probes' 2x
+    assert costs.cost(1, 8, 1024) == pytest.approx(2 * (1 + 1 / 3))  # linear in K at the short span, scaled
+    assert costs.cost(3, 8, 512) == pytest.approx(2.0)  # nothing at 512: the shorter neighbour, unscaled
+    # At the long span K=3 is modelled at ~4 tokens in 4.0 s, ahead of no drafts' 1 token in 2.0 s ...
+    assert auto.choose([est], 8, True, lambda d: 1024) == auto.spec_of(3)
+    auto.observe(auto.spec_of(3), 8, 1024, True, 3 * 12.0, [(est, [3] * 3, None)])  # ... until it is measured dear there
+    assert auto.choose([est], 8, True, lambda d: 1024) is None
+    assert auto.choose([est], 8, True, lambda d: 256) == auto.spec_of(3)  # the short span's costs are its own
 
 
 def test_seeded_sampling_does_not_depend_on_other_slots(pair):

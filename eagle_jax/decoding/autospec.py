@@ -276,16 +276,25 @@ class CostModel:
         d = max(measured)
         return max((self.seconds[rows, d] - base) / d, 0.0)
 
-    def cost(self, depth: int, rows: int) -> float | None:
-        """Seconds per round at ``depth`` over ``rows`` rows, measured or modelled; None: nothing to go on."""
+    def at_rows(self, depth: int, rows: int) -> float | None:
+        """Seconds per round at ``depth`` from what ran at exactly ``rows`` rows: measured, or linear in K
+        between the probe round and the depths measured there; None where these rows do not tell."""
         if (rows, depth) in self.seconds:
             return self.seconds[rows, depth]
-        base = self._base(rows)
+        base = self.probe.get(rows)
         if depth == PLAIN or base is None:
             return base
         here = {d: s for (r, d), s in self.seconds.items() if r == rows and d != PLAIN}
-        if here:  # piecewise linear in K through the probe and the depths measured here
-            return _along({0: base, **here}, depth, extrapolate=True)
+        return _along({0: base, **here}, depth, extrapolate=True) if here else None
+
+    def cost(self, depth: int, rows: int) -> float | None:
+        """Seconds per round at ``depth`` over ``rows`` rows, measured or modelled; None: nothing to go on."""
+        here = self.at_rows(depth, rows)
+        if here is not None:
+            return here
+        base = self._base(rows)
+        if depth == PLAIN or base is None:
+            return base
         slopes = {r: s for r in {r for r, d in self.seconds if d != PLAIN} if (s := self._slope(r)) is not None}
         return None if not slopes else base + _along(slopes, rows) * depth
 

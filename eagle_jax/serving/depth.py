@@ -9,21 +9,70 @@ updated from its own rounds; a step's expected tokens at depth K are the sum ove
 (engine ``probe_acceptance``), so a batch of requests the drafter cannot follow decodes plainly and
 speculation returns as soon as the requests change. Nothing is explored per row count but one step
 without drafts; the deepest chain runs once per process, and every depth chosen is measured as it runs.
+
+A step's cost also grows with the cache span its attention reads (``SlotEngine.spans``), which rises as
+the requests grow: costs are kept per span (``SpanCosts``), so that depths are compared at the span
+they would run at, not one depth's cost at a short span against another's at a long one.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Callable, Sequence
 
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding import autospec
 from eagle_jax.decoding.autospec import AcceptanceEstimate, CostModel
 
 
+class SpanCosts:
+    """Seconds per round by cache span: a ``CostModel`` (by rows and depth) per span. Where a span's
+    rows have not shown a depth's cost, it is read at the nearest span whose rows have (the shorter
+    first: optimism corrects itself, as the depth then runs and is measured), scaled by how the two
+    spans' costs compare where both were measured; failing that, modelled across row counts."""
+
+    def __init__(self):
+        self.by_span: dict[int, CostModel] = {}
+
+    def model(self, span: int) -> CostModel:
+        return self.by_span.setdefault(span, CostModel())
+
+    def probed(self, rows: int) -> bool:
+        return any(m.probed(rows) for m in self.by_span.values())
+
+    def _ratio(self, span: int, other: int) -> float:
+        """Cost at ``span`` over cost at ``other``: the geometric mean over the costs both measured, else 1."""
+        a, b = self.by_span.get(span), self.by_span[other]
+        if a is None:
+            return 1.0
+        pairs = [(a.probe[r], b.probe[r]) for r in a.probe.keys() & b.probe.keys()]
+        pairs += [(a.seconds[k], b.seconds[k]) for k in a.seconds.keys() & b.seconds.keys()]
+        return math.exp(sum(math.log(x / y) for x, y in pairs) / len(pairs)) if pairs else 1.0
+
+    def cost(self, depth: int, rows: int, span: int) -> float | None:
+        """Seconds per round at ``depth`` over ``rows`` rows reading ``span`` cache slots; None: nothing to go on."""
+        near = sorted(self.by_span, key=lambda s: (abs(math.log2(s / span)), s))
+        for read in (CostModel.at_rows, CostModel.cost):  # these rows at any span before other rows at this one
+            for s in near:
+                if (c := read(self.by_span[s], depth, rows)) is not None:
+                    return c if s == span else c * self._ratio(span, s)
+        return None
+
+
+class _AtSpans:
+    """``SpanCosts`` read as a ``CostModel`` (``cost(depth, rows)``) for one step, whose span depends on its depth."""
+
+    def __init__(self, costs: SpanCosts, span_of: Callable[[int], int]):
+        self.costs, self.span_of = costs, span_of
+
+    def cost(self, depth: int, rows: int) -> float | None:
+        return self.costs.cost(depth, rows, self.span_of(depth))
+
+
 class AutoDepth:
     def __init__(self, depths: Sequence[int] = autospec.DEPTHS):
         self.depths = tuple(depths)
-        self.models: dict[bool, CostModel] = {}  # by greedy: one model over every row count
+        self.models: dict[bool, SpanCosts] = {}  # by greedy: one per sampling mode, over every span and row count
         self.estimate = AcceptanceEstimate(max(self.depths))  # all traffic: where a new request's estimate starts
 
     @property
@@ -44,36 +93,41 @@ class AutoDepth:
     def new_estimate(self) -> AcceptanceEstimate:
         return self.estimate.copy()
 
-    def choose(self, estimates: Sequence[AcceptanceEstimate], rows: int, greedy: bool) -> SpecConfig | None:
-        """The next step's spec for requests with these estimates, computed over ``rows`` rows. At a row
-        count not seen yet a step without drafts runs first (the base of the modelled costs); the
-        deepest chain runs once per process (the drafter step's cost); every other cost is modelled."""
-        model = self.models.setdefault(greedy, CostModel())
-        if not model.probed(rows):
+    def choose(self, estimates: Sequence[AcceptanceEstimate], rows: int, greedy: bool,
+               span_of: Callable[[int], int]) -> SpecConfig | None:
+        """The next step's spec for requests with these estimates, computed over ``rows`` rows; ``span_of(depth)``:
+        the cache span a step of that depth would read. At a row count not seen yet a step without drafts
+        runs first (the base of the modelled costs); the deepest chain runs once per process (the drafter
+        step's cost); every other cost is modelled."""
+        costs = self.models.setdefault(greedy, SpanCosts())
+        if not costs.probed(rows):
             return None
-        todo = autospec.unexplored(model, rows, self.depths)
+        view = _AtSpans(costs, span_of)
+        todo = autospec.unexplored(view, rows, self.depths)
         if todo:
             return self.spec_of(todo[0])
-        return self.spec_of(autospec.choose_depth(model, rows, lambda d: sum(e.expected_tokens(d) for e in estimates), self.depths))
+        return self.spec_of(autospec.choose_depth(view, rows, lambda d: sum(e.expected_tokens(d) for e in estimates), self.depths))
 
     def snapshot(self) -> dict:
-        """What the chooser goes on, for reports: ms per round by sampling mode, rows and depth (measured;
-        "probe": steps without drafts) and the server-wide acceptance per draft position."""
-        models = {("greedy" if g else "sampling"): {
+        """What the chooser goes on, for reports: ms per round by sampling mode, span, rows and depth
+        (measured; "probe": steps without drafts) and the server-wide acceptance per draft position."""
+        models = {("greedy" if g else "sampling"): {span: {
             "probe_ms": {r: round(1e3 * s, 3) for r, s in sorted(m.probe.items())},
-            "depth_ms": {f"{r}x{d}": round(1e3 * s, 3) for (r, d), s in sorted(m.seconds.items())}} for g, m in self.models.items()}
+            "depth_ms": {f"{r}x{d}": round(1e3 * s, 3) for (r, d), s in sorted(m.seconds.items())}}
+            for span, m in sorted(c.by_span.items())} for g, c in self.models.items()}
         return {"costs": models, "acceptance": [round(float(x), 3) for x in self.estimate.p]}
 
-    def observe(self, spec: SpecConfig | None, rows: int, greedy: bool, seconds: float | None,
+    def observe(self, spec: SpecConfig | None, rows: int, span: int, greedy: bool, seconds: float | None,
                 per_request: Sequence[tuple[AcceptanceEstimate, list[int], tuple[float, float] | None]]) -> None:
-        """After a step: its cost (None: not a round cost to learn from, e.g. a one-round step while
-        prompts are prefilled, whose time is mostly the step's fixed costs), and per request (its estimate,
-        drafts accepted per round, (summed first-draft acceptance, rounds) of a step without drafts)."""
+        """After a step over ``rows`` rows and ``span`` cache slots: its cost (None: not a round cost to
+        learn from, e.g. a one-round step while prompts are prefilled, whose time is mostly the step's
+        fixed costs), and per request (its estimate, drafts accepted per round, (summed first-draft
+        acceptance, rounds) of a step without drafts)."""
         depth = self.depth_of(spec)
         ran = max((len(acc) for _, acc, _ in per_request), default=0)
         # The server's steps without drafts feed the drafter: they are the cost model's probe rounds.
         if seconds is not None:
-            self.models.setdefault(greedy, CostModel()).update(None if depth == autospec.PLAIN else depth, rows, seconds, ran)
+            self.models.setdefault(greedy, SpanCosts()).model(span).update(None if depth == autospec.PLAIN else depth, rows, seconds, ran)
         if depth == autospec.PLAIN:
             total = [p for _, _, p in per_request if p is not None and p[1] > 0]
             for est, _, p in per_request:

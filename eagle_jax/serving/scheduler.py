@@ -323,11 +323,13 @@ class Scheduler:
         greedy = all(self._slots[s].request.sampling.greedy for s in active)
         rows = self.engine.rows_for(active)
         auto = isinstance(self.schedule, AutoDepth)
+        lengths = [int(self._lengths[s]) for s in active]
         if auto:
-            spec = self.schedule.choose([self._slots[s].estimate for s in active], rows, greedy)
+            spec = self.schedule.choose([self._slots[s].estimate for s in active], rows, greedy,
+                                        lambda d: self.engine.span_for(lengths, AutoDepth.spec_of(d)))
         else:
             spec = self.schedule.choose(len(active))
-        span = self.engine.span_for([int(self._lengths[s]) for s in active], spec)
+        span = self.engine.span_for(lengths, spec)
         short = self._owed()
         out = self.engine.step(spec, greedy, span, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if short else None)
         self._stale.clear()
@@ -336,7 +338,7 @@ class Scheduler:
             probe = out.probe
             # A short step's time is mostly what every step costs once (dispatch, the drafter's outputs, the
             # probe): as a per-round cost it would make the depth it ran look dear, so only full steps teach costs.
-            self.schedule.observe(spec, rows, greedy, None if short else out.seconds, [
+            self.schedule.observe(spec, rows, span, greedy, None if short else out.seconds, [
                 (self._slots[s].estimate, out.accepted[s], None if probe is None else (float(probe[s, 0]), float(probe[s, 1])))
                 for s in active
             ])

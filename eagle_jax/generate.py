@@ -380,7 +380,7 @@ class _AutoRun:
         yield st
         observed, rounds = 0, 0
         # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
-        row_est = [self.estimate.copy() for _ in range(self.plan.batch)]
+        row_est = [self.estimate.for_new_prompt() for _ in range(self.plan.batch)]
         done_rows, n_out = jax.device_get((st.done, st.n_out))
         while not np.all(done_rows) and rounds < self.plan.max_rounds:
             remaining = [(self.plan.max_rounds - int(n_out[b]), row_est[b]) for b in range(self.plan.batch) if not done_rows[b]]

@@ -141,15 +141,18 @@ def test_a_batch_starts_from_its_last_calls_rows_and_clear_choices_run_longer(fi
     target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1)
     drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.0, draft_vocab=list(range(0, 32, 2)))
     mixed = [[1, 1], [25, 25]]
-    runs = [eagle_jax.generate(target, drafter, mixed, max_new_tokens=32, eos_token_id=[]) for _ in range(2)]
+    runs = [eagle_jax.generate(target, drafter, mixed, max_new_tokens=32, eos_token_id=[])]
+    (key,) = autospec._ESTIMATES
+    pooled = autospec.finish_times(fixed_costs, 2, [(32, autospec.acceptance_estimate(key).for_new_prompt())] * 2)
+    best = min(pooled, key=pooled.get)  # what the second call would run on the pooled estimate alone: clearly a chain
+    assert best != autospec.PLAIN and pooled[best] < autospec.PROBE_FIRST_BELOW * pooled[autospec.PLAIN]
+    runs.append(eagle_jax.generate(target, drafter, mixed, max_new_tokens=32, eos_token_id=[]))
     assert all(r.tokens == eagle_jax.generate(target, None, mixed, max_new_tokens=32, eos_token_id=[]).tokens for r in runs)
     assert runs[1].stats["chunks"][0] == (None, autospec.PROBE_ROUNDS)
-    pooled = autospec.finish_times(fixed_costs, 2, [(32, autospec.acceptance_estimate(k)) for k in autospec._ESTIMATES][:1] * 2)
-    best = min(pooled, key=pooled.get)  # what the pooled estimate alone would have run: clearly a chain
-    assert best != autospec.PLAIN and pooled[best] < autospec.PROBE_FIRST_BELOW * pooled[autospec.PLAIN]
 
     sure, _ = markov_drafter(target, succ, seed=0, disagree=0.0)
     easy = [[25, 25]]
+    fixed_costs.fixed.update({5: 2.6, 7: 3.4})  # deep chains dear: K=3 a clear choice
     expect = eagle_jax.generate(target, None, easy, max_new_tokens=160, eos_token_id=[]).tokens
     for _ in range(2):
         out = eagle_jax.generate(target, sure, easy, max_new_tokens=160, eos_token_id=[])
@@ -218,6 +221,21 @@ def test_acceptance_estimate_and_choice():
 
     assert fastest([(50, good)]) == 7 and fastest([(50, good), (50, bad)]) == autospec.PLAIN
     assert autospec.widths_for(6) == (1, 2, 4, 7) and autospec.widths_for(1) == (1, 2)
+
+
+def test_a_new_prompt_weighs_its_own_probe_against_the_pairs_history():
+    """A new prompt starts from the pair's rates with at most CARRY_ROUNDS rounds of their evidence: after
+    many rounds the drafter could not follow, a prompt it follows shows so within one probe chunk."""
+    pair = autospec.AcceptanceEstimate()
+    pair.observe([[0]] * 200, 7)  # a long hard prompt
+    new = pair.for_new_prompt()
+    assert new.trials.max() == pytest.approx(autospec.CARRY_ROUNDS) and new.hits == pytest.approx(pair.hits * new.trials.max() / pair.trials.max())
+    assert new.p[0] < 0.25  # the rates kept, blended with the prior's PRIOR_ROUNDS
+    table = FixedCosts({0: 1.0, 1: 1.3, 3: 1.6, 5: 2.0, 7: 2.4})
+    for est in (pair, new):
+        est.observe_probe(1.0, autospec.PROBE_ROUNDS)
+    assert autospec.choose_depth(table, 1, pair.expected_tokens) == autospec.PLAIN
+    assert autospec.choose_depth(table, 1, new.expected_tokens) != autospec.PLAIN
 
 
 def test_cost_model_needs_one_depth_and_one_probe_per_row_count():

@@ -123,6 +123,10 @@ REPROBE_ROUNDS = 192  # about one call in four of ~64 tokens probes: the drafter
 # estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
 PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth
 KEEP = 0.97  # weight of the past per round in the acceptance estimate (a memory of ~30 rounds)
+# A new prompt starts from its pair's estimate with at most this many rounds of its evidence: acceptance
+# depends on the prompt more than on anything else, so a few probe rounds of its own must be able to
+# outweigh what the prompts before it did (else one hard prompt keeps the next ones decoding plainly).
+CARRY_ROUNDS = 6.0
 KEEP_UNTRIED = 0.85  # the same for draft positions a round did not reach: they fall back to the prior sooner
 PRIOR = 0.6  # acceptance of a draft assumed before any is observed
 PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
@@ -145,6 +149,15 @@ class AcceptanceEstimate:
     def copy(self) -> "AcceptanceEstimate":
         new = AcceptanceEstimate(len(self.trials))
         new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
+        return new
+
+    def for_new_prompt(self) -> "AcceptanceEstimate":
+        """A copy to start a new prompt's estimate from: the same rates, at most ``CARRY_ROUNDS`` rounds of evidence."""
+        new = self.copy()
+        weight = float(new.trials.max(initial=0.0))
+        if weight > CARRY_ROUNDS:
+            new.trials *= CARRY_ROUNDS / weight
+            new.hits *= CARRY_ROUNDS / weight
         return new
 
     def _add(self, trials: np.ndarray, hits: np.ndarray, reached: int) -> None:

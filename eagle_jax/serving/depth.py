@@ -3,8 +3,8 @@ tokens per second, from the round costs at this number of computed rows (``CostM
 modelled from the other depths and row counts) and the live acceptance of the requests in the slots
 (``decoding/autospec.py``, which ``generate``'s default uses too).
 
-Every request keeps its own acceptance estimate, started from the server's (all traffic so far) and
-updated from its own rounds; a step's expected tokens at depth K are the sum over its requests of
+Every request keeps its own acceptance estimate, started from the server's (all traffic so far, weighing
+a few rounds: ``AcceptanceEstimate.for_new_prompt``) and updated from its own rounds; a step's expected tokens at depth K are the sum over its requests of
 ``expected_tokens(K)``. Steps without drafts keep feeding the drafter and observe its first draft
 (engine ``probe_acceptance``), so a batch of requests the drafter cannot follow decodes plainly and
 speculation returns as soon as the requests change. Nothing is explored per row count but one step
@@ -91,7 +91,7 @@ class AutoDepth:
         return f"auto (per step: no drafts or a chain of {'/'.join(map(str, self.depths))}, from measured costs and live acceptance)"
 
     def new_estimate(self) -> AcceptanceEstimate:
-        return self.estimate.copy()
+        return self.estimate.for_new_prompt()
 
     def choose(self, estimates: Sequence[AcceptanceEstimate], rows: int, greedy: bool,
                span_of: Callable[[int], int]) -> SpecConfig | None:

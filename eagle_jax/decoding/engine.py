@@ -254,11 +254,12 @@ def _feed_lazily(drafter: Drafter, plan: Plan, st: LoopState, aux: Array, emitte
     the drafter's cache; the drafter's outputs for it are computed in the run's last round only (until
     then the carried ones are stale, and no program reads them)."""
     g = drafter.fuse(aux.astype(drafter.dtype))
-    cache = drafter.write_cache(g, emitted, st.length[:, None], cache, st.length)
+    pos = st.length[:, None]
+    cache = drafter.write_cache(g, emitted, pos, cache, st.length)
 
-    def outputs(_):
-        logits, feat, _ = extend_drafter(drafter, plan, aux, emitted, jnp.zeros_like(st.length), st.length, cache)
-        return logits, feat
+    def outputs(_):  # the pair just written attends over the cache it is in
+        normed, feat = drafter.read_cache(g, emitted, pos, causal_cache_mask(pos, plan.attend_len, None), cache)
+        return drafter.lm_head(normed[:, 0]), feat[:, 0]
 
     d_logits, d_feat = jax.lax.cond(st.rounds == last, outputs, lambda _: (st.d_logits, st.d_feat), None)
     return d_logits, d_feat, cache

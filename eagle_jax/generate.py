@@ -355,10 +355,12 @@ class _AutoRun:
             rows = [(n, last[i % len(last)]) for i, (n, _) in enumerate(rows)]
         times = autospec.finish_times(self.costs, batch, rows)
         depth = min(times, key=times.get)
-        if not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]:
-            return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # may win: measured (the rest of this call decodes plainly)
-        if depth == autospec.PLAIN and observed < autospec.PROBE_ROUNDS:
-            return None, autospec.PROBE_ROUNDS  # plain decoding only on fresh evidence
+        may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]
+        if observed < autospec.PROBE_ROUNDS and (depth == autospec.PLAIN or may_win):
+            # Plain decoding ends the call's speculation, measured or chosen: only on this call's own evidence.
+            return None, autospec.PROBE_ROUNDS
+        if may_win:
+            return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # measured (the rest of this call decodes plainly)
         if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
             return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
         # A clear choice made again runs twice as long (each chunk costs a host round trip); a close one is

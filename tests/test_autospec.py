@@ -161,6 +161,30 @@ def test_a_batch_starts_from_its_last_calls_rows_and_clear_choices_run_longer(fi
     assert d1 == d2 not in (None, autospec.PLAIN) and (n1, n2) == (autospec.CHUNK_ROUNDS, 2 * autospec.CHUNK_ROUNDS), out.stats["chunks"]
 
 
+def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pair):
+    """Plain decoding, once a call runs it, ends the call's speculation (the drafter is no longer fed).
+    While its cost is unknown (the probe's stands in) and the last call's hard rows make it look close,
+    a new call first probes its own rows; only if they too leave plain decoding close is it tried."""
+    from eagle_jax.generate import _AutoRun
+    from eagle_jax.decoding.penalties import Penalties
+    from eagle_jax.decoding.sampling import SamplingParams
+
+    autospec.reset()
+    model = autospec.CostModel()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: model)
+    model.update(None, 1, 1.2, 1)  # probe rounds 1.2 s, K=3 1.5 s: plain decoding not measured
+    model.update(3, 1, 1.5, 1)
+    hard, easy = autospec.AcceptanceEstimate(), autospec.AcceptanceEstimate()
+    hard.observe([[0]] * 50, 3)
+    easy.observe([[3]] * 50, 3)
+    model.last_call[1] = [hard]
+    kw = dict(sampling=SamplingParams(0.0), penalties=Penalties(), eos_token_id=[], seed=0, tokenizer=None, mesh=None, exact=False)
+    run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, kw)
+    assert run._next(True, [(32, easy)], observed=0) == (None, autospec.PROBE_ROUNDS)  # the last call's rows: probe first
+    assert run._next(True, [(32, easy)], observed=autospec.PROBE_ROUNDS)[0] in (3, 7)  # its own rows speculate
+    assert run._next(True, [(32, hard)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, autospec.EXPLORE_ROUNDS)
+
+
 def test_hindsight_counts_the_drafters_prefill():
     """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting the
     drafter's share of the prefill (the probe round's cost over plain decoding's) makes plain decoding

@@ -181,6 +181,27 @@ def test_steps_are_short_while_a_prompt_is_prefilled_in_chunks(pair, eos):
     assert max(r for r, _ in rounds_of_first) == 3
 
 
+@pytest.mark.parametrize("step_ms", [0.0, 1e-3])
+def test_steps_are_cut_to_step_ms(pair, eos, step_ms):
+    """A full step runs rounds_per_step rounds, or as many as fit in ``step_ms`` at the time per round its
+    rows and spec took last (at least one): with a step of a microsecond every step after the first of its
+    kind runs one round; with 0, every full step its rounds. Outputs are generate's either way."""
+    target, drafter = pair
+    engine = SlotEngine(target, drafter, slots=1, max_len=96, specs=(None,), rounds_per_step=4, eos_ids=())
+    sched = Scheduler(engine, SpecSchedule.fixed(None), step_ms=step_ms)
+    rounds: list[int] = []
+    sched.on_step = lambda active, spec, out: rounds.append(len(out.accepted[0]))
+    sched.start()
+    try:
+        h = sched.submit(Request((3, 1, 4), 21)).wait(300)  # the prefill's token, then 20 in steps
+    finally:
+        sched.stop()
+    assert h.tokens == eagle_jax.generate(target, None, [[3, 1, 4]], max_new_tokens=21).tokens[0]
+    assert rounds == ([4] * 5 if step_ms == 0 else [4] + [1] * 16), rounds
+    with pytest.raises(ConfigError, match="step_ms must be >= 0"):
+        Scheduler(engine, SpecSchedule.fixed(None), step_ms=-1)
+
+
 def test_a_short_steps_time_teaches_no_cost():
     """A one-round step while prompts are prefilled is mostly a step's fixed costs: the chooser learns
     acceptance from it, not a per-round cost (which would make the depth it ran look dear)."""

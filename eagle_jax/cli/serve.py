@@ -42,7 +42,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec", help="auto (default with a drafter), none, a MIN_ACTIVE:K schedule, or vLLM's JSON speculative config")
     ap.add_argument("--slots", type=int)
     ap.add_argument("--max-len", type=int)
-    ap.add_argument("--rounds-per-step", type=int)
+    ap.add_argument("--rounds-per-step", type=int, help="rounds a decode step runs at most, one host round trip each step")
+    ap.add_argument("--step-ms", type=float, default=None,
+                    help="a step's rounds cut to about this long at the recent time per round: a request arriving "
+                         "during a step waits for its end (default: 100; 0: always --rounds-per-step)")
     ap.add_argument("--dtype")
     ap.add_argument("--exact", action="store_true", default=None,
                     help="the target computes in float32 whatever --dtype: a request's greedy output then does not "
@@ -73,9 +76,10 @@ def parser() -> argparse.ArgumentParser:
 def service_settings(args: argparse.Namespace | list[str]) -> dict:
     """``build_service``'s keyword arguments for these flags (parsed, or a command line): the profile
     (default: the bundled pair's) under the flags, and the defaults for what neither gives. A ``--target``
-    keeps only the profile's slots, rounds per step, dtype and exact. Benchmarks call it to serve a pair
+    keeps only the profile's slots, rounds per step, step length, dtype and exact. Benchmarks call it to serve a pair
     as ``eagle-jax-serve`` would."""
     from eagle_jax import ConfigError, bundled
+    from eagle_jax.serving.scheduler import STEP_MS
     from eagle_jax.serving.server import read_profile
 
     if not isinstance(args, argparse.Namespace):
@@ -91,7 +95,7 @@ def service_settings(args: argparse.Namespace | list[str]) -> dict:
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
     if args.target:  # a model given on the command line does not inherit the bundled pair's settings
-        profile = {k: v for k, v in profile.items() if k in ("slots", "rounds_per_step", "dtype", "exact")}
+        profile = {k: v for k, v in profile.items() if k in ("slots", "rounds_per_step", "step_ms", "dtype", "exact")}
 
     def pick(flag, key, default=None):
         return flag if flag is not None else profile.get(key, default)
@@ -110,7 +114,8 @@ def service_settings(args: argparse.Namespace | list[str]) -> dict:
         spec = None
     return dict(
         target_dir=target, drafter_dir=drafter, spec=spec, slots=pick(args.slots, "slots", 16), max_len=pick(args.max_len, "max_len"),
-        rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), dtype=pick(args.dtype, "dtype", "float32"),
+        rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), step_ms=float(pick(args.step_ms, "step_ms", STEP_MS)),
+        dtype=pick(args.dtype, "dtype", "float32"),
         max_queue=args.max_queue, model_name=args.model_name, tokenizer_dir=pick(args.tokenizer, "tokenizer"),
         exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile,
         prefix_cache=args.prefix_cache, prefix_pool_rows=args.prefix_cache_rows,

@@ -10,6 +10,12 @@ into one program) or, past the engine's per-step prefill budget (``chunk`` token
 the engine's ``prefix_cache`` a prompt starts from the longest prefix of it that a cache row holds
 (``prefix_cache.PrefixIndex``: a busy or freed slot, or a pool row), copied into its slot.
 
+A step runs at most ``rounds_per_step`` rounds, and no more than fit in ``step_ms`` at the per-round time
+its rows and spec took last (``Scheduler._rounds``): a request arriving during a step waits for its end,
+so where rounds are dear (many rows, deep chains, a large model) steps are cut short and time to first
+token stays near ``step_ms`` plus its prefill; where rounds are cheap a step still runs many rounds per
+host round trip.
+
 While prompts are owed prefill (chunks in progress, or requests waiting with a slot free), a step runs
 ``ROUNDS_WHILE_PREFILLING`` rounds instead of the engine's ``rounds_per_step``, so that the next chunk
 or pack comes one round later, not a whole step: a burst of arrivals waits for the prefills ahead of it
@@ -45,6 +51,7 @@ from eagle_jax.serving.slots import INSERT_ROWS, Admission, SlotEngine, StepOutp
 
 log = logging.getLogger("eagle_jax.serving")
 ROUNDS_WHILE_PREFILLING = 1
+STEP_MS = 100.0  # a step's rounds cut to about this long (``Scheduler.step_ms``)
 T = TypeVar("T")
 
 
@@ -185,11 +192,15 @@ class Scheduler:
     """Runs a ``SlotEngine`` in a background thread over a bounded FIFO of requests."""
 
     def __init__(self, engine: SlotEngine, schedule: SpecSchedule | AutoDepth, *, max_queue: int = 256,
-                 on_step: Callable[[int, SpecConfig | None, StepOutput], None] | None = None):
+                 on_step: Callable[[int, SpecConfig | None, StepOutput], None] | None = None, step_ms: float = STEP_MS):
         missing = [s for s in schedule.specs if s not in engine.specs]
         if missing:
             raise ConfigError(f"the schedule uses specs {missing} that the engine was not built with ({engine.specs})")
+        if step_ms < 0:
+            raise ConfigError(f"step_ms must be >= 0 (0: every step runs rounds_per_step rounds), got {step_ms}")
         self.engine, self.schedule, self.max_queue, self.on_step = engine, schedule, max_queue, on_step
+        self.step_ms = step_ms
+        self._round_s: dict[tuple[int, SpecConfig | None, bool], float] = {}  # seconds per round by (rows, spec, greedy), recent
         self._waiting: collections.deque[Handle] = collections.deque()
         self._slots: list[Handle | None] = [None] * engine.slots
         self._lengths = np.zeros((engine.slots,), np.int64)
@@ -331,9 +342,15 @@ class Scheduler:
             spec = self.schedule.choose(len(active))
         span = self.engine.span_for(lengths, spec)
         short = self._owed()
-        out = self.engine.step(spec, greedy, span, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if short else None)
+        kind = (rows, spec, greedy)
+        out = self.engine.step(spec, greedy, span, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if short else self._rounds(kind))
         self._stale.clear()
         now = time.perf_counter()
+        if not short:
+            ran = max((len(out.accepted[s]) for s in active), default=0)
+            if ran:
+                per = out.seconds / ran
+                self._round_s[kind] = per if kind not in self._round_s else 0.5 * (self._round_s[kind] + per)
         if auto:
             probe = out.probe
             # A short step's time is mostly what every step costs once (dispatch, the drafter's outputs, the
@@ -355,6 +372,14 @@ class Scheduler:
                 self._release(slot, bool(out.done[slot]))
         if self.on_step is not None:
             self.on_step(len(active), spec, out)
+
+    def _rounds(self, kind: tuple[int, SpecConfig | None, bool]) -> int:
+        """A full step's rounds for (rows, spec, greedy): ``rounds_per_step``, or fewer where that many would
+        take longer than ``step_ms`` at the recent time per round (never fewer than one)."""
+        per, most = self._round_s.get(kind), self.engine.rounds_per_step
+        if not self.step_ms or per is None:
+            return most
+        return max(1, min(most, int(self.step_ms / 1e3 / per)))
 
     def _owed(self) -> bool:
         """Whether prompts wait for prefill that the next iteration could start: chunks in progress, or

@@ -21,6 +21,7 @@ from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.serving.http_app import Service, create_app
 from eagle_jax.serving.metrics import Metrics
 from eagle_jax.serving.program_cache import describe
+from eagle_jax.serving.scheduler import STEP_MS
 from eagle_jax.serving.slots import DEFAULT_CHUNK
 
 log = logging.getLogger("serve")
@@ -30,7 +31,7 @@ PROFILE_PATH_KEYS = ("target", "drafter", "tokenizer")
 
 def read_profile(path: str | Path) -> dict:
     """A YAML serving profile (keys: target, drafter, tokenizer, spec, slots, max_len, rounds_per_step,
-    dtype, exact). Relative checkpoint paths (directories, .gguf files) in it are relative to the profile's
+    step_ms, dtype, exact). Relative checkpoint paths (directories, .gguf files) in it are relative to the profile's
     own folder, so it works from any working directory; a value that names no such path but reads as a Hub
     repo id (or a named model such as ``smollm2-135m-instruct``) stays as it is."""
     import yaml
@@ -92,6 +93,7 @@ def build_service(
     prefill_chunk: int = DEFAULT_CHUNK,
     prefix_cache: bool = True,
     prefix_pool_rows: int = 4,
+    step_ms: float = STEP_MS,
 ) -> Service:
     """Loads the models and the tokenizer and wires them into a ``Service``.
 
@@ -108,7 +110,7 @@ def build_service(
     return make_service(target, drafter, tokenizer, parse_spec(spec, drafter is not None), eos_ids(target, tokenizer),
                         slots=slots, max_len=max_len, rounds_per_step=rounds_per_step, max_queue=max_queue,
                         model_name=model_name or served_name(target_dir), precompile=precompile, exact=exact,
-                        prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, prefix_pool_rows=prefix_pool_rows)
+                        prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, prefix_pool_rows=prefix_pool_rows, step_ms=step_ms)
 
 
 def served_name(target: str | Path) -> str:
@@ -123,13 +125,14 @@ def served_name(target: str | Path) -> str:
 def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth, eos_ids: tuple[int, ...], *, slots: int = 16,
                  max_len: int | None = None, rounds_per_step: int = 4, max_queue: int = 256, model_name: str = "model",
                  precompile: bool = True, exact: bool = False, prefill_chunk: int = DEFAULT_CHUNK, prefix_cache: bool = True,
-                 prefix_pool_rows: int = 4) -> Service:
+                 prefix_pool_rows: int = 4, step_ms: float = STEP_MS) -> Service:
     """A ``Service`` over models already loaded (benchmarks build several over one pair). ``precompile``:
     compile every program serving may run first (``SlotEngine.precompile``; else each compiles when first
     needed, while serving). ``exact``: the target computes in float32 whatever its weights' dtype
     (``generate``'s exact mode). ``prefill_chunk``: the prompt tokens prefilled between two steps at
     most (longer prompts go in chunks); ``prefix_cache``: prompts start from the longest prefix a cache
-    row holds, with ``prefix_pool_rows`` rows beside the slots keeping what freed slots held."""
+    row holds, with ``prefix_pool_rows`` rows beside the slots keeping what freed slots held. ``step_ms``: a
+    step's rounds are cut to about this long (``Scheduler``; 0: always ``rounds_per_step``)."""
     holder: dict[str, Metrics] = {}
 
     def on_compile(key: tuple, seconds: float) -> None:
@@ -140,7 +143,7 @@ def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth,
     engine = SlotEngine(target, drafter, slots=slots, max_len=max_len, specs=schedule.specs, rounds_per_step=rounds_per_step,
                         eos_ids=eos_ids, exact=exact, on_compile=on_compile, chunk=prefill_chunk, prefix_cache=prefix_cache,
                         pool_rows=prefix_pool_rows if prefix_cache else 0)
-    scheduler = Scheduler(engine, schedule, max_queue=max_queue)
+    scheduler = Scheduler(engine, schedule, max_queue=max_queue, step_ms=step_ms)
     metrics = holder["metrics"] = Metrics(scheduler)
     scheduler.on_step = metrics.on_step
     log.info("%d slots of %d tokens; speculation %s; prompts prefilled %d tokens per step at most", slots, engine.max_len,

@@ -361,6 +361,10 @@ class _AutoRun:
             return None, autospec.PROBE_ROUNDS
         if may_win:
             return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # measured (the rest of this call decodes plainly)
+        if depth == autospec.PLAIN and not any(d not in (None, autospec.PLAIN) for d, _ in self.chunks):
+            best = min((d for d in times if d != autospec.PLAIN), key=times.get, default=None)
+            if best is not None and times[best] <= autospec.SPEC_WORTH_TRYING * times[autospec.PLAIN]:
+                return best, autospec.EXPLORE_ROUNDS  # close: this call's rows run a chain before it stops speculating
         if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
             return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
         # A clear choice made again runs twice as long (each chunk costs a host round trip); a close one is

@@ -183,6 +183,16 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
     assert run._next(True, [(32, easy)], observed=0) == (None, autospec.PROBE_ROUNDS)  # the last call's rows: probe first
     assert run._next(True, [(32, easy)], observed=autospec.PROBE_ROUNDS)[0] in (3, 7)  # its own rows speculate
     assert run._next(True, [(32, hard)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, autospec.EXPLORE_ROUNDS)
+    # Plain decoding measured, a prompt as hard as the last: the call's own rows run a chain first where
+    # one is within SPEC_WORTH_TRYING of plain decoding, then stop speculating.
+    model.update(autospec.PLAIN, 1, 1.0, 1)
+    fair = autospec.AcceptanceEstimate()
+    fair.observe_probe(0.2, 50)  # K=1 emits ~1.2 tokens per 1.3 s round: close to plain's 1 per 1.0 s
+    assert run._next(True, [(32, fair)], observed=autospec.PROBE_ROUNDS)[1] == autospec.EXPLORE_ROUNDS
+    run.chunks.append((run._next(True, [(32, fair)], observed=autospec.PROBE_ROUNDS)[0], autospec.EXPLORE_ROUNDS))
+    assert run.chunks[-1][0] not in (None, autospec.PLAIN)
+    assert run._next(True, [(32, fair)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
+    assert run._next(True, [(32, hard)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
 
 
 def test_hindsight_counts_the_drafters_prefill():

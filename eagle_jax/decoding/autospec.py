@@ -122,6 +122,10 @@ REPROBE_ROUNDS = 192  # about one call in four of ~64 tokens probes: the drafter
 # Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
 # estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
 PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth
+# Likewise a call stops speculating for good only after its own rows ran a chain, where one was within this
+# factor of plain decoding: a probe sees the first draft only, and the deeper positions' estimate carries
+# the prompts before (a hard prompt's), so a close call is settled by a chunk of the best chain.
+SPEC_WORTH_TRYING = 1.3
 KEEP = 0.97  # weight of the past per round in the acceptance estimate (a memory of ~30 rounds)
 # A new prompt starts from its pair's estimate with at most this many rounds of its evidence: acceptance
 # depends on the prompt more than on anything else, so a few probe rounds of its own must be able to

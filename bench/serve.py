@@ -10,7 +10,7 @@ real chat pair as its users run it.
 
 Every server is built as ``eagle-jax-serve`` builds it (``eagle_jax.cli.serve.service_settings``: slots,
 context, rounds per step, dtype), the bundled profile's without ``--target``, ``eagle-jax-serve --target
-T --drafter D`` with it; ``--slots`` / ``--rounds-per-step`` / ``--prefill-chunk`` / ``--no-prefix-cache``
+T --drafter D`` with it; ``--slots`` / ``--rounds-per-step`` / ``--step-ms`` / ``--prefill-chunk`` / ``--no-prefix-cache``
 are passed on as its flags. Systems are named by drafter kind (``--drafters``: the EAGLE-3.1 one first,
 optionally an EAGLE-3 one): the target alone (``none``); the first drafter at each fixed chain depth K
 (``--ks``); without ``--target`` each drafter with the depth schedule of ``configs/serve/bundled.yaml``
@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--slots", type=int, default=None, help="(default: eagle-jax-serve's)")
     ap.add_argument("--rounds-per-step", type=int, default=None, help="(default: eagle-jax-serve's)")
+    ap.add_argument("--step-ms", type=float, default=None, help="(default: eagle-jax-serve's)")
     ap.add_argument("--schedule", default=None,
                     help="depth schedule of the schedule rows (default: the bundled profile's without --target, no rows with it)")
     ap.add_argument("--systems", nargs="*", default=None, help="the systems to run, by name (default: all)")
@@ -246,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     drafter_dirs = args.drafters or [str(bundled.drafter_dir("eagle3.1")), str(bundled.drafter_dir("eagle3"))]
     # The server's settings as eagle-jax-serve resolves them from its command line.
     flags = ["--target", args.target, "--drafter", drafter_dirs[0]] if args.target else []
-    for flag, value in (("--slots", args.slots), ("--rounds-per-step", args.rounds_per_step), ("--prefill-chunk", args.prefill_chunk)):
+    for flag, value in (("--slots", args.slots), ("--rounds-per-step", args.rounds_per_step), ("--step-ms", args.step_ms),
+                        ("--prefill-chunk", args.prefill_chunk)):
         flags += [] if value is None else [flag, str(value)]
     flags += ["--no-prefix-cache"] if args.no_prefix_cache else []
     settings = service_settings(flags)
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("no prompts")
     print(f"{len(prompts)} prompts ({prompt_source['kind']}), {min(len(p['ids']) for p in prompts)}-{max(len(p['ids']) for p in prompts)} "
           f"tokens through {endpoint.path}; {args.max_new} new tokens; {settings['slots']} slots; "
-          f"{settings['rounds_per_step']} rounds per step; EOS {eos}")
+          f"{settings['rounds_per_step']} rounds per step, cut to {settings['step_ms']:g} ms; EOS {eos}")
 
     def fixed(k: int | None) -> SpecSchedule:
         return SpecSchedule.fixed(None if k is None else SpecConfig(num_speculative_tokens=k))
@@ -295,8 +297,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--systems: unknown {sorted(unknown)}; known: {[name for name, _, _ in systems]}")
         systems = [s for s in systems if s[0] in args.systems]
 
-    config = vars(args) | {"slots": settings["slots"], "rounds_per_step": settings["rounds_per_step"], "schedule": schedule_text,
-                           "eos": list(eos), "server": settings | {"dtype": dtype}, "prompts": prompt_source}
+    config = vars(args) | {"slots": settings["slots"], "rounds_per_step": settings["rounds_per_step"], "step_ms": settings["step_ms"],
+                           "schedule": schedule_text, "eos": list(eos), "server": settings | {"dtype": dtype}, "prompts": prompt_source}
     results = {"config": config, "systems": {}}
     if args.resume and Path(args.out).exists():
         results = json.loads(Path(args.out).read_text())

@@ -199,8 +199,8 @@ def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float,
         r["server_vs_generate"] = r["per_user_tok_s"] / r["generate_per_user_tok_s"]
     print(f"{name:20s} C={c:2d} T={temperature:g}: per-user {r['per_user_tok_s']:7.1f} tok/s (cold {cold['per_user_tok_s']:7.1f}), "
           f"total {r['total_tok_s']:7.1f}, TTFT p50/p99 {r['ttft_p50'] * 1e3:6.0f}/{r['ttft_p99'] * 1e3:6.0f} ms "
-          f"(past the opening burst p50 {(r['ttft_steady_p50'] or 0) * 1e3:.0f}), "
-          f"ITL p50/p99 {(r['itl_p50'] or 0) * 1e3:5.1f}/{(r['itl_p99'] or 0) * 1e3:5.1f} ms"
+          + (f"(past the opening burst p50 {r['ttft_steady_p50'] * 1e3:.0f}), " if r.get("ttft_steady_p50") is not None else ", ")
+          + f"ITL p50/p99 {(r['itl_p50'] or 0) * 1e3:5.1f}/{(r['itl_p99'] or 0) * 1e3:5.1f} ms"
           + (f", vs generate {r['server_vs_generate']:.2f}" if "server_vs_generate" in r else "")
           + f", steps by depth {r['steps_by_depth']}", flush=True)
     return r

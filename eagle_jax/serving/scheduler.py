@@ -347,10 +347,7 @@ class Scheduler:
         self._stale.clear()
         now = time.perf_counter()
         if not short:
-            ran = max((len(out.accepted[s]) for s in active), default=0)
-            if ran:
-                per = out.seconds / ran
-                self._round_s[kind] = per if kind not in self._round_s else 0.5 * (self._round_s[kind] + per)
+            self._time_rounds(kind, out.seconds, max((len(out.accepted[s]) for s in active), default=0))
         if auto:
             probe = out.probe
             # A short step's time is mostly what every step costs once (dispatch, the drafter's outputs, the
@@ -372,6 +369,12 @@ class Scheduler:
                 self._release(slot, bool(out.done[slot]))
         if self.on_step is not None:
             self.on_step(len(active), spec, out)
+
+    def _time_rounds(self, kind: tuple[int, SpecConfig | None, bool], seconds: float, ran: int) -> None:
+        """A full step of ``kind`` ran ``ran`` rounds in ``seconds``: the recent time per round (``_rounds``)."""
+        if ran:
+            per = seconds / ran
+            self._round_s[kind] = per if kind not in self._round_s else 0.5 * (self._round_s[kind] + per)
 
     def _rounds(self, kind: tuple[int, SpecConfig | None, bool]) -> int:
         """A full step's rounds for (rows, spec, greedy): ``rounds_per_step``, or fewer where that many would

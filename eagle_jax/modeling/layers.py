@@ -351,20 +351,27 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    @staticmethod
+    def _written(kv: tuple[Array, Array], k: Array, v: Array, write_index: Array) -> tuple[Array, Array]:
+        return write_kv(kv[0], k, write_index), write_kv(kv[1], v, write_index)
+
+    def _over_cache(self, q: Array, kv: tuple[Array, Array], mask: Array) -> Array:
+        """q attending over the cache's leading ``mask.shape[-1]`` slots of its leading rows: a program
+        sized for short rows skips the unused tail."""
+        b, span = q.shape[0], mask.shape[-1]
+        return self.o_proj(attend(q, kv[0][:b, :, :span].astype(q.dtype), kv[1][:b, :, :span].astype(q.dtype), mask))
+
     def write(self, x: Array, cos: Array, sin: Array, kv: tuple[Array, Array], write_index: Array) -> tuple[Array, Array]:
         """Writes the block's keys/values into ``kv`` at slots ``write_index`` [B] without attending
         (what ``__call__`` writes first)."""
         _, k, v = self.heads(x, cos, sin)
-        return write_kv(kv[0], k, write_index), write_kv(kv[1], v, write_index)
+        return self._written(kv, k, v, write_index)
 
     def read(self, x: Array, cos: Array, sin: Array, mask: Array, kv: tuple[Array, Array]) -> Array:
         """x: [B, T, d_in] attending over the cache's leading ``mask.shape[-1]`` slots under ``mask``
         [B, T, S'], which already hold what it needs (its own keys/values included): nothing written."""
-        b = x.shape[0]
         q, _, _ = self.heads(x, cos, sin)
-        span = mask.shape[-1]
-        k_read, v_read = kv[0][:b, :, :span].astype(q.dtype), kv[1][:b, :, :span].astype(q.dtype)
-        return self.o_proj(attend(q, k_read, v_read, mask))
+        return self._over_cache(q, kv, mask)
 
     def __call__(
         self,
@@ -380,15 +387,11 @@ class Attention(nnx.Module):
         the first S' cache slots under ``mask`` [B, T, S'] (S' <= S; the cache may have more rows than x,
         whose leading rows are then used) — or, when ``mask`` is [B, T, T] with T < S (a prefill from
         an empty cache), over the block itself, which costs T x T instead of T x S."""
-        b, t, _ = x.shape
+        t = x.shape[1]
         q, k, v = self.heads(x, cos, sin)
         if kv is None:
             return self.o_proj(attend(q, heads_first(k), heads_first(v), mask)), None
-        k_cache = write_kv(kv[0], k, write_index)
-        v_cache = write_kv(kv[1], v, write_index)
-        span = mask.shape[-1]
-        if span == t and t < k_cache.shape[2]:
-            return self.o_proj(attend(q, heads_first(k), heads_first(v), mask)), (k_cache, v_cache)
-        # Only the leading ``span`` slots are read: a program sized for short rows skips the unused tail.
-        k_read, v_read = k_cache[:b, :, :span].astype(q.dtype), v_cache[:b, :, :span].astype(q.dtype)
-        return self.o_proj(attend(q, k_read, v_read, mask)), (k_cache, v_cache)
+        kv = self._written(kv, k, v, write_index)
+        if mask.shape[-1] == t and t < kv[0].shape[2]:
+            return self.o_proj(attend(q, heads_first(k), heads_first(v), mask)), kv
+        return self._over_cache(q, kv, mask), kv

@@ -179,20 +179,28 @@ class MLAttention(nnx.Module):
         k, v = self._expand(latent, k_rot)
         return jnp.concatenate([q_nope, q_rot], axis=-1), k, v
 
+    @staticmethod
+    def _written(kv: tuple[Array, Array], latent: Array, k_rot: Array, write_index: Array) -> tuple[Array, Array]:
+        return write_kv(kv[0], latent[:, :, None], write_index), write_kv(kv[1], k_rot[:, :, None], write_index)
+
+    def _over_cache(self, q_nope: Array, q_rot: Array, kv: tuple[Array, Array], mask: Array) -> Array:
+        """Absorbed attention over the cache's leading ``mask.shape[-1]`` slots of its leading rows: a
+        program sized for short rows skips the unused tail."""
+        b, t, span = q_nope.shape[0], q_nope.shape[1], mask.shape[-1]
+        out = self._absorbed(q_nope, q_rot, kv[0][:b, 0, :span].astype(q_nope.dtype), kv[1][:b, 0, :span].astype(q_nope.dtype), mask)
+        return self.o_proj(out.reshape(b, t, -1))
+
     def read(self, x: Array, cos: Array, sin: Array, mask: Array, kv: tuple[Array, Array]) -> Array:
         """``layers.Attention.read`` for the latent cache: x attends (absorbed) over the leading
         ``mask.shape[-1]`` slots, which already hold what it needs; nothing written."""
-        b, t, _ = x.shape
         q_nope, q_rot, _, _ = self._project(x, cos, sin)
-        span = mask.shape[-1]
-        out = self._absorbed(q_nope, q_rot, kv[0][:b, 0, :span].astype(q_nope.dtype), kv[1][:b, 0, :span].astype(q_nope.dtype), mask)
-        return self.o_proj(out.reshape(b, t, -1))
+        return self._over_cache(q_nope, q_rot, kv, mask)
 
     def write(self, x: Array, cos: Array, sin: Array, kv: tuple[Array, Array], write_index: Array) -> tuple[Array, Array]:
         """Writes the block's latents and rope keys into ``kv`` at slots ``write_index`` [B] without
         attending (what ``__call__`` writes first)."""
         _, _, latent, k_rot = self._project(x, cos, sin)
-        return write_kv(kv[0], latent[:, :, None], write_index), write_kv(kv[1], k_rot[:, :, None], write_index)
+        return self._written(kv, latent, k_rot, write_index)
 
     def __call__(
         self,
@@ -211,16 +219,8 @@ class MLAttention(nnx.Module):
         b, t, _ = x.shape
         q_nope, q_rot, latent, k_rot = self._project(x, cos, sin)
         if kv is None:
-            out = self._expanded(q_nope, q_rot, latent, k_rot, mask)
-            return self.o_proj(out.reshape(b, t, -1)), None
-        latents = write_kv(kv[0], latent[:, :, None], write_index)
-        rot_keys = write_kv(kv[1], k_rot[:, :, None], write_index)
-        span = mask.shape[-1]
-        if span == t and t < latents.shape[1]:
-            out = self._expanded(q_nope, q_rot, latent, k_rot, mask)
-        else:
-            # Only the leading ``span`` slots are read: a program sized for short rows skips the unused tail.
-            lat_read = latents[:b, 0, :span].astype(q_nope.dtype)
-            rot_read = rot_keys[:b, 0, :span].astype(q_nope.dtype)
-            out = self._absorbed(q_nope, q_rot, lat_read, rot_read, mask)
-        return self.o_proj(out.reshape(b, t, -1)), (latents, rot_keys)
+            return self.o_proj(self._expanded(q_nope, q_rot, latent, k_rot, mask).reshape(b, t, -1)), None
+        kv = self._written(kv, latent, k_rot, write_index)
+        if mask.shape[-1] == t and t < kv[0].shape[2]:  # a prefill from an empty cache: over the block itself
+            return self.o_proj(self._expanded(q_nope, q_rot, latent, k_rot, mask).reshape(b, t, -1)), kv
+        return self._over_cache(q_nope, q_rot, kv, mask), kv

@@ -304,7 +304,7 @@ class _AutoRun:
         return self._compiled("auto_start", plan, fed, args, begin)(*args)
 
     def _plain_from_start(self) -> bool:
-        """Whether this call decodes plainly without ever feeding the drafter (``CostModel.plain_settled``),
+        """Whether this call decodes plainly without ever feeding the drafter (``SpanCosts.plain_settled``),
         while the pair's acceptance was observed within ``REPROBE_ROUNDS`` rounds (past them, a call probes)."""
         return self.costs.plain_settled(self.plan.batch) and self.estimate.unobserved < autospec.REPROBE_ROUNDS
 
@@ -344,16 +344,18 @@ class _AutoRun:
         plain_known = self.costs.measured(autospec.PLAIN, batch)
         if not fed:  # a first run of plain decoding is not timed (a program's first run): a short chunk first
             return autospec.PLAIN, (self.plan.max_rounds if plain_known else autospec.EXPLORE_ROUNDS)
-        if not self.costs.probed(batch):
-            # what a round without drafts costs at this batch size (the base of every modelled depth), and acceptance
+        if not self.costs.probed(batch, self.plan.cache_len):
+            # what a round without drafts costs at this batch size and cache span (the base of every modelled
+            # depth, and how this span's costs compare with the others'), and acceptance
             return None, autospec.PROBE_ROUNDS
-        todo = autospec.unexplored(self.costs, batch)
+        costs = self.costs.at(self.plan.cache_len)
+        todo = autospec.unexplored(costs, batch)
         if todo:
             return todo[0], autospec.EXPLORE_ROUNDS
         if not observed and batch in self.costs.last_call:  # before this call's own evidence: the last call's rows
             last = self.costs.last_call[batch]
             rows = [(n, last[i % len(last)]) for i, (n, _) in enumerate(rows)]
-        times = autospec.finish_times(self.costs, batch, rows)
+        times = autospec.finish_times(costs, batch, rows)
         depth = min(times, key=times.get)
         may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]
         if observed < autospec.PROBE_ROUNDS and (depth == autospec.PLAIN or may_win):
@@ -403,7 +405,7 @@ class _AutoRun:
             ran = int(new_rounds) - rounds
             self.run_s += seconds
             if not fresh:  # a program's first run pays one-time costs (~0.3 s on a CPU): not a round's cost
-                self.costs.update(depth, self.plan.batch, seconds, ran)
+                self.costs.model(self.plan.cache_len).update(depth, self.plan.batch, seconds, ran)
             if depth is None:
                 self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
                 for b, (hits, count) in enumerate(probe):
@@ -422,7 +424,7 @@ class _AutoRun:
             rounds = int(new_rounds)
             yield st
         if observed:  # which depth would have finished this call soonest, had it been known from the start
-            self.costs.record_hindsight([(int(n), est) for n, est in zip(n_out, row_est)], prefill_s)
+            self.costs.record_hindsight(self.plan.cache_len, [(int(n), est) for n, est in zip(n_out, row_est)], prefill_s)
 
     def result(self, tokenizer) -> GenerationResult:
         st = None

@@ -17,10 +17,14 @@ from eagle_jax import SpecConfig
 from eagle_jax.config import ConfigError
 from eagle_jax.decoding import autospec
 from eagle_jax.decoding.engine import RoundCosts, draft_confidence
+from eagle_jax.decoding.penalties import Penalties
+from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.generate import _AutoRun
 from engine_models import markov_drafter, markov_pair, markov_target
 
 PROMPTS = [list(np.random.default_rng(7).integers(0, 32, n)) for n in (4, 11, 19)]
 K = 4
+_AUTO_KW = dict(sampling=SamplingParams(0.0), penalties=Penalties(), eos_token_id=[], seed=0, tokenizer=None, mesh=None, exact=False)
 ADAPTIVE = SpecConfig(num_speculative_tokens=K, adaptive=True)
 
 
@@ -74,23 +78,23 @@ def test_costly_drafter_steps_stop_drafting(monkeypatch, pair, plain):
     assert max(a for row in out.accepted for a in row) == 1
 
 
-class FixedCosts(autospec.CostModel):
-    """A cost model that does not learn from the clock: per-round seconds by depth (0 = plain), at any rows."""
+class FixedCosts(autospec.SpanCosts):
+    """Costs that do not learn from the clock: per-round seconds by depth (0 = plain), at any rows and span."""
 
     def __init__(self, seconds):
         super().__init__()
         self.fixed = dict(seconds)
 
-    def update(self, depth, rows, seconds, rounds):
-        pass
+    def model(self, span):
+        return autospec.CostModel()  # measurements go nowhere
 
     def measured(self, depth, rows):
         return depth in self.fixed
 
-    def probed(self, rows):
+    def probed(self, rows, span=None):
         return True
 
-    def cost(self, depth, rows):
+    def cost(self, depth, rows, span):
         return self.fixed.get(depth)
 
 
@@ -143,7 +147,7 @@ def test_a_batch_starts_from_its_last_calls_rows_and_clear_choices_run_longer(fi
     mixed = [[1, 1], [25, 25]]
     runs = [eagle_jax.generate(target, drafter, mixed, max_new_tokens=32, eos_token_id=[])]
     (key,) = autospec._ESTIMATES
-    pooled = autospec.finish_times(fixed_costs, 2, [(32, autospec.acceptance_estimate(key).for_new_prompt())] * 2)
+    pooled = autospec.finish_times(fixed_costs.at(0), 2, [(32, autospec.acceptance_estimate(key).for_new_prompt())] * 2)
     best = min(pooled, key=pooled.get)  # what the second call would run on the pooled estimate alone: clearly a chain
     assert best != autospec.PLAIN and pooled[best] < autospec.PROBE_FIRST_BELOW * pooled[autospec.PLAIN]
     runs.append(eagle_jax.generate(target, drafter, mixed, max_new_tokens=32, eos_token_id=[]))
@@ -165,21 +169,17 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
     """Plain decoding, once a call runs it, ends the call's speculation (the drafter is no longer fed).
     While its cost is unknown (the probe's stands in) and the last call's hard rows make it look close,
     a new call first probes its own rows; only if they too leave plain decoding close is it tried."""
-    from eagle_jax.generate import _AutoRun
-    from eagle_jax.decoding.penalties import Penalties
-    from eagle_jax.decoding.sampling import SamplingParams
-
     autospec.reset()
-    model = autospec.CostModel()
-    monkeypatch.setattr(autospec, "cost_model", lambda key: model)
+    costs = autospec.SpanCosts()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
+    run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    model = costs.model(run.plan.cache_len)
     model.update(None, 1, 1.2, 1)  # probe rounds 1.2 s, K=3 1.5 s: plain decoding not measured
     model.update(3, 1, 1.5, 1)
     hard, easy = autospec.AcceptanceEstimate(), autospec.AcceptanceEstimate()
     hard.observe([[0]] * 50, 3)
     easy.observe([[3]] * 50, 3)
-    model.last_call[1] = [hard]
-    kw = dict(sampling=SamplingParams(0.0), penalties=Penalties(), eos_token_id=[], seed=0, tokenizer=None, mesh=None, exact=False)
-    run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, kw)
+    costs.last_call[1] = [hard]
     assert run._next(True, [(32, easy)], observed=0) == (None, autospec.PROBE_ROUNDS)  # the last call's rows: probe first
     assert run._next(True, [(32, easy)], observed=autospec.PROBE_ROUNDS)[0] in (3, 7)  # its own rows speculate
     assert run._next(True, [(32, hard)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, autospec.EXPLORE_ROUNDS)
@@ -195,20 +195,45 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
     assert run._next(True, [(32, hard)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
 
 
+def test_a_calls_costs_are_read_at_its_cache_span(monkeypatch, pair):
+    """A round reads the call's whole cache, so its cost grows with the prompt: a call over a new cache
+    span probes there first, and the depths measured at another span are scaled by how the two spans'
+    probe rounds compare, so a long first prompt's costs do not price a short one's."""
+    autospec.reset()
+    costs = autospec.SpanCosts()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
+    short = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    long = _AutoRun(pair[0], pair[1], [PROMPTS[0] * 40], 32, _AUTO_KW)
+    assert long.plan.cache_len > short.plan.cache_len
+    slow = costs.model(long.plan.cache_len)
+    slow.update(None, 1, 5.0, 1)  # at the long span: probe 5 s, K=1 5.6 s, K=7 9.2 s, plain 4.8 s
+    slow.update(7, 1, 9.2, 1)
+    slow.update(autospec.PLAIN, 1, 4.8, 1)
+    ok = autospec.AcceptanceEstimate()
+    ok.observe([[1]] * 50, 1)
+    assert short._next(True, [(32, ok)], observed=8) == (None, autospec.PROBE_ROUNDS)  # its own span: probe first
+    costs.model(short.plan.cache_len).update(None, 1, 2.5, 1)  # half the long span's probe
+    here = costs.at(short.plan.cache_len)
+    assert [here.cost(d, 1) for d in (autospec.PLAIN, 1, 7)] == pytest.approx([2.4, 2.8, 4.6])
+    assert costs.at(long.plan.cache_len).cost(1, 1) == pytest.approx(5.6)
+    assert short._next(True, [(32, ok)], observed=8)[0] not in (None, autospec.PLAIN)
+
+
 def test_hindsight_counts_the_drafters_prefill():
     """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting the
     drafter's share of the prefill (the probe round's cost over plain decoding's) makes plain decoding
     the better start, so such calls go on to skip the drafter."""
-    model = autospec.CostModel()
+    costs = autospec.SpanCosts()
+    model = costs.model(256)
     model.update(autospec.PLAIN, 4, 1.0, 10)  # 0.1 s per round
     model.update(None, 4, 1.2, 10)  # probe rounds: 0.12 s (a sixth of it the drafter)
     model.update(1, 4, 1.3, 10)
     est = autospec.AcceptanceEstimate()
     est.observe_probe(0.3, 1000)  # a chain of 1 emits 1.3 tokens per round: 0.13 / 1.3 = plain's 0.1 per token
-    model.record_hindsight([(32, est)] * 4)
-    assert model.plain_rows[4] == 0
-    model.record_hindsight([(32, est)] * 4, prefill_s=2.0)
-    assert model.plain_rows[4] == 4
+    costs.record_hindsight(256, [(32, est)] * 4)
+    assert costs.plain_rows[4] == 0
+    costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
+    assert costs.plain_rows[4] == 4
 
 
 def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed_costs, pair):
@@ -238,9 +263,9 @@ def test_acceptance_estimate_and_choice():
     est.observe([[0]] * 200, 3)  # then none accepted: p[0] -> 0
     assert est.p[0] < 0.06
     table = FixedCosts({0: 1.0, 1: 1.1, 3: 1.3, 5: 1.6, 7: 1.9})
-    assert autospec.choose_depth(table, 1, est.expected_tokens) == autospec.PLAIN
+    assert autospec.choose_depth(table.at(0), 1, est.expected_tokens) == autospec.PLAIN
     est.observe_probe(0.9, 100)
-    assert est.p[0] == pytest.approx(0.9, abs=0.08) and autospec.choose_depth(table, 1, est.expected_tokens) != autospec.PLAIN
+    assert est.p[0] == pytest.approx(0.9, abs=0.08) and autospec.choose_depth(table.at(0), 1, est.expected_tokens) != autospec.PLAIN
     est.observe([[0]] * 200, 3)
     est.age(300)
     assert est.p[0] == pytest.approx(autospec.PRIOR, abs=0.01)
@@ -250,7 +275,7 @@ def test_acceptance_estimate_and_choice():
     bad.observe([[0]] * 100, 7)
 
     def fastest(rows):
-        times = autospec.finish_times(table, len(rows), rows)
+        times = autospec.finish_times(table.at(0), len(rows), rows)
         return min(times, key=times.get)
 
     assert fastest([(50, good)]) == 7 and fastest([(50, good), (50, bad)]) == autospec.PLAIN
@@ -268,8 +293,8 @@ def test_a_new_prompt_weighs_its_own_probe_against_the_pairs_history():
     table = FixedCosts({0: 1.0, 1: 1.3, 3: 1.6, 5: 2.0, 7: 2.4})
     for est in (pair, new):
         est.observe_probe(1.0, autospec.PROBE_ROUNDS)
-    assert autospec.choose_depth(table, 1, pair.expected_tokens) == autospec.PLAIN
-    assert autospec.choose_depth(table, 1, new.expected_tokens) != autospec.PLAIN
+    assert autospec.choose_depth(table.at(0), 1, pair.expected_tokens) == autospec.PLAIN
+    assert autospec.choose_depth(table.at(0), 1, new.expected_tokens) != autospec.PLAIN
 
 
 def test_cost_model_needs_one_depth_and_one_probe_per_row_count():

@@ -5,11 +5,14 @@ of the server), and the cost calibration of adaptive chains (``SpecConfig(adapti
 of each depth costs) and on the traffic (how many drafts the target accepts). The two are learnt
 apart, because they change at different speeds:
 
-- ``CostModel``: seconds per round of each depth (0 = plain decoding, K = a chain of K drafts) at
-  each number of rows, per model pair, sampling mode and device; measured from the rounds that ran,
-  and modelled where they did not (linear in K at these rows, else the same depth at the nearest row
-  counts), so a new batch size or depth costs no exploration: only the deepest chain runs once
-  (``EXPLORE_ROUNDS`` rounds of real work) before any choice, to measure what a drafter step costs.
+- ``SpanCosts``: seconds per round of each depth (0 = plain decoding, K = a chain of K drafts) at
+  each number of rows and cache span (a round's attention reads the whole span: a ``generate``
+  call's cache, the slots a server step covers), per model pair, sampling mode and device; measured
+  from the rounds that ran, and modelled where they did not (``CostModel``, one per span: linear in
+  K at these rows, else the same depth at the nearest row counts; a span without a depth's cost
+  reads it at the nearest span, scaled), so a new batch size, span or depth costs no exploration
+  beyond one probe: only the deepest chain runs once (``EXPLORE_ROUNDS`` rounds of real work)
+  before any choice, to measure what a drafter step costs.
 - ``AcceptanceEstimate``: the chance that draft i is accepted once drafts 0..i-1 were, from the
   accepted counts of every round that ran (decaying with ``KEEP`` per round, so it follows a change
   of workload), blended with a prior. Rounds that make no drafts still observe the first draft
@@ -32,6 +35,7 @@ chain doing the same work (BENCHMARKS.md), so auto does not pick it; it stays op
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -259,10 +263,6 @@ class CostModel:
 
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     probe: dict[int, float] = field(default_factory=dict)
-    plain_rows: dict[int, int] = field(default_factory=dict)  # per batch: prompts of the latest calls in a row that plain decoding finished soonest
-    # per batch: the rows' own estimates at the end of the last call that observed acceptance. A call's
-    # first choice reads them: its slowest row sets its end, and the pooled estimate hides the spread.
-    last_call: dict[int, list["AcceptanceEstimate"]] = field(default_factory=dict)
 
     def update(self, depth: int | None, rows: int, seconds: float, rounds: int) -> None:
         """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``."""
@@ -315,15 +315,71 @@ class CostModel:
         slopes = {r: s for r in {r for r, d in self.seconds if d != PLAIN} if (s := self._slope(r)) is not None}
         return None if not slopes else base + _along(slopes, rows) * depth
 
-    def record_hindsight(self, rows: Sequence[tuple[int, "AcceptanceEstimate"]], prefill_s: float = 0.0) -> None:
-        """A call of ``len(rows)`` prompts that observed acceptance ended: ``rows`` = (tokens it made, the
-        row's estimate); ``prefill_s``: its prefill, the drafter's included. Speculating pays the drafter's
-        share of that prefill, which plain decoding from the start does not: the share of a round that
-        feeding the drafter adds (the probe round's cost over plain decoding's)."""
-        batch = len(rows)
+
+class SpanCosts:
+    """Seconds per round by cache span: a ``CostModel`` (by rows and depth) per span, since a round's
+    attention reads the whole span (a ``generate`` call's cache, the slots a server step covers) and its
+    cost grows with it. Where a span's rows have not shown a depth's cost, it is read at the nearest
+    span whose rows have (the shorter first: optimism corrects itself, as the depth then runs and is
+    measured), scaled by how the two spans' costs compare where both were measured; failing that,
+    modelled across row counts. One per model pair, sampling mode and device (``cost_model``).
+
+    It also keeps, per batch size, what ``generate``'s calls showed in hindsight (``record_hindsight``)."""
+
+    def __init__(self):
+        self.by_span: dict[int, CostModel] = {}
+        self.plain_rows: dict[int, int] = {}  # per batch: prompts of the latest calls in a row that plain decoding finished soonest
+        # per batch: the rows' own estimates at the end of the last call that observed acceptance. A call's
+        # first choice reads them: its slowest row sets its end, and the pooled estimate hides the spread.
+        self.last_call: dict[int, list[AcceptanceEstimate]] = {}
+
+    def model(self, span: int) -> CostModel:
+        return self.by_span.setdefault(span, CostModel())
+
+    def probed(self, rows: int, span: int | None = None) -> bool:
+        """Whether a probe round's cost at ``rows`` was measured at ``span`` (None: at any span)."""
+        return any(m.probed(rows) for s, m in self.by_span.items() if span in (None, s))
+
+    def measured(self, depth: int, rows: int) -> bool:
+        """Whether ``depth`` ran at ``rows`` rows at some span."""
+        return any(m.measured(depth, rows) for m in self.by_span.values())
+
+    def _ratio(self, span: int, other: int) -> float:
+        """Cost at ``span`` over cost at ``other``: the geometric mean over the costs both measured, else 1."""
+        a, b = self.by_span.get(span), self.by_span[other]
+        if a is None:
+            return 1.0
+        pairs = [(a.probe[r], b.probe[r]) for r in a.probe.keys() & b.probe.keys()]
+        pairs += [(a.seconds[k], b.seconds[k]) for k in a.seconds.keys() & b.seconds.keys()]
+        return math.exp(sum(math.log(x / y) for x, y in pairs) / len(pairs)) if pairs else 1.0
+
+    def cost(self, depth: int, rows: int, span: int) -> float | None:
+        """Seconds per round at ``depth`` over ``rows`` rows reading ``span`` cache slots; None: nothing to go on."""
+        near = sorted(self.by_span, key=lambda s: (abs(math.log2(s / span)), s))
+        reads = (CostModel.at_rows, CostModel.cost)  # these rows at any span before other rows at this one
+        if depth == PLAIN:  # plain decoding measured anywhere before the probe round standing in for it here
+            reads = (lambda m, d, r: m.seconds.get((r, d)), *reads)
+        for read in reads:
+            for s in near:
+                if (c := read(self.by_span[s], depth, rows)) is not None:
+                    return c if s == span else c * self._ratio(span, s)
+        return None
+
+    def at(self, span_of: int | Callable[[int], int]) -> "AtSpan":
+        """These costs read as ``cost(depth, rows)`` at one span, or at ``span_of(depth)`` (a server step's
+        span depends on its depth)."""
+        return AtSpan(self, span_of if callable(span_of) else (lambda _d, s=span_of: s))
+
+    def record_hindsight(self, span: int, rows: Sequence[tuple[int, AcceptanceEstimate]], prefill_s: float = 0.0) -> None:
+        """A call of ``len(rows)`` prompts over ``span`` cache slots that observed acceptance ended: ``rows``
+        = (tokens it made, the row's estimate); ``prefill_s``: its prefill, the drafter's included.
+        Speculating pays the drafter's share of that prefill, which plain decoding from the start does
+        not: the share of a round that feeding the drafter adds (the probe round's cost over plain
+        decoding's)."""
+        batch, here = len(rows), self.at(span)
         self.last_call[batch] = [est.copy() for _, est in rows]
-        times = finish_times(self, batch, rows)
-        plain, probe = self.seconds.get((batch, PLAIN)), self.probe.get(batch)
+        times = finish_times(here, batch, rows)
+        plain, probe = self.model(span).at_rows(PLAIN, batch), self.model(span).probe.get(batch)
         feeding = prefill_s * max(0.0, 1.0 - plain / probe) if plain and probe else 0.0
         spec = min((t + feeding for d, t in times.items() if d != PLAIN), default=None)
         clear = self.measured(PLAIN, batch) and spec is not None and PLAIN_MARGIN * times[PLAIN] <= spec
@@ -334,7 +390,17 @@ class CostModel:
         return self.measured(PLAIN, batch) and self.plain_rows.get(batch, 0) >= PLAIN_EVIDENCE_ROWS
 
 
-def choose_depth(costs: CostModel, rows: int, expected: Callable[[int], float], depths: Iterable[int] = DEPTHS) -> int:
+class AtSpan:
+    """``SpanCosts`` read as a cost model of one span: ``cost(depth, rows)`` at ``span_of(depth)``."""
+
+    def __init__(self, costs: SpanCosts, span_of: Callable[[int], int]):
+        self.costs, self.span_of = costs, span_of
+
+    def cost(self, depth: int, rows: int) -> float | None:
+        return self.costs.cost(depth, rows, self.span_of(depth))
+
+
+def choose_depth(costs: CostModel | AtSpan, rows: int, expected: Callable[[int], float], depths: Iterable[int] = DEPTHS) -> int:
     """The depth (``PLAIN`` or one of ``depths``) with the most expected tokens per second over ``rows``
     rows; ``expected(d)``: tokens one round of depth d emits over them. Depths of unknown cost are left
     out (the caller explores first)."""
@@ -342,7 +408,7 @@ def choose_depth(costs: CostModel, rows: int, expected: Callable[[int], float], 
     return max(rates, key=rates.get) if rates else PLAIN
 
 
-def finish_times(costs: CostModel, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]],
+def finish_times(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]],
                  depths: Iterable[int] = DEPTHS) -> dict[int, float]:
     """Expected seconds to finish a call of ``batch`` rows at each depth of known cost (``PLAIN`` and
     ``depths``): rows = (tokens still to make, that row's estimate) of the rows not done. A batch call ends with its slowest row, and every round
@@ -352,20 +418,20 @@ def finish_times(costs: CostModel, batch: int, rows: Sequence[tuple[int, Accepta
     return {d: c * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if (c := costs.cost(d, batch))}
 
 
-def unexplored(costs: CostModel, rows: int, depths: Iterable[int] = DEPTHS) -> list[int]:
+def unexplored(costs: CostModel | AtSpan, rows: int, depths: Iterable[int] = DEPTHS) -> list[int]:
     """Depths to run before choosing (the deepest, if no depth was ever measured at any row count: the
     others are modelled from it), or none."""
     depths = tuple(depths)
     return [] if any(costs.cost(d, rows) is not None for d in depths) else [max(depths)]
 
 
-_MODELS: dict[Any, CostModel] = {}
+_MODELS: dict[Any, SpanCosts] = {}
 _ESTIMATES: dict[Any, AcceptanceEstimate] = {}
 
 
-def cost_model(key: Any) -> CostModel:
-    """The process's cost model for ``key`` (pair, sampling mode, dtype mode, mesh, device): every batch size."""
-    return _MODELS.setdefault(key, CostModel())
+def cost_model(key: Any) -> SpanCosts:
+    """The process's costs for ``key`` (pair, sampling mode, dtype mode, mesh, device): every span and batch size."""
+    return _MODELS.setdefault(key, SpanCosts())
 
 
 def acceptance_estimate(key: Any) -> AcceptanceEstimate:

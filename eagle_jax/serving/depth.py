@@ -17,56 +17,11 @@ they would run at, not one depth's cost at a short span against another's at a l
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
 
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding import autospec
-from eagle_jax.decoding.autospec import AcceptanceEstimate, CostModel
-
-
-class SpanCosts:
-    """Seconds per round by cache span: a ``CostModel`` (by rows and depth) per span. Where a span's
-    rows have not shown a depth's cost, it is read at the nearest span whose rows have (the shorter
-    first: optimism corrects itself, as the depth then runs and is measured), scaled by how the two
-    spans' costs compare where both were measured; failing that, modelled across row counts."""
-
-    def __init__(self):
-        self.by_span: dict[int, CostModel] = {}
-
-    def model(self, span: int) -> CostModel:
-        return self.by_span.setdefault(span, CostModel())
-
-    def probed(self, rows: int) -> bool:
-        return any(m.probed(rows) for m in self.by_span.values())
-
-    def _ratio(self, span: int, other: int) -> float:
-        """Cost at ``span`` over cost at ``other``: the geometric mean over the costs both measured, else 1."""
-        a, b = self.by_span.get(span), self.by_span[other]
-        if a is None:
-            return 1.0
-        pairs = [(a.probe[r], b.probe[r]) for r in a.probe.keys() & b.probe.keys()]
-        pairs += [(a.seconds[k], b.seconds[k]) for k in a.seconds.keys() & b.seconds.keys()]
-        return math.exp(sum(math.log(x / y) for x, y in pairs) / len(pairs)) if pairs else 1.0
-
-    def cost(self, depth: int, rows: int, span: int) -> float | None:
-        """Seconds per round at ``depth`` over ``rows`` rows reading ``span`` cache slots; None: nothing to go on."""
-        near = sorted(self.by_span, key=lambda s: (abs(math.log2(s / span)), s))
-        for read in (CostModel.at_rows, CostModel.cost):  # these rows at any span before other rows at this one
-            for s in near:
-                if (c := read(self.by_span[s], depth, rows)) is not None:
-                    return c if s == span else c * self._ratio(span, s)
-        return None
-
-
-class _AtSpans:
-    """``SpanCosts`` read as a ``CostModel`` (``cost(depth, rows)``) for one step, whose span depends on its depth."""
-
-    def __init__(self, costs: SpanCosts, span_of: Callable[[int], int]):
-        self.costs, self.span_of = costs, span_of
-
-    def cost(self, depth: int, rows: int) -> float | None:
-        return self.costs.cost(depth, rows, self.span_of(depth))
+from eagle_jax.decoding.autospec import AcceptanceEstimate, SpanCosts
 
 
 class AutoDepth:
@@ -102,7 +57,7 @@ class AutoDepth:
         costs = self.models.setdefault(greedy, SpanCosts())
         if not costs.probed(rows):
             return None
-        view = _AtSpans(costs, span_of)
+        view = costs.at(span_of)
         todo = autospec.unexplored(view, rows, self.depths)
         if todo:
             return self.spec_of(todo[0])

@@ -329,6 +329,19 @@ class _AutoRun:
             fresh = self.compile_s > compile0
         return self._programs[depth, fed](*args), fresh
 
+    def _time_empty_chunk(self, depth: int | None, st, fed: bool, rounds: int):
+        """Measures a chunk's fixed cost (dispatch and the host sync, ~1.5 ms on a CPU) by running this
+        chunk's program for no rounds, twice (the least counts); returns the (unchanged) state. Once per
+        pair: a short chunk (a probe's 4 rounds) would otherwise look dearer per round than a long one."""
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            st, _ = self._chunk(depth, st, rounds, fed)
+            jax.device_get((st.done, st.n_out, st.rounds, st.accepted, st.probe))
+            times.append(time.perf_counter() - t0)
+        self.costs.chunk_s = min(times)
+        return st
+
     def warm(self) -> None:
         """Compiles and runs once every program this call's shapes may use (the prefill with and without
         the drafter, a chunk at every depth, plain decoding): a program's first run pays one-time costs
@@ -369,6 +382,8 @@ class _AutoRun:
                 return best, autospec.EXPLORE_ROUNDS  # close: this call's rows run a chain before it stops speculating
         if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
             return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
+        if depth != autospec.PLAIN and (rival := autospec.close_unmeasured(times, lambda d: self.costs.measured(d, batch))) is not None:
+            return rival, autospec.EXPLORE_ROUNDS
         # A clear choice made again runs twice as long (each chunk costs a host round trip); a close one is
         # looked at again after CHUNK_ROUNDS, as the evidence may tip it.
         last_depth, last_n = self.chunks[-1] if self.chunks else (None, 0)
@@ -405,7 +420,10 @@ class _AutoRun:
             ran = int(new_rounds) - rounds
             self.run_s += seconds
             if not fresh:  # a program's first run pays one-time costs (~0.3 s on a CPU): not a round's cost
-                self.costs.model(self.plan.cache_len).update(depth, self.plan.batch, seconds, ran)
+                if self.costs.chunk_s is None:
+                    st = self._time_empty_chunk(depth, st, fed, int(new_rounds))
+                cost = seconds - self.costs.chunk_s  # the chunk's rounds alone, comparable between chunk lengths
+                self.costs.model(self.plan.cache_len).update(depth, self.plan.batch, cost, ran)
             if depth is None:
                 self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
                 for b, (hits, count) in enumerate(probe):

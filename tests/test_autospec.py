@@ -219,6 +219,34 @@ def test_a_calls_costs_are_read_at_its_cache_span(monkeypatch, pair):
     assert short._next(True, [(32, ok)], observed=8)[0] not in (None, autospec.PLAIN)
 
 
+def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
+    """A depth whose cost is only modelled (a line in K through the probe round and the chains that ran)
+    runs EXPLORE_ROUNDS rounds once where it is expected within EXPLORE_CLOSE of the best, in ``generate``
+    and in the server's chooser; once measured, the clock decides, and a distant depth is never tried."""
+    from eagle_jax.serving.depth import AutoDepth
+
+    autospec.reset()
+    costs = autospec.SpanCosts()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
+    run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    model = costs.model(run.plan.cache_len)
+    model.update(None, 1, 1.0, 1)  # probe 1.0 s, K=3 1.6 s, K=7 2.4 s: K=1 modelled at 1.2 s, K=5 at 2.0 s
+    model.update(3, 1, 1.6, 1)
+    model.update(7, 1, 2.4, 1)
+    model.update(autospec.PLAIN, 1, 0.95, 1)
+    half = autospec.AcceptanceEstimate()
+    half.observe(([[0]] * 8 + [[1]] * 4 + [[2]] * 2 + [[3]] * 2) * 5, 3)  # each draft accepted one time in two: K=1 and K=3 close, K=5 not
+    assert run._next(True, [(32, half)], observed=8) == (1, autospec.EXPLORE_ROUNDS)
+    model.update(1, 1, 1.45, 1)  # dearer than its line: K=3 wins, and K=5 (19% behind) stays unexplored
+    assert run._next(True, [(32, half)], observed=8) == (3, autospec.CHUNK_ROUNDS)
+
+    auto = AutoDepth()
+    auto.models[True] = costs
+    assert auto.choose([half], 1, True, lambda d: run.plan.cache_len).num_speculative_tokens == 3
+    del model.seconds[1, 1]
+    assert auto.choose([half], 1, True, lambda d: run.plan.cache_len).num_speculative_tokens == 1
+
+
 def test_hindsight_counts_the_drafters_prefill():
     """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting the
     drafter's share of the prefill (the probe round's cost over plain decoding's) makes plain decoding

@@ -12,7 +12,9 @@ apart, because they change at different speeds:
   K at these rows, else the same depth at the nearest row counts; a span without a depth's cost
   reads it at the nearest span, scaled), so a new batch size, span or depth costs no exploration
   beyond one probe: only the deepest chain runs once (``EXPLORE_ROUNDS`` rounds of real work)
-  before any choice, to measure what a drafter step costs.
+  before any choice, to measure what a drafter step costs, and a modelled depth runs once where it is
+  expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's fixed cost (dispatch and
+  host sync) is measured once and left out of its rounds' costs, so short chunks and long ones compare.
 - ``AcceptanceEstimate``: the chance that draft i is accepted once drafts 0..i-1 were, from the
   accepted counts of every round that ran (decaying with ``KEEP`` per round, so it follows a change
   of workload), blended with a prior. Rounds that make no drafts still observe the first draft
@@ -138,6 +140,11 @@ CARRY_ROUNDS = 6.0
 KEEP_UNTRIED = 0.85  # the same for draft positions a round did not reach: they fall back to the prior sooner
 PRIOR = 0.6  # acceptance of a draft assumed before any is observed
 PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
+# A chain depth whose cost at these rows is only modelled (a line in K through the depths that ran), and
+# that is expected to finish within this factor of the best depth, runs EXPLORE_ROUNDS rounds once to be
+# measured: a close choice is settled by the clock, not by the line (verifying 1 + K positions is not
+# linear in K on every device).
+EXPLORE_CLOSE = 1.1
 COST_RISE = 1.1  # a depth's cost per round may rise at most this much per measurement (see CostModel)
 
 
@@ -328,6 +335,7 @@ class SpanCosts:
 
     def __init__(self):
         self.by_span: dict[int, CostModel] = {}
+        self.chunk_s: float | None = None  # a generate chunk's fixed cost (dispatch, host sync), apart from its rounds
         self.plain_rows: dict[int, int] = {}  # per batch: prompts of the latest calls in a row that plain decoding finished soonest
         # per batch: the rows' own estimates at the end of the last call that observed acceptance. A call's
         # first choice reads them: its slowest row sets its end, and the pooled estimate hides the spread.
@@ -416,6 +424,14 @@ def finish_times(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int
     expected_tokens(d)``, not the batch's tokens per second: rows the drafter follows well finish
     early and then only wait."""
     return {d: c * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if (c := costs.cost(d, batch))}
+
+
+def close_unmeasured(times: dict[int, float], measured: Callable[[int], bool]) -> int | None:
+    """Among chain depths (not ``PLAIN``) whose cost is not ``measured``, the one expected soonest, if within
+    ``EXPLORE_CLOSE`` of the best of ``times`` (depth -> expected seconds, lower is better); else None."""
+    best = min(times.values(), default=0.0)
+    rivals = [d for d, t in times.items() if d != PLAIN and not measured(d) and t <= EXPLORE_CLOSE * best]
+    return min(rivals, key=times.get, default=None)
 
 
 def unexplored(costs: CostModel | AtSpan, rows: int, depths: Iterable[int] = DEPTHS) -> list[int]:

@@ -230,10 +230,11 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
     run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
     model = costs.model(run.plan.cache_len)
-    model.update(None, 1, 1.0, 1)  # probe 1.0 s, K=3 1.6 s, K=7 2.4 s: K=1 modelled at 1.2 s, K=5 at 2.0 s
+    model.update(None, 1, 1.3, 1)  # probe 1.3 s, K=3 1.6 s, K=7 2.4 s: K=1 modelled at 1.2 s (the chains' line), K=5 at 2.0 s
     model.update(3, 1, 1.6, 1)
     model.update(7, 1, 2.4, 1)
     model.update(autospec.PLAIN, 1, 0.95, 1)
+    assert [costs.at(run.plan.cache_len).cost(d, 1) for d in (1, 5)] == pytest.approx([1.2, 2.0])
     half = autospec.AcceptanceEstimate()
     half.observe(([[0]] * 8 + [[1]] * 4 + [[2]] * 2 + [[3]] * 2) * 5, 3)  # each draft accepted one time in two: K=1 and K=3 close, K=5 not
     assert run._next(True, [(32, half)], observed=8) == (1, autospec.EXPLORE_ROUNDS)

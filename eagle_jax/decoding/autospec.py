@@ -302,13 +302,18 @@ class CostModel:
 
     def at_rows(self, depth: int, rows: int) -> float | None:
         """Seconds per round at ``depth`` from what ran at exactly ``rows`` rows: measured, or linear in K
-        between the probe round and the depths measured there; None where these rows do not tell."""
+        between the chains measured there (past them, the line through the nearest two, never below a
+        plain round's cost), or with one chain measured, between the probe round and it; None where these
+        rows do not tell. The probe round is the line's base only while one chain ran: it is no chain
+        (it feeds and probes the drafter in full), so two chains' costs draw the line better."""
         if (rows, depth) in self.seconds:
             return self.seconds[rows, depth]
         base = self.probe.get(rows)
         if depth == PLAIN or base is None:
             return base
         here = {d: s for (r, d), s in self.seconds.items() if r == rows and d != PLAIN}
+        if len(here) >= 2:
+            return max(_along(here, depth, extrapolate=True), self.seconds.get((rows, PLAIN), 0.0))
         return _along({0: base, **here}, depth, extrapolate=True) if here else None
 
     def cost(self, depth: int, rows: int) -> float | None:

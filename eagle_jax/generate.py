@@ -357,9 +357,8 @@ class _AutoRun:
         plain_known = self.costs.measured(autospec.PLAIN, batch)
         if not fed:  # a first run of plain decoding is not timed (a program's first run): a short chunk first
             return autospec.PLAIN, (self.plan.max_rounds if plain_known else autospec.EXPLORE_ROUNDS)
-        if not self.costs.probed(batch, self.plan.cache_len):
-            # what a round without drafts costs at this batch size and cache span (the base of every modelled
-            # depth, and how this span's costs compare with the others'), and acceptance
+        if not self.costs.probed(batch):
+            # what a round without drafts costs at this batch size (the base of every modelled depth), and acceptance
             return None, autospec.PROBE_ROUNDS
         costs = self.costs.at(self.plan.cache_len)
         todo = autospec.unexplored(costs, batch)

@@ -91,7 +91,7 @@ class FixedCosts(autospec.SpanCosts):
     def measured(self, depth, rows):
         return depth in self.fixed
 
-    def probed(self, rows, span=None):
+    def probed(self, rows):
         return True
 
     def cost(self, depth, rows, span):
@@ -197,8 +197,9 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
 
 def test_a_calls_costs_are_read_at_its_cache_span(monkeypatch, pair):
     """A round reads the call's whole cache, so its cost grows with the prompt: a call over a new cache
-    span probes there first, and the depths measured at another span are scaled by how the two spans'
-    probe rounds compare, so a long first prompt's costs do not price a short one's."""
+    span reads the costs of the nearest span (all scaled alike: the same choice, no probe needed), and
+    once a depth ran at its span, the depths measured only at another are scaled by how the two spans'
+    common costs compare, so a long first prompt's costs do not price a short one's."""
     autospec.reset()
     costs = autospec.SpanCosts()
     monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
@@ -211,12 +212,12 @@ def test_a_calls_costs_are_read_at_its_cache_span(monkeypatch, pair):
     slow.update(autospec.PLAIN, 1, 4.8, 1)
     ok = autospec.AcceptanceEstimate()
     ok.observe([[1]] * 50, 1)
-    assert short._next(True, [(32, ok)], observed=8) == (None, autospec.PROBE_ROUNDS)  # its own span: probe first
-    costs.model(short.plan.cache_len).update(None, 1, 2.5, 1)  # half the long span's probe
+    first = short._next(True, [(32, ok)], observed=8)
+    assert first == long._next(True, [(32, ok)], observed=8) and first[0] not in (None, autospec.PLAIN)
+    costs.model(short.plan.cache_len).update(7, 1, 4.6, 1)  # half the long span's cost
     here = costs.at(short.plan.cache_len)
     assert [here.cost(d, 1) for d in (autospec.PLAIN, 1, 7)] == pytest.approx([2.4, 2.8, 4.6])
     assert costs.at(long.plan.cache_len).cost(1, 1) == pytest.approx(5.6)
-    assert short._next(True, [(32, ok)], observed=8)[0] not in (None, autospec.PLAIN)
 
 
 def test_close_depths_are_measured_not_modelled(monkeypatch, pair):

@@ -349,9 +349,9 @@ class SpanCosts:
     def model(self, span: int) -> CostModel:
         return self.by_span.setdefault(span, CostModel())
 
-    def probed(self, rows: int, span: int | None = None) -> bool:
-        """Whether a probe round's cost at ``rows`` was measured at ``span`` (None: at any span)."""
-        return any(m.probed(rows) for s, m in self.by_span.items() if span in (None, s))
+    def probed(self, rows: int) -> bool:
+        """Whether a probe round's cost at ``rows`` was measured at some span."""
+        return any(m.probed(rows) for m in self.by_span.values())
 
     def measured(self, depth: int, rows: int) -> bool:
         """Whether ``depth`` ran at ``rows`` rows at some span."""

@@ -330,7 +330,7 @@ class _AutoRun:
         return self._programs[depth, fed](*args), fresh
 
     def _time_empty_chunk(self, depth: int | None, st, fed: bool, rounds: int):
-        """Measures a chunk's fixed cost (dispatch and the host sync, ~1.5 ms on a CPU) by running this
+        """Measures a chunk's fixed cost (dispatch and the host sync, ~1 ms on a CPU) by running this
         chunk's program for no rounds, twice (the least counts); returns the (unchanged) state. Once per
         pair: a short chunk (a probe's 4 rounds) would otherwise look dearer per round than a long one."""
         times = []

@@ -313,12 +313,19 @@ def test_acceptance_estimate_and_choice():
 
 
 def test_a_new_prompt_weighs_its_own_probe_against_the_pairs_history():
-    """A new prompt starts from the pair's rates with at most CARRY_ROUNDS rounds of their evidence: after
-    many rounds the drafter could not follow, a prompt it follows shows so within one probe chunk."""
+    """A new prompt starts from the pair's rates with at most CARRY_ROUNDS rounds of their evidence for the
+    first draft (CARRY_DEEP_ROUNDS for deeper ones): after many rounds the drafter could not follow, a
+    prompt it follows shows so within one probe chunk, and its deeper drafts follow its first."""
     pair = autospec.AcceptanceEstimate()
     pair.observe([[0]] * 200, 7)  # a long hard prompt
     new = pair.for_new_prompt()
     assert new.trials.max() == pytest.approx(autospec.CARRY_ROUNDS) and new.hits == pytest.approx(pair.hits * new.trials.max() / pair.trials.max())
+    deep = autospec.AcceptanceEstimate()
+    deep.observe([[1]] * 200, 3)  # first drafts accepted, second ones never
+    fresh = deep.for_new_prompt()
+    assert fresh.trials[:2] == pytest.approx([autospec.CARRY_ROUNDS, autospec.CARRY_DEEP_ROUNDS])
+    fresh.observe_probe(0.9, autospec.PROBE_ROUNDS)
+    assert fresh.p[1] > 0.4 > deep.p[1] + 0.3  # the second draft follows this prompt's first more than the history
     assert new.p[0] < 0.25  # the rates kept, blended with the prior's PRIOR_ROUNDS
     table = FixedCosts({0: 1.0, 1: 1.3, 3: 1.6, 5: 2.0, 7: 2.4})
     for est in (pair, new):

@@ -137,6 +137,12 @@ KEEP = 0.97  # weight of the past per round in the acceptance estimate (a memory
 # depends on the prompt more than on anything else, so a few probe rounds of its own must be able to
 # outweigh what the prompts before it did (else one hard prompt keeps the next ones decoding plainly).
 CARRY_ROUNDS = 6.0
+# ... and the deeper positions at most this many: a prompt's first rounds are often probes, which see the
+# first draft only, and a deeper position without evidence of its own falls back to the position before
+# it (``p``), i.e. to this prompt's first-draft rate; carried at full weight, the earlier prompts'
+# deeper rates outweighed it, and a call after a hard prompt left speculation where a chain was 1.3x
+# plain decoding (bfloat16, where a round that feeds the drafter costs 1.5x a plain one).
+CARRY_DEEP_ROUNDS = 2.0
 KEEP_UNTRIED = 0.85  # the same for draft positions a round did not reach: they fall back to the prior sooner
 PRIOR = 0.6  # acceptance of a draft assumed before any is observed
 PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
@@ -167,12 +173,14 @@ class AcceptanceEstimate:
         return new
 
     def for_new_prompt(self) -> "AcceptanceEstimate":
-        """A copy to start a new prompt's estimate from: the same rates, at most ``CARRY_ROUNDS`` rounds of evidence."""
+        """A copy to start a new prompt's estimate from: the same rates, at most ``CARRY_ROUNDS`` rounds of
+        evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one."""
         new = self.copy()
-        weight = float(new.trials.max(initial=0.0))
-        if weight > CARRY_ROUNDS:
-            new.trials *= CARRY_ROUNDS / weight
-            new.hits *= CARRY_ROUNDS / weight
+        cap = np.full(len(new.trials), CARRY_DEEP_ROUNDS)
+        cap[0] = CARRY_ROUNDS
+        scale = np.minimum(1.0, cap / np.maximum(new.trials, 1e-12))
+        new.trials *= scale
+        new.hits *= scale
         return new
 
     def _add(self, trials: np.ndarray, hits: np.ndarray, reached: int) -> None:

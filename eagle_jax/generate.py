@@ -381,8 +381,8 @@ class _AutoRun:
                 return best, autospec.EXPLORE_ROUNDS  # close: this call's rows run a chain before it stops speculating
         if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
             return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
-        if depth != autospec.PLAIN and (rival := autospec.close_unmeasured(times, lambda d: self.costs.measured(d, batch))) is not None:
-            return rival, autospec.EXPLORE_ROUNDS
+        if (rival := autospec.close_unsettled(times, lambda d: self.costs.settled(d, batch))) is not None:
+            return rival, autospec.EXPLORE_ROUNDS  # a close depth whose cost is not known well yet
         # A clear choice made again runs twice as long (each chunk costs a host round trip); a close one is
         # looked at again after CHUNK_ROUNDS, as the evidence may tip it.
         last_depth, last_n = self.chunks[-1] if self.chunks else (None, 0)

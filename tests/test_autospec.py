@@ -91,6 +91,9 @@ class FixedCosts(autospec.SpanCosts):
     def measured(self, depth, rows):
         return depth in self.fixed
 
+    def settled(self, depth, rows):
+        return depth in self.fixed
+
     def probed(self, rows):
         return True
 
@@ -190,7 +193,10 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
     fair.observe_probe(0.2, 50)  # K=1 emits ~1.2 tokens per 1.3 s round: close to plain's 1 per 1.0 s
     assert run._next(True, [(32, fair)], observed=autospec.PROBE_ROUNDS)[1] == autospec.EXPLORE_ROUNDS
     run.chunks.append((run._next(True, [(32, fair)], observed=autospec.PROBE_ROUNDS)[0], autospec.EXPLORE_ROUNDS))
-    assert run.chunks[-1][0] not in (None, autospec.PLAIN)
+    chain = run.chunks[-1][0]
+    assert chain not in (None, autospec.PLAIN)
+    # measured as modelled, over enough rounds to settle its cost (else, this close, it would run again)
+    model.update(chain, 1, costs.at(run.plan.cache_len).cost(chain, 1) * autospec.SETTLED_ROUNDS, autospec.SETTLED_ROUNDS)
     assert run._next(True, [(32, fair)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
     assert run._next(True, [(32, hard)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
 
@@ -221,9 +227,10 @@ def test_a_calls_costs_are_read_at_its_cache_span(monkeypatch, pair):
 
 
 def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
-    """A depth whose cost is only modelled (a line in K through the probe round and the chains that ran)
-    runs EXPLORE_ROUNDS rounds once where it is expected within EXPLORE_CLOSE of the best, in ``generate``
-    and in the server's chooser; once measured, the clock decides, and a distant depth is never tried."""
+    """A depth whose cost is only modelled (a line in K through the probe round and the chains that ran), or
+    measured over fewer than SETTLED_ROUNDS rounds, runs EXPLORE_ROUNDS rounds where it is expected within
+    EXPLORE_CLOSE of the best (plain decoding included), in ``generate`` and in the server's chooser; once
+    settled, the clock decides, and a distant depth is never tried."""
     from eagle_jax.serving.depth import AutoDepth
 
     autospec.reset()
@@ -231,15 +238,18 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
     run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
     model = costs.model(run.plan.cache_len)
+    settled = autospec.SETTLED_ROUNDS
     model.update(None, 1, 1.3, 1)  # probe 1.3 s, K=3 1.6 s, K=7 2.4 s: K=1 modelled at 1.2 s (the chains' line), K=5 at 2.0 s
-    model.update(3, 1, 1.6, 1)
-    model.update(7, 1, 2.4, 1)
-    model.update(autospec.PLAIN, 1, 0.95, 1)
+    model.update(3, 1, 1.6 * settled, settled)
+    model.update(7, 1, 2.4 * settled, settled)
+    model.update(autospec.PLAIN, 1, 0.95 * settled, settled)
     assert [costs.at(run.plan.cache_len).cost(d, 1) for d in (1, 5)] == pytest.approx([1.2, 2.0])
     half = autospec.AcceptanceEstimate()
     half.observe(([[0]] * 8 + [[1]] * 4 + [[2]] * 2 + [[3]] * 2) * 5, 3)  # each draft accepted one time in two: K=1 and K=3 close, K=5 not
+    assert run._next(True, [(32, half)], observed=8) == (1, autospec.CHUNK_ROUNDS)  # the best runs (and is measured)
+    model.update(1, 1, 1.35, 1)  # dearer than its line: K=3 (settled) wins, K=1 is 5% behind on one round: it runs again
     assert run._next(True, [(32, half)], observed=8) == (1, autospec.EXPLORE_ROUNDS)
-    model.update(1, 1, 1.45, 1)  # dearer than its line: K=3 wins, and K=5 (19% behind) stays unexplored
+    model.update(1, 1, 1.45 * (settled - 1), settled - 1)  # settled, 13% behind; K=5 (19% behind) never ran
     assert run._next(True, [(32, half)], observed=8) == (3, autospec.CHUNK_ROUNDS)
 
     auto = AutoDepth()
@@ -247,6 +257,23 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     assert auto.choose([half], 1, True, lambda d: run.plan.cache_len).num_speculative_tokens == 3
     del model.seconds[1, 1]
     assert auto.choose([half], 1, True, lambda d: run.plan.cache_len).num_speculative_tokens == 1
+
+    # Plain decoding best, K=1 close to it on one short chunk that a busy moment made dear: K=1 runs again
+    # until SETTLED_ROUNDS rounds of it were measured, then the clock decides.
+    autospec.reset()
+    run.costs = costs = autospec.SpanCosts()
+    run.chunks[:] = [(3, settled)]  # this call ran a chain already
+    model = costs.model(run.plan.cache_len)
+    model.update(None, 1, 1.3, 1)
+    model.update(7, 1, 4.0 * settled, settled)
+    model.update(autospec.PLAIN, 1, 1.0 * settled, settled)
+    model.update(1, 1, 1.6, 1)  # 1.6 s per 1.56 tokens: 2% behind plain decoding; K=3 (modelled) 19% behind
+    auto.models[True] = costs
+    assert auto.choose([half], 1, True, lambda d: run.plan.cache_len).num_speculative_tokens == 1
+    assert run._next(True, [(32, half)], observed=8) == (1, autospec.EXPLORE_ROUNDS)
+    model.update(1, 1, 1.6 * (settled - 1), settled - 1)
+    assert costs.settled(1, 1) and auto.choose([half], 1, True, lambda d: run.plan.cache_len) is None
+    assert run._next(True, [(32, half)], observed=8)[0] == autospec.PLAIN
 
 
 def test_hindsight_counts_the_drafters_prefill():

@@ -12,8 +12,8 @@ apart, because they change at different speeds:
   K at these rows, else the same depth at the nearest row counts; a span without a depth's cost
   reads it at the nearest span, scaled), so a new batch size, span or depth costs no exploration
   beyond one probe: only the deepest chain runs once (``EXPLORE_ROUNDS`` rounds of real work)
-  before any choice, to measure what a drafter step costs, and a modelled depth runs once where it is
-  expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's fixed cost (dispatch and
+  before any choice, to measure what a drafter step costs, and a depth modelled or measured over few
+  rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's fixed cost (dispatch and
   host sync) is measured once and left out of its rounds' costs, so short chunks and long ones compare.
 - ``AcceptanceEstimate``: the chance that draft i is accepted once drafts 0..i-1 were, from the
   accepted counts of every round that ran (decaying with ``KEEP`` per round, so it follows a change
@@ -146,11 +146,13 @@ CARRY_DEEP_ROUNDS = 2.0
 KEEP_UNTRIED = 0.85  # the same for draft positions a round did not reach: they fall back to the prior sooner
 PRIOR = 0.6  # acceptance of a draft assumed before any is observed
 PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
-# A chain depth whose cost at these rows is only modelled (a line in K through the depths that ran), and
-# that is expected to finish within this factor of the best depth, runs EXPLORE_ROUNDS rounds once to be
-# measured: a close choice is settled by the clock, not by the line (verifying 1 + K positions is not
-# linear in K on every device).
+# A chain depth whose cost at these rows is only modelled (a line in K through the depths that ran) or rests
+# on fewer than SETTLED_ROUNDS measured rounds, and that is expected to finish within this factor of the
+# best choice (plain decoding included), runs EXPLORE_ROUNDS rounds to be measured: a close choice is
+# settled by the clock, not by the line (verifying 1 + K positions is not linear in K on every device), nor
+# by one short chunk that a busy moment made dear (the depth would then never run again to correct it).
 EXPLORE_CLOSE = 1.1
+SETTLED_ROUNDS = 16
 COST_RISE = 1.1  # a depth's cost per round may rise at most this much per measurement (see CostModel)
 
 
@@ -278,6 +280,7 @@ class CostModel:
 
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     probe: dict[int, float] = field(default_factory=dict)
+    rounds: dict[tuple[int, int], int] = field(default_factory=dict)  # rounds measured per (rows, depth)
 
     def update(self, depth: int | None, rows: int, seconds: float, rounds: int) -> None:
         """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``."""
@@ -287,6 +290,8 @@ class CostModel:
         table, key = (self.probe, rows) if depth is None else (self.seconds, (rows, depth))
         old = table.get(key)
         table[key] = per if old is None else min(per, COST_RISE * old)
+        if depth is not None:
+            self.rounds[key] = self.rounds.get(key, 0) + rounds
 
     def measured(self, depth: int, rows: int) -> bool:
         return (rows, depth) in self.seconds
@@ -365,6 +370,10 @@ class SpanCosts:
         """Whether ``depth`` ran at ``rows`` rows at some span."""
         return any(m.measured(depth, rows) for m in self.by_span.values())
 
+    def settled(self, depth: int, rows: int) -> bool:
+        """Whether ``depth`` ran at least ``SETTLED_ROUNDS`` measured rounds at ``rows`` rows (over every span)."""
+        return sum(m.rounds.get((rows, depth), 0) for m in self.by_span.values()) >= SETTLED_ROUNDS
+
     def _ratio(self, span: int, other: int) -> float:
         """Cost at ``span`` over cost at ``other``: the geometric mean over the costs both measured, else 1."""
         a, b = self.by_span.get(span), self.by_span[other]
@@ -439,11 +448,14 @@ def finish_times(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int
     return {d: c * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if (c := costs.cost(d, batch))}
 
 
-def close_unmeasured(times: dict[int, float], measured: Callable[[int], bool]) -> int | None:
-    """Among chain depths (not ``PLAIN``) whose cost is not ``measured``, the one expected soonest, if within
-    ``EXPLORE_CLOSE`` of the best of ``times`` (depth -> expected seconds, lower is better); else None."""
-    best = min(times.values(), default=0.0)
-    rivals = [d for d, t in times.items() if d != PLAIN and not measured(d) and t <= EXPLORE_CLOSE * best]
+def close_unsettled(times: dict[int, float], settled: Callable[[int], bool]) -> int | None:
+    """Among chain depths (not ``PLAIN``, not the best) whose cost is not ``settled`` (modelled, or measured
+    over fewer than ``SETTLED_ROUNDS`` rounds), the one expected soonest, if within ``EXPLORE_CLOSE`` of the
+    best of ``times`` (depth -> expected seconds, lower is better, ``PLAIN`` included); else None."""
+    if not times:
+        return None
+    best = min(times, key=times.get)
+    rivals = [d for d, t in times.items() if d not in (PLAIN, best) and not settled(d) and t <= EXPLORE_CLOSE * times[best]]
     return min(rivals, key=times.get, default=None)
 
 

@@ -9,7 +9,7 @@ tokens at depth K are the sum over its requests of ``expected_tokens(K)``. Steps
 (engine ``probe_acceptance``), so a batch of requests the drafter cannot follow decodes plainly and
 speculation returns as soon as the requests change. Nothing is explored per row count but one step
 without drafts; the deepest chain runs once per process, every depth chosen is measured as it runs, and
-a depth only modelled at these rows but expected close to the best runs once (``autospec.EXPLORE_CLOSE``).
+a depth modelled or measured over few rounds at these rows, but expected close to the best, runs (``autospec.EXPLORE_CLOSE``).
 
 A step's cost also grows with the cache span its attention reads (``SlotEngine.spans``), which rises as
 the requests grow: costs are kept per span (``SpanCosts``), so that depths are compared at the span
@@ -64,9 +64,9 @@ class AutoDepth:
             return self.spec_of(todo[0])
         expected = lambda d: sum(e.expected_tokens(d) for e in estimates)  # noqa: E731
         best = autospec.choose_depth(view, rows, expected, self.depths)
-        if best != autospec.PLAIN:  # a close depth not measured at these rows runs once (``EXPLORE_CLOSE``)
-            times = {d: c / expected(d) for d in self.depths if (c := view.cost(d, rows))}
-            best = autospec.close_unmeasured(times, lambda d: costs.measured(d, rows)) or best
+        # A close depth whose cost at these rows is modelled or measured over few rounds runs (``EXPLORE_CLOSE``).
+        times = {d: c / expected(d) for d in (autospec.PLAIN, *self.depths) if (c := view.cost(d, rows))}
+        best = autospec.close_unsettled(times, lambda d: costs.settled(d, rows)) or best
         return self.spec_of(best)
 
     def snapshot(self) -> dict:

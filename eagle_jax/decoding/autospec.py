@@ -108,7 +108,6 @@ DEPTHS = (1, 3, 5, 7)  # chains auto chooses among, besides plain decoding (0)
 PLAIN = 0
 CHUNK_ROUNDS = 8  # rounds of a generate call between two choices (one host sync each)
 MAX_CHUNK_ROUNDS = 64  # ... doubling up to this while the choice stays the same (fewer syncs)
-CLEAR_CHOICE = 1.1  # ... and its expected time beats every other depth's by this factor
 EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
 PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance before plain decoding
 # ... and that start a call whose best depth, on the acceptance known before it, is not clearly ahead of

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -386,9 +387,13 @@ class _AutoRun:
         # A choice made again runs twice as long: each chunk costs a host round trip (~2.5 ms here, 4% of an
         # 8-round chunk at T=1), as much as a close race that re-deciding sooner could win back.
         last_depth, last_n = self.chunks[-1] if self.chunks else (None, 0)
-        if depth == last_depth and last_n >= autospec.CHUNK_ROUNDS:
-            return depth, min(2 * last_n, autospec.MAX_CHUNK_ROUNDS)
-        return depth, autospec.CHUNK_ROUNDS
+        n = min(2 * last_n, autospec.MAX_CHUNK_ROUNDS) if depth == last_depth and last_n >= autospec.CHUNK_ROUNDS else autospec.CHUNK_ROUNDS
+        # Nor is a short chunk left for the end: one that would leave fewer than CHUNK_ROUNDS expected rounds
+        # takes them too, and half as many again (the loop stops once every row is done).
+        left = max(r / est.expected_tokens(depth) for r, est in rows)
+        if left <= n + autospec.CHUNK_ROUNDS:
+            n = min(max(n, math.ceil(1.5 * left)), autospec.MAX_CHUNK_ROUNDS)
+        return depth, n
 
     def __iter__(self) -> Iterator[Any]:
         t0 = time.perf_counter()

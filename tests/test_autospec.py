@@ -167,6 +167,12 @@ def test_a_batch_starts_from_its_last_calls_rows_and_choices_made_again_run_long
         assert out.tokens == expect
     (d1, n1), (d2, n2) = out.stats["chunks"][:2]
     assert d1 == d2 not in (None, autospec.PLAIN) and (n1, n2) == (autospec.CHUNK_ROUNDS, 2 * autospec.CHUNK_ROUNDS), out.stats["chunks"]
+    # The last chunk takes the rounds left rather than leave a short one for the end: 40 rounds in 3 chunks,
+    # and a call of 10 rounds in one.
+    assert len(out.stats["chunks"]) == 3
+    short = eagle_jax.generate(target, sure, easy, max_new_tokens=40, eos_token_id=[])
+    assert short.tokens == eagle_jax.generate(target, None, easy, max_new_tokens=40, eos_token_id=[]).tokens
+    assert len(short.stats["chunks"]) == 1, short.stats["chunks"]
 
 
 def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pair):
@@ -251,7 +257,7 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     model.update(1, 1, 1.35, 1)  # dearer than its line: K=3 (settled) wins, K=1 is 5% behind on one round: it runs again
     assert run._next(True, [(32, half)], observed=8) == (1, autospec.EXPLORE_ROUNDS)
     model.update(1, 1, 1.45 * (settled - 1), settled - 1)  # settled, 13% behind; K=5 (19% behind) never ran
-    assert run._next(True, [(32, half)], observed=8) == (3, autospec.CHUNK_ROUNDS)
+    assert run._next(True, [(32, half)], observed=8)[0] == 3
 
     auto = AutoDepth()
     auto.models[True] = costs

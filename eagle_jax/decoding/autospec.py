@@ -151,7 +151,7 @@ PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
 # settled by the clock, not by the line (verifying 1 + K positions is not linear in K on every device), nor
 # by one short chunk that a busy moment made dear (the depth would then never run again to correct it).
 EXPLORE_CLOSE = 1.1
-SETTLED_ROUNDS = 16
+SETTLED_ROUNDS = 8  # two exploring chunks, or one chunk of the chosen depth
 COST_RISE = 1.1  # a depth's cost per round may rise at most this much per measurement (see CostModel)
 
 

@@ -368,6 +368,7 @@ class _AutoRun:
         if not observed and batch in self.costs.last_call:  # before this call's own evidence: the last call's rows
             last = self.costs.last_call[batch]
             rows = [(n, last[i % len(last)]) for i, (n, _) in enumerate(rows)]
+        rows = autospec.toward_the_batch(rows)
         times = autospec.finish_times(costs, batch, rows)
         depth = min(times, key=times.get)
         may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]

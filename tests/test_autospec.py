@@ -404,3 +404,22 @@ def test_stream_with_adaptive(monkeypatch, pair, plain):
     monkeypatch.setattr(autospec, "calibrate", lambda *a, **k: costs([1.0, 1.0, 50.0, 50.0]))
     chunks = list(eagle_jax.generate_stream(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec=ADAPTIVE, eos_token_id=[]))
     assert [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))] == plain.tokens
+
+
+def test_a_batchs_slowest_row_is_read_with_the_batchs_pooled_evidence():
+    """The slowest row sets a batch's end. Four rows that accept alike, one of which drew a low rate in its
+    first rounds: read alone, that row makes plain decoding look fastest; with ROW_POOL_ROUNDS of the
+    batch's pooled evidence, K=1 is (as it is for the rows' common rate). One row is left as it is."""
+
+    def est(rate: float, rounds: int) -> autospec.AcceptanceEstimate:
+        e = autospec.AcceptanceEstimate()
+        e.observe([[1]] * round(rate * rounds) + [[0]] * (rounds - round(rate * rounds)), 1)
+        return e
+
+    costs = FixedCosts({0: 1.0, 1: 1.3}).at(0)
+    rows = [(64, est(0.55, 8))] * 3 + [(64, est(0.125, 8))]  # the last row: 1 of 8 accepted
+    alone = autospec.finish_times(costs, 4, rows, depths=(1,))
+    pooled = autospec.finish_times(costs, 4, autospec.toward_the_batch(rows), depths=(1,))
+    assert min(alone, key=alone.get) == autospec.PLAIN and min(pooled, key=pooled.get) == 1
+    one = [(64, est(0.125, 8))]
+    assert autospec.toward_the_batch(one)[0][1] is one[0][1]

@@ -435,12 +435,17 @@ class AtSpan:
         return self.costs.cost(depth, rows, self.span_of(depth))
 
 
+def token_seconds(costs: CostModel | AtSpan, rows: int, expected: Callable[[int], float], depths: Iterable[int] = DEPTHS) -> dict[int, float]:
+    """Expected seconds per token over ``rows`` rows at ``PLAIN`` and each of ``depths`` whose cost is known;
+    ``expected(d)``: tokens one round of depth d emits over them."""
+    return {d: c / e for d in (PLAIN, *depths) if (c := costs.cost(d, rows)) and (e := expected(d)) > 0}
+
+
 def choose_depth(costs: CostModel | AtSpan, rows: int, expected: Callable[[int], float], depths: Iterable[int] = DEPTHS) -> int:
     """The depth (``PLAIN`` or one of ``depths``) with the most expected tokens per second over ``rows``
-    rows; ``expected(d)``: tokens one round of depth d emits over them. Depths of unknown cost are left
-    out (the caller explores first)."""
-    rates = {d: expected(d) / c for d in (PLAIN, *depths) if (c := costs.cost(d, rows))}
-    return max(rates, key=rates.get) if rates else PLAIN
+    rows. Depths of unknown cost are left out (the caller explores first)."""
+    times = token_seconds(costs, rows, expected, depths)
+    return min(times, key=times.get, default=PLAIN)
 
 
 def finish_times(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]],

@@ -63,11 +63,10 @@ class AutoDepth:
         if todo:
             return self.spec_of(todo[0])
         expected = lambda d: sum(e.expected_tokens(d) for e in estimates)  # noqa: E731
-        best = autospec.choose_depth(view, rows, expected, self.depths)
+        times = autospec.token_seconds(view, rows, expected, self.depths)
+        best = min(times, key=times.get, default=autospec.PLAIN)
         # A close depth whose cost at these rows is modelled or measured over few rounds runs (``EXPLORE_CLOSE``).
-        times = {d: c / expected(d) for d in (autospec.PLAIN, *self.depths) if (c := view.cost(d, rows))}
-        best = autospec.close_unsettled(times, lambda d: costs.settled(d, rows)) or best
-        return self.spec_of(best)
+        return self.spec_of(autospec.close_unsettled(times, lambda d: costs.settled(d, rows)) or best)
 
     def snapshot(self) -> dict:
         """What the chooser goes on, for reports: ms per round by sampling mode, span, rows and depth

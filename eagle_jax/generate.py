@@ -271,7 +271,8 @@ class _AutoRun:
     between any two chunks; plain decoding proper (drafter not fed) runs to the end of the call once
     chosen. Iterating yields the state after each chunk."""
 
-    def __init__(self, target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict):
+    def __init__(self, target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict,
+                 most_rounds: int | None = None):
         top = SpecConfig(num_speculative_tokens=max(autospec.DEPTHS))
         self.plan, prompt, lens, rs = _prepare(target, drafter, prompts, max_new_tokens, kw["sampling"], kw["penalties"],
                                                top, kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
@@ -296,6 +297,7 @@ class _AutoRun:
         # A program lookup would otherwise walk the models' states again (1-2 ms per program a call runs).
         self._states = {True: signature((self.t_state, self.d_state)), False: signature((self.t_state, None))}
         self._programs: dict[tuple[int | None, bool], Any] = {}
+        self.most_rounds = most_rounds  # the longest chunk: a stream's reader waits for each (None: any)
 
     def _compiled(self, kind: str, plan: Plan, fed: bool, args: tuple, build, donate_argnums: tuple[int, ...] = ()):
         compiled, seconds = _PROGRAMS.get(kind, self.t_graph, None, plan, args, build, self._pairs[fed], donate_argnums, self._states[fed])
@@ -317,19 +319,19 @@ class _AutoRun:
         while the pair's acceptance was observed within ``REPROBE_ROUNDS`` rounds (past them, a call probes)."""
         return self.costs.plain_settled(self.plan.batch) and self.estimate.unobserved < autospec.REPROBE_ROUNDS
 
-    def _chunk(self, depth: int | None, st, limit: int, fed: bool):
+    def _chunk(self, depth: int | None, st, limit: int, fed: bool, watch: np.ndarray = autospec.NEVER):
         """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
-        decoding proper) until ``limit`` rounds in all; returns (state, whether the program was
-        compiled for this chunk)."""
+        decoding proper) until ``limit`` rounds in all, or until they depart from ``watch``
+        (``autospec.watch``); returns (state, whether the program was compiled for this chunk)."""
         spec = None if depth in (None, autospec.PLAIN) else SpecConfig(num_speculative_tokens=depth)
         plan = dataclasses.replace(self.plan, spec=spec)
         t_graph, d_graph = self.t_graph, (self.d_graph if fed else None)
 
-        def chunk(t_state, d_state, st, limit):
+        def chunk(t_state, d_state, st, limit, watch):
             drf = None if d_graph is None else nnx.merge(d_graph, d_state)
-            return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit)
+            return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit, watch)
 
-        args = (self.t_state, self.d_state if fed else None, st, jnp.int32(limit))
+        args = (self.t_state, self.d_state if fed else None, st, jnp.int32(limit), jnp.asarray(watch))
         fresh = False
         if (depth, fed) not in self._programs:
             compile0 = self.compile_s
@@ -365,7 +367,7 @@ class _AutoRun:
         batch = self.plan.batch
         plain_known = self.costs.measured(autospec.PLAIN, batch)
         if not fed:  # a first run of plain decoding is not timed (a program's first run): a short chunk first
-            return autospec.PLAIN, (self.plan.max_rounds if plain_known else autospec.EXPLORE_ROUNDS)
+            return autospec.PLAIN, (self.most_rounds or self.plan.max_rounds) if plain_known else autospec.EXPLORE_ROUNDS
         if not self.costs.probed(batch):
             # what a round without drafts costs at this batch size (the base of every modelled depth), and acceptance
             return None, autospec.PROBE_ROUNDS
@@ -373,10 +375,7 @@ class _AutoRun:
         todo = autospec.unexplored(costs, batch)
         if todo:
             return todo[0], autospec.EXPLORE_ROUNDS
-        if not observed and batch in self.costs.last_call:  # before this call's own evidence: the last call's rows
-            last = self.costs.last_call[batch]
-            rows = [(n, last[i % len(last)]) for i, (n, _) in enumerate(rows)]
-        rows = autospec.toward_the_batch(rows)
+        rows = autospec.toward_the_batch(self._as_chosen(rows, observed))
         times = autospec.finish_times(costs, batch, rows)
         depth = min(times, key=times.get)
         may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]
@@ -393,16 +392,24 @@ class _AutoRun:
             return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
         if (rival := autospec.close_unsettled(times, lambda d: self.costs.settled(d, batch))) is not None:
             return rival, autospec.EXPLORE_ROUNDS  # a close depth whose cost is not known well yet
-        # A choice made again runs twice as long: each chunk costs a host round trip (~2.5 ms here, 4% of an
-        # 8-round chunk at T=1), as much as a close race that re-deciding sooner could win back.
-        last_depth, last_n = self.chunks[-1] if self.chunks else (None, 0)
-        n = min(2 * last_n, autospec.MAX_CHUNK_ROUNDS) if depth == last_depth and last_n >= autospec.CHUNK_ROUNDS else autospec.CHUNK_ROUNDS
-        # Nor is a short chunk left for the end: one that would leave fewer than CHUNK_ROUNDS expected rounds
-        # takes them too, and half as many again (the loop stops once every row is done).
+        # A depth chosen anew runs CHUNK_ROUNDS: a look at these rows' own acceptance there, read by the
+        # estimates' point values (a prompt's first rounds say most about it). Chosen again, it takes the rounds
+        # the call is expected to need and half as many again (the loop stops once every row is done), up to
+        # MAX_CHUNK_ROUNDS, and ends sooner where its rows depart from the estimate it was chosen on
+        # (``autospec.watch``): a chunk's host round trip and loop entry (~1.6 ms here, 4% of an 8-round chunk
+        # at T=1) is paid about twice a call, not every few rounds. No short chunk is left for the end.
         left = max(r / est.expected_tokens(depth) for r, est in rows)
-        if left <= n + autospec.CHUNK_ROUNDS:
-            n = min(max(n, math.ceil(1.5 * left)), autospec.MAX_CHUNK_ROUNDS)
-        return depth, n
+        again = bool(self.chunks) and self.chunks[-1][0] == depth
+        if not again and left > 2 * autospec.CHUNK_ROUNDS:
+            return depth, autospec.CHUNK_ROUNDS
+        return depth, min(max(autospec.CHUNK_ROUNDS, math.ceil(1.5 * left)), autospec.MAX_CHUNK_ROUNDS, self.most_rounds or autospec.MAX_CHUNK_ROUNDS)
+
+    def _as_chosen(self, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> list[tuple[int, autospec.AcceptanceEstimate]]:
+        """The rows a choice reads: before this call's own evidence, the last call's rows (their estimates)."""
+        last = self.costs.last_call.get(self.plan.batch)
+        if observed or not last:
+            return rows
+        return [(n, last[i % len(last)]) for i, (n, _) in enumerate(rows)]
 
     def __iter__(self) -> Iterator[Any]:
         t0 = time.perf_counter()
@@ -420,11 +427,12 @@ class _AutoRun:
         while not np.all(done_rows) and rounds < self.plan.max_rounds:
             remaining = [(self.plan.max_rounds - int(n_out[b]), row_est[b]) for b in range(self.plan.batch) if not done_rows[b]]
             depth, n = self._next(fed, remaining, observed)
+            watch = autospec.watch(self.costs.at(self.plan.cache_len), self.plan.batch, self._as_chosen(remaining, observed), depth)
             if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
                 fed = False
                 st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
             compile0, t0 = self.compile_s, time.perf_counter()
-            st, fresh = self._chunk(depth, st, rounds + n, fed)
+            st, fresh = self._chunk(depth, st, rounds + n, fed, watch)
             # Whole arrays: slicing on the device would compile a program per slice.
             done_rows, n_out, new_rounds, accepted, probe = jax.device_get((st.done, st.n_out, st.rounds, st.accepted, st.probe))
             accepted = accepted[:, rounds : rounds + n]
@@ -503,7 +511,7 @@ def generate(
     fp32 activations and caches; see BENCHMARKS.md).
 
     ``spec``: a SpecConfig or dict, or "auto" (the default, None, with a drafter): the call runs in
-    chunks of a few rounds, each at the depth (plain decoding or a chain of ``autospec.DEPTHS``
+    chunks of rounds (each ends early where its rows' acceptance departs from its estimate), each at the depth (plain decoding or a chain of ``autospec.DEPTHS``
     drafts) with the most expected tokens per second from the round costs measured so far for this
     pair, batch size, sampling mode and device and the acceptance observed so far on this pair's
     traffic, this call's included (``decoding/autospec.py``). ``result.stats["chunks"]`` lists the
@@ -558,14 +566,15 @@ def generate_stream(
     exact: bool = False,
 ) -> Iterator[list[list[int]]]:
     """The same loop run in chunks of ``rounds_per_chunk`` rounds; yields each row's new tokens per chunk.
-    ``spec`` as in ``generate`` ("auto" streams each of its chunks of rounds, whatever ``rounds_per_chunk``)."""
+    ``spec`` as in ``generate`` ("auto" streams each of its chunks of rounds, none longer than ``rounds_per_chunk``
+    once a depth is chosen: its choices run in the chunks a stream can wait for)."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
     sampling, pen = _rules(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens)
     if _wants_auto(drafter, spec):  # streams _AutoRun's chunks
         kw = dict(sampling=sampling, penalties=pen, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=None, exact=exact)
         sent = [0] * len(prompts)
-        for st in _AutoRun(target, drafter, prompts, max_new_tokens, kw):
+        for st in _AutoRun(target, drafter, prompts, max_new_tokens, kw, most_rounds=rounds_per_chunk):
             new, sent = _new_tokens(*jax.device_get((st.out, st.n_out)), sent)
             if any(new):
                 yield new

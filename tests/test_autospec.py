@@ -16,7 +16,7 @@ import eagle_jax
 from eagle_jax import SpecConfig
 from eagle_jax.config import ConfigError
 from eagle_jax.decoding import autospec
-from eagle_jax.decoding.engine import RoundCosts, draft_confidence
+from eagle_jax.decoding.engine import WATCH_MIN_ROUNDS, RoundCosts, draft_confidence
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.generate import _AutoRun
@@ -141,11 +141,12 @@ def test_a_hard_first_prompt_does_not_switch_speculation_off(fixed_costs):
     assert sum(d not in (None, autospec.PLAIN) for d in depths[-1]) >= len(depths[-1]) // 2
 
 
-def test_a_batch_starts_from_its_last_calls_rows_and_choices_made_again_run_longer(fixed_costs):
+def test_a_batch_starts_from_its_last_calls_rows_and_a_choice_made_again_runs_the_rest(fixed_costs):
     """A batch ends with its slowest row. After a call of one prompt the drafter follows and one it never
     does, the next such call starts with a probe (the last call's rows: plain decoding is fastest), not
-    with the chain the pooled estimate of both would pick. A prompt the drafter always follows runs
-    its chain in chunks that double (fewer host round trips). Outputs are plain decoding's."""
+    with the chain the pooled estimate of both would pick. A prompt the drafter always follows runs its
+    chain in two chunks: 8 rounds, then, chosen again, the rounds it needs (one more host round trip).
+    Outputs are plain decoding's."""
     target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1)
     drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.0, draft_vocab=list(range(0, 32, 2)))
     mixed = [[1, 1], [25, 25]]
@@ -161,18 +162,11 @@ def test_a_batch_starts_from_its_last_calls_rows_and_choices_made_again_run_long
     sure, _ = markov_drafter(target, succ, seed=0, disagree=0.0)
     easy = [[25, 25]]
     fixed_costs.fixed.update({5: 2.6, 7: 3.4})  # deep chains dear: K=3 chosen
-    expect = eagle_jax.generate(target, None, easy, max_new_tokens=160, eos_token_id=[]).tokens
     for _ in range(2):
         out = eagle_jax.generate(target, sure, easy, max_new_tokens=160, eos_token_id=[])
-        assert out.tokens == expect
-    (d1, n1), (d2, n2) = out.stats["chunks"][:2]
-    assert d1 == d2 not in (None, autospec.PLAIN) and (n1, n2) == (autospec.CHUNK_ROUNDS, 2 * autospec.CHUNK_ROUNDS), out.stats["chunks"]
-    # The last chunk takes the rounds left rather than leave a short one for the end: 40 rounds in 3 chunks,
-    # and a call of 10 rounds in one.
-    assert len(out.stats["chunks"]) == 3
-    short = eagle_jax.generate(target, sure, easy, max_new_tokens=40, eos_token_id=[])
-    assert short.tokens == eagle_jax.generate(target, None, easy, max_new_tokens=40, eos_token_id=[]).tokens
-    assert len(short.stats["chunks"]) == 1, short.stats["chunks"]
+        assert out.tokens == eagle_jax.generate(target, None, easy, max_new_tokens=160, eos_token_id=[]).tokens
+    (d1, n1), (d2, n2) = out.stats["chunks"]  # 160 tokens, ~45 rounds: a look, then the rest in one chunk
+    assert d1 == d2 == 3 and n1 == autospec.CHUNK_ROUNDS, out.stats["chunks"]
 
 
 def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pair):
@@ -253,7 +247,8 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     assert [costs.at(run.plan.cache_len).cost(d, 1) for d in (1, 5)] == pytest.approx([1.2, 2.0])
     half = autospec.AcceptanceEstimate()
     half.observe(([[0]] * 8 + [[1]] * 4 + [[2]] * 2 + [[3]] * 2) * 5, 3)  # each draft accepted one time in two: K=1 and K=3 close, K=5 not
-    assert run._next(True, [(32, half)], observed=8) == (1, autospec.CHUNK_ROUNDS)  # the best runs (and is measured)
+    depth, n = run._next(True, [(32, half)], observed=8)
+    assert depth == 1 and n > autospec.EXPLORE_ROUNDS  # the best runs (and is measured)
     model.update(1, 1, 1.35, 1)  # dearer than its line: K=3 (settled) wins, K=1 is 5% behind on one round: it runs again
     assert run._next(True, [(32, half)], observed=8) == (1, autospec.EXPLORE_ROUNDS)
     model.update(1, 1, 1.45 * (settled - 1), settled - 1)  # settled, 13% behind; K=5 (19% behind) never ran
@@ -423,3 +418,30 @@ def test_a_batchs_slowest_row_is_read_with_the_batchs_pooled_evidence():
     assert min(alone, key=alone.get) == autospec.PLAIN and min(pooled, key=pooled.get) == 1
     one = [(64, est(0.125, 8))]
     assert autospec.toward_the_batch(one)[0][1] is one[0][1]
+
+
+def test_a_chunks_watch_is_the_band_of_acceptance_where_its_choice_pays(fixed_costs):
+    """``watch``: the drafts accepted per round within which a chunk's depth stays within WATCH_TOLERANCE
+    of the best choice. With K=1 costing 1.1 plain rounds, it pays down to ~0.08 drafts a round (1.1 / 1.02
+    tokens); rounds without drafts, and plain decoding, are never watched."""
+    fixed_costs.fixed.update({3: 1.6, 5: 2.2, 7: 2.8})  # K=1 the best choice
+    half = autospec.AcceptanceEstimate()
+    half.observe([[1], [0]] * 20, 1)
+    mean, var = half.accepted_moments(1)
+    lo, hi, sd = autospec.watch(fixed_costs.at(0), 1, [(64, half)], 1)
+    assert 1.1 / (1 + autospec.WATCH_TOLERANCE) - 1 <= lo <= 1.2 * (1.1 / (1 + autospec.WATCH_TOLERANCE) - 1)
+    assert lo < mean < hi and sd == pytest.approx(var**0.5, rel=1e-5)
+    for depth in (None, autospec.PLAIN):
+        assert np.array_equal(autospec.watch(fixed_costs.at(0), 1, [(64, half)], depth), autospec.NEVER)
+
+
+def test_a_watched_chunk_ends_once_its_rows_leave_the_band(pair):
+    """Engine ``departed``: a chunk whose rows accept drafts below (or above) its watch's band stops after
+    WATCH_MIN_ROUNDS rounds; unwatched, the same chunk runs to its limit. Its tokens are plain decoding's."""
+    autospec.reset()
+    run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    plain = eagle_jax.generate(pair[0], None, PROMPTS[:1], max_new_tokens=32, eos_token_id=[]).tokens[0]
+    for band, rounds in (((10.0, 20.0), WATCH_MIN_ROUNDS), ((-np.inf, -1.0), WATCH_MIN_ROUNDS), ((-np.inf, np.inf), 12)):
+        st, _ = run._chunk(3, run._begin(True), 12, True, np.array([*band, 0.1], np.float32))
+        n = int(st.n_out[0])
+        assert int(st.rounds) == rounds and n >= rounds and list(np.asarray(st.out[0, :n])) == plain[:n]

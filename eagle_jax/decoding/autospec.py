@@ -20,10 +20,12 @@ apart, because they change at different speeds:
   of workload), blended with a prior. Rounds that make no drafts still observe the first draft
   (engine ``probe_acceptance``), so the estimate recovers while decoding plainly.
 
-Each chunk of rounds (a ``generate`` call runs in chunks of ``CHUNK_ROUNDS``; the server decides per
-step) runs the depth with the most expected tokens per second, ``expected_tokens(K) / cost(K)``
-(``choose_depth``). One bad prompt therefore costs a few rounds, not the process: the choice is
-made again every chunk from what the current prompts do. Plain decoding proper (the drafter not
+Each chunk of rounds (a ``generate`` call's; the server decides per step) runs the depth with the most
+expected tokens per second, ``expected_tokens(K) / cost(K)`` (``choose_depth``). A ``generate`` chunk
+at a depth chosen anew runs ``CHUNK_ROUNDS``; chosen again, it takes the rounds its call is expected to
+need (up to ``MAX_CHUNK_ROUNDS``) and ends early in the compiled loop once its rows accept drafts
+outside the band where its depth pays (``watch``, engine ``departed``). One bad prompt therefore costs a few rounds, not the process: the choice is
+made again wherever what the current prompts do says it may change. Plain decoding proper (the drafter not
 fed, so no way back within the call) runs only after a fresh probe of ``PROBE_ROUNDS`` rounds has
 confirmed that speculation does not pay; each call starts with the drafter fed, so a later call
 speculates again as soon as its own prompts allow.
@@ -106,8 +108,11 @@ def calibrate(key: Any, run: Runner, widths: tuple[int, ...], max_drafts: int) -
 
 DEPTHS = (1, 3, 5, 7)  # chains auto chooses among, besides plain decoding (0)
 PLAIN = 0
-CHUNK_ROUNDS = 8  # rounds of a generate call between two choices (one host sync each)
-MAX_CHUNK_ROUNDS = 64  # ... doubling up to this while the choice stays the same (fewer syncs)
+CHUNK_ROUNDS = 8  # a generate chunk at a depth chosen anew (one host sync each) ...
+MAX_CHUNK_ROUNDS = 64  # ... and the longest at a depth chosen again, which ends sooner where its rows depart from its estimate (``watch``)
+# A chunk's rows depart from its estimate where another depth would finish the call sooner by more than this
+# share (``watch``): a closer race is not worth a new chunk's host round trip, nor its risk of a noisy switch.
+WATCH_TOLERANCE = 0.02
 EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
 PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance before plain decoding
 # ... and that start a call whose best depth, on the acceptance known before it, is not clearly ahead of
@@ -241,6 +246,12 @@ class AcceptanceEstimate:
     def expected_tokens(self, depth: int) -> float:
         """Tokens a round of ``depth`` drafts is expected to emit: 1 + sum over i < depth of prod(p[:i+1])."""
         return 1.0 + float(np.cumprod(self.p[:depth]).sum()) if depth > 0 else 1.0
+
+    def accepted_moments(self, depth: int) -> tuple[float, float]:
+        """Mean and variance of the drafts a round of ``depth`` drafts accepts: P(a >= k) = prod(p[:k])."""
+        at_least = np.cumprod(self.p[:depth])
+        mean = float(at_least.sum())
+        return mean, float((at_least * (2 * np.arange(1, depth + 1) - 1)).sum()) - mean**2
 
 
 def _along(points: dict[int, float], x: int, extrapolate: bool = False) -> float | None:
@@ -473,6 +484,44 @@ def toward_the_batch(rows: Sequence[tuple[int, AcceptanceEstimate]]) -> list[tup
         new.hits = new.hits + scale * hits
         out.append((n, new))
     return out
+
+
+NEVER = np.array([-np.inf, np.inf, 0.0], np.float32)  # a watch no rounds depart from
+_SCALES = np.geomspace(1 / 8, 8, 49)  # acceptance scaled by these to find where a choice stops paying
+
+
+def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]], depth: int | None) -> np.ndarray:
+    """What a ``generate`` chunk of ``depth`` drafts over ``rows`` (tokens left, estimate) is watched with
+    (engine ``departed``): (lo, hi, sd), the band of drafts accepted per row and round within which
+    ``depth`` stays within ``WATCH_TOLERANCE`` of the best choice, and the standard deviation of one
+    row-round's count. The band scales every row's acceptance alike (all drafts, all rows: what a
+    prompt unlike the ones before does) and reads where another depth would finish the call sooner by
+    more than the tolerance. A chunk whose rows leave it ends early, so its choice is made again;
+    ``NEVER`` for rounds without drafts and for a depth run to be measured (not the choice)."""
+    price = {d: c for d in (PLAIN, *DEPTHS) if (c := costs.cost(d, batch))}
+    if depth in (None, PLAIN) or depth not in price or not rows:
+        return NEVER
+    rows = toward_the_batch(rows)
+    left = np.array([n for n, _ in rows], float)
+    p = np.stack([est.p for _, est in rows])
+    reach = np.cumsum(np.cumprod(np.minimum(_SCALES[:, None, None] * p[None], 1.0), axis=2), axis=2)  # [scale, row, k]: drafts accepted at depth k+1
+    ds = sorted(price)
+    tokens = np.stack([np.ones(reach.shape[:2]) if d == PLAIN else 1.0 + reach[..., d - 1] for d in ds], axis=-1)
+    finish = np.array([price[d] for d in ds]) * (left[None, :, None] / tokens).max(axis=1)  # [scale, depth]
+    mine = finish[:, ds.index(depth)]
+    fine = mine <= (1.0 + WATCH_TOLERANCE) * np.delete(finish, ds.index(depth), axis=1).min(axis=1)
+    at = len(_SCALES) // 2  # the scale 1: the rows as estimated
+    if not fine[at]:
+        return NEVER
+    lo, hi = at, at
+    while lo > 0 and fine[lo - 1]:
+        lo -= 1
+    while hi < len(_SCALES) - 1 and fine[hi + 1]:
+        hi += 1
+    mean = reach[:, :, depth - 1].mean(axis=1)
+    moments = np.array([est.accepted_moments(depth) for _, est in rows])
+    sd = math.sqrt(float(moments[:, 1].mean() + moments[:, 0].var()))
+    return np.array([mean[lo] if lo > 0 else -np.inf, mean[hi] if hi < len(_SCALES) - 1 else np.inf, sd], np.float32)
 
 
 def close_unsettled(times: dict[int, float], settled: Callable[[int], bool]) -> int | None:

@@ -541,21 +541,44 @@ def growing_spans(plan: Plan) -> tuple[int, ...]:
     return tuple(sorted(s for s in spans if prompt_len + 2 * (scratch_slots(plan.spec) + 1) <= s < plan.cache_len))
 
 
-def run_rounds(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, limit: Array) -> LoopState:
+WATCH_MIN_ROUNDS = 4  # a watched chunk runs at least this many rounds (``departed``)
+WATCH_Z = 1.0  # ... and ends once its rows' mean leaves the band by this many standard errors
+
+
+def departed(st: LoopState, start: Array, watch: Array) -> Array:
+    """Whether the rounds since round ``start`` accepted drafts outside the band their choice assumed:
+    ``watch`` = (lo, hi, sd) of drafts accepted per row and round (``autospec.watch``). Over the n
+    row-rounds that ran, the mean is below lo or above hi by more than WATCH_Z sd / sqrt(n): a
+    departure, not the noise of a few rounds."""
+    r = jnp.arange(st.accepted.shape[1])[None, :]
+    ran = (r >= start) & (r < st.rounds) & (st.accepted >= 0)
+    n = jnp.maximum(ran.sum(), 1).astype(jnp.float32)
+    mean = jnp.where(ran, st.accepted, 0).sum() / n
+    off = jnp.maximum(watch[0] - mean, mean - watch[1])
+    return (st.rounds - start >= WATCH_MIN_ROUNDS) & (off > WATCH_Z * watch[2] / jnp.sqrt(n))
+
+
+def run_rounds(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, limit: Array,
+               watch: Array | None = None) -> LoopState:
     """Rounds until every row is done or ``limit`` rounds have run in total (at most ``plan.max_rounds``);
     for large caches, the first ones over the leading slots only (``growing_spans``). A round's span
-    changes what attention reads, never the tokens: slots past a row's length are masked either way."""
+    changes what attention reads, never the tokens: slots past a row's length are masked either way.
+    ``watch`` (``departed``): the rounds also stop once their acceptance departs from what was expected
+    (``spec="auto"``: a chunk can then run long, since it ends where its choice should be made again)."""
     stop = jnp.minimum(limit, plan.max_rounds)
+    start = st.rounds
     scratch = scratch_slots(plan.spec) + 1
+
+    def going(s: LoopState):
+        on = jnp.any(~s.done) & (s.rounds < stop)
+        return on if watch is None else on & ~departed(s, start, watch)
+
     for span in growing_spans(plan):
         phase = dataclasses.replace(plan, span=span)
 
         def fits(s: LoopState, span=span):  # every active row's writes this round stay below the span
-            return jnp.any(~s.done) & (s.rounds < stop) & (jnp.max(jnp.where(s.done, 0, s.length)) + scratch <= span)
+            return going(s) & (jnp.max(jnp.where(s.done, 0, s.length)) + scratch <= span)
 
         st = jax.lax.while_loop(fits, lambda s, phase=phase: one_round(target, drafter, phase, s, stop - 1), st)
 
-    def cond(s: LoopState):
-        return jnp.any(~s.done) & (s.rounds < stop)
-
-    return jax.lax.while_loop(cond, lambda s: one_round(target, drafter, plan, s, stop - 1), st)
+    return jax.lax.while_loop(going, lambda s: one_round(target, drafter, plan, s, stop - 1), st)

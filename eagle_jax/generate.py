@@ -400,9 +400,10 @@ class _AutoRun:
         # at T=1) is paid about twice a call, not every few rounds. No short chunk is left for the end.
         left = max(r / est.expected_tokens(depth) for r, est in rows)
         again = bool(self.chunks) and self.chunks[-1][0] == depth
+        most = min(autospec.MAX_CHUNK_ROUNDS, self.most_rounds or autospec.MAX_CHUNK_ROUNDS)
         if not again and left > 2 * autospec.CHUNK_ROUNDS:
-            return depth, autospec.CHUNK_ROUNDS
-        return depth, min(max(autospec.CHUNK_ROUNDS, math.ceil(1.5 * left)), autospec.MAX_CHUNK_ROUNDS, self.most_rounds or autospec.MAX_CHUNK_ROUNDS)
+            return depth, min(autospec.CHUNK_ROUNDS, most)
+        return depth, min(max(autospec.CHUNK_ROUNDS, math.ceil(1.5 * left)), most)
 
     def _as_chosen(self, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> list[tuple[int, autospec.AcceptanceEstimate]]:
         """The rows a choice reads: before this call's own evidence, the last call's rows (their estimates)."""

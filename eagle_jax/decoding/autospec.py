@@ -24,8 +24,9 @@ Each chunk of rounds (a ``generate`` call's; the server decides per step) runs t
 expected tokens per second, ``expected_tokens(K) / cost(K)`` (``choose_depth``). A ``generate`` chunk
 at a depth chosen anew runs ``CHUNK_ROUNDS``; chosen again, it takes the rounds its call is expected to
 need (up to ``MAX_CHUNK_ROUNDS``) and ends early in the compiled loop once its rows accept drafts
-outside the band where its depth pays (``watch``, engine ``departed``). One bad prompt therefore costs a few rounds, not the process: the choice is
-made again wherever what the current prompts do says it may change. Plain decoding proper (the drafter not
+outside the band where its depth pays (``watch``, engine ``departed``). One bad prompt therefore
+costs a few rounds, not the process: the choice is made again wherever what the current prompts do
+says it may change. Plain decoding proper (the drafter not
 fed, so no way back within the call) runs only after a fresh probe of ``PROBE_ROUNDS`` rounds has
 confirmed that speculation does not pay; each call starts with the drafter fed, so a later call
 speculates again as soon as its own prompts allow.
@@ -109,7 +110,7 @@ def calibrate(key: Any, run: Runner, widths: tuple[int, ...], max_drafts: int) -
 DEPTHS = (1, 3, 5, 7)  # chains auto chooses among, besides plain decoding (0)
 PLAIN = 0
 CHUNK_ROUNDS = 8  # a generate chunk at a depth chosen anew (one host sync each) ...
-MAX_CHUNK_ROUNDS = 64  # ... and the longest at a depth chosen again, which ends sooner where its rows depart from its estimate (``watch``)
+MAX_CHUNK_ROUNDS = 64  # ... and the longest at a depth chosen again (ending sooner where its rows depart: ``watch``)
 # A chunk's rows depart from its estimate where another depth would finish the call sooner by more than this
 # share (``watch``): a closer race is not worth a new chunk's host round trip, nor its risk of a noisy switch.
 WATCH_TOLERANCE = 0.02

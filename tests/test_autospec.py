@@ -439,6 +439,9 @@ def test_a_chunks_watch_is_the_band_of_acceptance_where_its_choice_pays(fixed_co
     assert lo < mean < hi and sd == pytest.approx(var**0.5, rel=1e-5)
     for depth in (None, autospec.PLAIN):
         assert np.array_equal(autospec.watch(fixed_costs.at(0), 1, [(64, half)], depth), autospec.NEVER)
+    # a depth whose cost is the only one known has nothing to be compared with: no band
+    fixed_costs.fixed = {1: 1.1}
+    assert np.array_equal(autospec.watch(fixed_costs.at(0), 1, [(64, half)], 1), autospec.NEVER)
 
 
 def test_a_watched_chunk_ends_once_its_rows_leave_the_band(pair):

@@ -500,8 +500,8 @@ def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, Accep
     more than the tolerance. A chunk whose rows leave it ends early, so its choice is made again;
     ``NEVER`` for rounds without drafts and for a depth run to be measured (not the choice)."""
     price = {d: c for d in (PLAIN, *DEPTHS) if (c := costs.cost(d, batch))}
-    if depth in (None, PLAIN) or depth not in price or not rows:
-        return NEVER
+    if depth in (None, PLAIN) or depth not in price or len(price) < 2 or not rows:
+        return NEVER  # nothing to compare with: no band
     rows = toward_the_batch(rows)
     left = np.array([n for n, _ in rows], float)
     p = np.stack([est.p for _, est in rows])

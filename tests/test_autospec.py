@@ -347,6 +347,41 @@ def test_acceptance_estimate_and_choice():
     assert autospec.widths_for(6) == (1, 2, 4, 7) and autospec.widths_for(1) == (1, 2)
 
 
+def _finished_prompts(pair: autospec.AcceptanceEstimate, rates, rounds: int = 48) -> None:
+    """Prompts whose rows each ran ``rounds`` chain rounds at a first-draft rate of ``rates[i]``, ended."""
+    for rate in rates:
+        row = pair.for_new_prompt()
+        hits = int(round(rate * rounds))
+        row.observe([[1]] * hits + [[0]] * (rounds - hits), 1)
+        pair.observe([[1]] * hits + [[0]] * (rounds - hits), 1)
+        pair.finish_prompt(row)
+
+
+def test_a_new_prompt_carries_as_much_of_the_pairs_evidence_as_the_prompts_likeness_warrants():
+    """``carry_rounds``: prompts whose first-draft rates differ no more than their rounds' sampling explains
+    (T=1 here: 0.44-0.58 over ~60 rounds each) make a new prompt start from the pair's whole evidence, so
+    that its first lucky rounds do not pick a chain; prompts that differ (greedy: hard ones, loops) keep the
+    CARRY_ROUNDS / CARRY_DEEP_ROUNDS caps; too few prompts tell nothing."""
+    alike = autospec.AcceptanceEstimate()
+    _finished_prompts(alike, [0.5] * (autospec.PROMPTS_TO_CARRY - 1))
+    assert alike.carry_rounds() == 0.0  # too few prompts yet
+    rng = np.random.default_rng(0)
+    _finished_prompts(alike, rng.binomial(48, 0.55, 12) / 48)  # one rate, binomial noise only
+    assert alike.carry_rounds() > 50
+    new = alike.for_new_prompt()
+    assert new.trials == pytest.approx(alike.trials) and new.own.tolist() == [0.0, 0.0]
+    new.observe([[1]] * 4, 1)  # four lucky rounds
+    assert new.p[0] < 0.65 and new.own.tolist() == [4.0, 4.0]
+    differ = autospec.AcceptanceEstimate()
+    _finished_prompts(differ, [0.1, 0.95, 0.3, 0.9, 0.2, 0.99])
+    assert differ.carry_rounds() < autospec.CARRY_DEEP_ROUNDS
+    assert differ.for_new_prompt().trials[0] == pytest.approx(autospec.CARRY_ROUNDS)
+    short = differ.for_new_prompt()
+    short.observe([[1]] * (autospec.PROMPT_MIN_ROUNDS - 1), 1)
+    differ.finish_prompt(short)  # too few rounds of its own to tell its rate
+    assert len(differ.prompts) == 6
+
+
 def test_a_new_prompt_weighs_its_own_probe_against_the_pairs_history():
     """A new prompt starts from the pair's rates with at most CARRY_ROUNDS rounds of their evidence for the
     first draft (CARRY_DEEP_ROUNDS for deeper ones): after many rounds the drafter could not follow, a

@@ -14,6 +14,7 @@ from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving.slots import Admission
 from eagle_jax.serving.depth import AutoDepth
+from eagle_jax.decoding.autospec import PROMPT_MIN_ROUNDS
 from engine_models import markov_pair
 from eagle_jax.serving.text import TextStream
 from serving_models import build_tokenizer
@@ -100,6 +101,8 @@ def test_auto_depth_in_slots_equals_generate(pair, eos):
     snap = auto.snapshot()  # what bench.serve reports of the chooser
     assert any(at["probe_ms"] for at in snap["costs"]["greedy"].values()) and len(snap["acceptance"]) == max(auto.depths)
     assert sum(h.accepted.count(2) + h.accepted.count(3) for h in handles) > 0
+    # every ended request's own acceptance joined the spread a new request's carry is read from
+    assert len(auto.estimate.prompts) == sum(h.estimate.own[1] >= PROMPT_MIN_ROUNDS for h in handles) > 0
 
 
 def test_tree_speculation_in_slots_equals_generate(pair, eos):

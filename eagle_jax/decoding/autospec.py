@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -148,6 +149,15 @@ CARRY_ROUNDS = 6.0
 # deeper rates outweighed it, and a call after a hard prompt left speculation where a chain was 1.3x
 # plain decoding (bfloat16, where a round that feeds the drafter costs 1.5x a plain one).
 CARRY_DEEP_ROUNDS = 2.0
+# Those caps hold while prompts are seen to differ. How much they differ is measured: the spread of the
+# first-draft rates of the last PROMPT_MEMORY prompts (each over at least PROMPT_MIN_ROUNDS rounds of its
+# own) beyond what their rounds' sampling explains. Where prompts are alike (sampling at T=1: every
+# prompt's rate within its own noise), a new prompt carries as many rounds as that spread warrants
+# (``carry_rounds``, empirical Bayes): else its first few rounds, noisy, pick the depth their luck
+# favours (a lucky first 4 rounds priced a chain of 3 at 1.2x its worth and it ran 8 rounds, call after call).
+PROMPT_MEMORY = 32
+PROMPT_MIN_ROUNDS = 8
+PROMPTS_TO_CARRY = 4  # prompts seen before the spread is read
 # A batch ends with its slowest row, priced from that row's own estimate; after a few rounds each such
 # estimate is noisy, and the slowest of several noisy estimates is lower than the slowest row turns out to
 # be (at T=1, batch 4, where rows accept alike, that priced K=1 below plain decoding though it was 5-7%
@@ -179,22 +189,49 @@ class AcceptanceEstimate:
         self.trials = np.zeros(max_depth)
         self.hits = np.zeros(max_depth)
         self.unobserved = float("inf")  # rounds decoded since acceptance was last observed (``age``): never yet
+        self.own = np.zeros(2)  # this prompt's own first-draft (hits, trials), undecayed, carried evidence apart
+        self.prompts: deque[tuple[float, float]] = deque(maxlen=PROMPT_MEMORY)  # finished prompts' ``own``
 
     def copy(self) -> "AcceptanceEstimate":
         new = AcceptanceEstimate(len(self.trials))
-        new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
+        new.trials, new.hits, new.unobserved, new.own = self.trials.copy(), self.hits.copy(), self.unobserved, self.own.copy()
+        new.prompts = deque(self.prompts, maxlen=PROMPT_MEMORY)
         return new
 
     def for_new_prompt(self) -> "AcceptanceEstimate":
-        """A copy to start a new prompt's estimate from: the same rates, at most ``CARRY_ROUNDS`` rounds of
-        evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one."""
-        new = self.copy()
+        """A copy to start a new prompt's estimate from: the same rates, with at most ``CARRY_ROUNDS`` rounds
+        of evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one, or ``carry_rounds``
+        for every position where the prompts before were seen to be alike."""
+        new = AcceptanceEstimate(len(self.trials))
+        new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
         cap = np.full(len(new.trials), CARRY_DEEP_ROUNDS)
         cap[0] = CARRY_ROUNDS
+        cap = np.maximum(cap, self.carry_rounds())
         scale = np.minimum(1.0, cap / np.maximum(new.trials, 1e-12))
         new.trials *= scale
         new.hits *= scale
         return new
+
+    def finish_prompt(self, row: "AcceptanceEstimate") -> None:
+        """A prompt whose estimate ``row`` started from ``for_new_prompt`` ended: its own first-draft
+        evidence joins the spread ``carry_rounds`` reads."""
+        if row.own[1] >= PROMPT_MIN_ROUNDS:
+            self.prompts.append((float(row.own[0]), float(row.own[1])))
+
+    def carry_rounds(self) -> float:
+        """Rounds of the pair's evidence a new prompt is worth, from how the last prompts' first-draft rates
+        differ: with a between-prompt variance tau^2 of the rates (their observed variance less the
+        binomial variance their rounds explain), a prior of n0 = p (1 - p) / tau^2 - 1 rounds (the
+        beta-binomial's). 0 until ``PROMPTS_TO_CARRY`` prompts were seen."""
+        if len(self.prompts) < PROMPTS_TO_CARRY:
+            return 0.0
+        hits, trials = np.array(self.prompts).T
+        rate = hits / trials
+        p = float(hits.sum() / trials.sum())
+        tau2 = float(rate.var(ddof=1) - np.mean(rate * (1 - rate) / (trials - 1)))
+        if p * (1 - p) <= 0:
+            return 0.0  # every draft accepted, or none: nothing tells the prompts apart yet
+        return float(np.clip(p * (1 - p) / max(tau2, 1e-6) - 1, 0.0, 1e3))
 
     def _add(self, trials: np.ndarray, hits: np.ndarray, reached: int) -> None:
         """Adds rounds given as per-round trial / hit rates [R, max_depth] (oldest first) of rounds
@@ -217,6 +254,7 @@ class AcceptanceEstimate:
         i = np.arange(len(self.trials))[None, :]
         trials = np.stack([((i <= a[:, None]) & (i < depth)).mean(0) for a in rounds])
         hits = np.stack([(i < a[:, None]).mean(0) for a in rounds])
+        self.own += (hits[:, 0].sum(), len(rounds))
         self._add(trials, hits, depth)
 
     def observe_probe(self, chance: float, rounds: float) -> None:
@@ -228,6 +266,7 @@ class AcceptanceEstimate:
         trials[:, 0] = 1.0
         hits = np.zeros_like(trials)
         hits[:, 0] = chance
+        self.own += (chance * rounds, rounds)
         self._add(trials, hits, 1)
 
     def age(self, rounds: int) -> None:

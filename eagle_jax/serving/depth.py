@@ -49,6 +49,10 @@ class AutoDepth:
     def new_estimate(self) -> AcceptanceEstimate:
         return self.estimate.for_new_prompt()
 
+    def finish_request(self, estimate: AcceptanceEstimate) -> None:
+        """A request ended: its own acceptance joins the spread that sets how much a new one carries."""
+        self.estimate.finish_prompt(estimate)
+
     def choose(self, estimates: Sequence[AcceptanceEstimate], rows: int, greedy: bool,
                span_of: Callable[[int], int]) -> SpecConfig | None:
         """The next step's spec for requests with these estimates, computed over ``rows`` rows; ``span_of(depth)``:

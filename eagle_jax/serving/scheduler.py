@@ -317,6 +317,8 @@ class Scheduler:
             self._prefix.set(("slot", slot), r.prompt[:held] if held is not None else
                              (*r.prompt, *handle.tokens[: max(0, int(self._lengths[slot]) - len(r.prompt))]))
         self._prefilling.pop(slot, None)
+        if handle.estimate is not None:
+            self.schedule.finish_request(handle.estimate)
         handle._finish(reason, time.perf_counter())
 
     def _iterate(self) -> None:

@@ -19,6 +19,8 @@ does. Per order: tokens/s of auto, plain and each fixed chain over the whole seq
 the best fixed configuration in hindsight (goal >= 0.95) and against plain (goal >= 1.0); the first
 call's time per token against plain decoding's on the same call (goal <= 1.3). Greedy outputs are checked
 equal to plain decoding's. The plot shows the depth auto ran (mean over its rounds) call by call.
+``--repeats N`` runs each order N times with other generation seeds and pools the rates: at T=1 every
+configuration draws other tokens, so one run's best fixed configuration is partly the luckiest.
 """
 
 from __future__ import annotations

@@ -455,9 +455,9 @@ class _AutoRun:
             elif depth == autospec.PLAIN:
                 self.estimate.age(ran)
             else:
-                self.estimate.observe([[int(a) for a in col if a >= 0] for col in accepted[:, :ran].T], depth)
+                self.estimate.observe(accepted[:, :ran].T, depth)
                 for b, row in enumerate(accepted[:, :ran]):
-                    row_est[b].observe([[int(a)] for a in row if a >= 0], depth)
+                    row_est[b].observe(row[:, None], depth)
                 observed += ran
             self.chunks.append((depth, ran))
             rounds = int(new_rounds)

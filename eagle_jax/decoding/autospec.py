@@ -245,16 +245,28 @@ class AcceptanceEstimate:
         self.trials = self.trials * keep**r + (w * trials).sum(0)
         self.hits = self.hits * keep**r + (w * hits).sum(0)
 
-    def observe(self, accepted: Sequence[Sequence[int]], depth: int) -> None:
+    def observe(self, accepted: Sequence[Sequence[int]] | np.ndarray, depth: int) -> None:
         """Rounds of chains of ``depth`` drafts: ``accepted[r]`` = drafts accepted by each row that ran
-        round r (rows that did not run left out)."""
-        rounds = [np.minimum(np.asarray(a, np.int64), depth) for a in accepted if len(a)]
-        if depth < 1 or not rounds:
+        round r (rows that did not run left out), or an array [rounds, rows] with -1 where a row did
+        not run. One pass over all rounds (this runs inside a timed call, once per chunk and row)."""
+        if depth < 1:
             return
-        i = np.arange(len(self.trials))[None, :]
-        trials = np.stack([((i <= a[:, None]) & (i < depth)).mean(0) for a in rounds])
-        hits = np.stack([(i < a[:, None]).mean(0) for a in rounds])
-        self.own += (hits[:, 0].sum(), len(rounds))
+        if isinstance(accepted, np.ndarray):
+            a = accepted.astype(np.int64).reshape(len(accepted), -1)
+        else:
+            a = np.full((len(accepted), max((len(r) for r in accepted), default=0)), -1, np.int64)
+            for r, row in enumerate(accepted):
+                a[r, : len(row)] = row
+        ran = a >= 0
+        n = ran.sum(1)
+        a, ran, n = a[n > 0], ran[n > 0, :, None], n[n > 0, None]
+        if not len(n):
+            return
+        a = np.minimum(a, depth)[:, :, None]
+        i = np.arange(len(self.trials))
+        trials = ((i <= a) & (i < depth) & ran).sum(1) / n
+        hits = ((i < a) & ran).sum(1) / n
+        self.own += (hits[:, 0].sum(), len(n))
         self._add(trials, hits, depth)
 
     def observe_probe(self, chance: float, rounds: float) -> None:

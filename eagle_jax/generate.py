@@ -298,6 +298,7 @@ class _AutoRun:
         self._states = {True: signature((self.t_state, self.d_state)), False: signature((self.t_state, None))}
         self._programs: dict[tuple[int | None, bool], Any] = {}
         self.most_rounds = most_rounds  # the longest chunk: a stream's reader waits for each (None: any)
+        self.carry = 0.0  # rounds of the pair's evidence each new prompt carries (``carry_rounds``), read at the start
 
     def _compiled(self, kind: str, plan: Plan, fed: bool, args: tuple, build, donate_argnums: tuple[int, ...] = ()):
         compiled, seconds = _PROGRAMS.get(kind, self.t_graph, None, plan, args, build, self._pairs[fed], donate_argnums, self._states[fed])
@@ -317,7 +318,8 @@ class _AutoRun:
     def _plain_from_start(self) -> bool:
         """Whether this call decodes plainly without ever feeding the drafter (``SpanCosts.plain_settled``),
         while the pair's acceptance was observed within ``REPROBE_ROUNDS`` rounds (past them, a call probes)."""
-        return self.costs.plain_settled(self.plan.batch) and self.estimate.unobserved < autospec.REPROBE_ROUNDS
+        alike = self.estimate.carry_rounds() > autospec.CARRY_ROUNDS
+        return self.costs.plain_settled(self.plan.batch, alike) and self.estimate.unobserved < autospec.REPROBE_ROUNDS
 
     def _chunk(self, depth: int | None, st, limit: int, fed: bool, watch: np.ndarray = autospec.NEVER):
         """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
@@ -377,7 +379,7 @@ class _AutoRun:
             return todo[0], autospec.EXPLORE_ROUNDS
         rows = autospec.toward_the_batch(self._as_chosen(rows, observed))
         times = autospec.finish_times(costs, batch, rows)
-        depth = min(times, key=times.get)
+        depth = autospec.keep_close(times, self.chunks[-1][0] if self.chunks else None)
         may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]
         if observed < autospec.PROBE_ROUNDS and (depth == autospec.PLAIN or may_win):
             # Plain decoding ends the call's speculation, measured or chosen: only on this call's own evidence.
@@ -392,14 +394,18 @@ class _AutoRun:
             return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
         if (rival := autospec.close_unsettled(times, lambda d: self.costs.settled(d, batch))) is not None:
             return rival, autospec.EXPLORE_ROUNDS  # a close depth whose cost is not known well yet
+        if depth == autospec.PLAIN:  # plain decoding proper cannot be left within the call: no look, no boundary
+            return depth, self.most_rounds or self.plan.max_rounds
         # A depth chosen anew runs CHUNK_ROUNDS: a look at these rows' own acceptance there, read by the
         # estimates' point values (a prompt's first rounds say most about it). Chosen again, it takes the rounds
         # the call is expected to need and half as many again (the loop stops once every row is done), up to
         # MAX_CHUNK_ROUNDS, and ends sooner where its rows depart from the estimate it was chosen on
         # (``autospec.watch``): a chunk's host round trip and loop entry (~1.6 ms here, 4% of an 8-round chunk
         # at T=1) is paid about twice a call, not every few rounds. No short chunk is left for the end.
+        # Where prompts are alike (a new one carries at least a long chunk's rounds of their evidence), a look
+        # could not change the choice: every chunk is a long one, watched.
         left = max(r / est.expected_tokens(depth) for r, est in rows)
-        again = bool(self.chunks) and self.chunks[-1][0] == depth
+        again = (bool(self.chunks) and self.chunks[-1][0] == depth) or self.carry >= autospec.MAX_CHUNK_ROUNDS
         most = min(autospec.MAX_CHUNK_ROUNDS, self.most_rounds or autospec.MAX_CHUNK_ROUNDS)
         if not again and left > 2 * autospec.CHUNK_ROUNDS:
             return depth, min(autospec.CHUNK_ROUNDS, most)
@@ -423,6 +429,7 @@ class _AutoRun:
         yield st
         observed, rounds = 0, 0
         # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
+        self.carry = self.estimate.carry_rounds()
         row_est = [self.estimate.for_new_prompt() for _ in range(self.plan.batch)]
         done_rows, n_out = jax.device_get((st.done, st.n_out))
         while not np.all(done_rows) and rounds < self.plan.max_rounds:

@@ -299,6 +299,9 @@ def test_hindsight_counts_the_drafters_prefill():
     assert costs.plain_rows[4] == 0
     costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
     assert costs.plain_rows[4] == 4
+    # PLAIN_EVIDENCE_ROWS prompts settle plain decoding; PROMPTS_TO_CARRY where the prompts were seen to be alike
+    assert autospec.PROMPTS_TO_CARRY == 4 < autospec.PLAIN_EVIDENCE_ROWS
+    assert not costs.plain_settled(4) and costs.plain_settled(4, alike=True)
 
 
 def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed_costs, pair):
@@ -315,6 +318,16 @@ def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed
     probed = [r.stats["chunks"][0][0] is None for r in runs]
     assert probed == [True, False, False, True]  # never fresh at first; then 27 + 31 < 64 <= 27 + 62 plain rounds
     assert runs[1].stats["chunks"] == [(autospec.PLAIN, 31)]
+    # chosen after a probe, plain decoding proper (no way back within the call) runs the rest in one chunk
+    assert runs[0].stats["chunks"] == [(None, autospec.PROBE_ROUNDS), (autospec.PLAIN, 27)]
+
+
+def test_a_close_race_keeps_the_running_depth():
+    """A depth within WATCH_TOLERANCE of the fastest goes on running: the noise of the estimates would otherwise
+    switch between near-equal chains every chunk, each switch a host round trip and a look."""
+    times = {autospec.PLAIN: 1.0, 1: 0.80, 3: 0.81}
+    assert autospec.keep_close(times, 3) == 3 and autospec.keep_close(times, 1) == 1
+    assert autospec.keep_close(times, None) == 1 and autospec.keep_close({**times, 3: 0.83}, 3) == 1
 
 
 def test_acceptance_estimate_and_choice():
@@ -366,10 +379,13 @@ def test_a_new_prompt_carries_as_much_of_the_pairs_evidence_as_the_prompts_liken
     _finished_prompts(alike, [0.5] * (autospec.PROMPTS_TO_CARRY - 1))
     assert alike.carry_rounds() == 0.0  # too few prompts yet
     rng = np.random.default_rng(0)
-    _finished_prompts(alike, rng.binomial(48, 0.55, 12) / 48)  # one rate, binomial noise only
-    assert alike.carry_rounds() > 50
+    _finished_prompts(alike, rng.binomial(48, 0.55, 24) / 48)  # one rate, binomial noise only
+    carry = alike.carry_rounds()
+    assert 50 < carry < 1e3  # read one standard error of the spread high: alike, but only 27 prompts seen
     new = alike.for_new_prompt()
-    assert new.trials == pytest.approx(alike.trials) and new.own.tolist() == [0.0, 0.0]
+    assert new.trials[1:] == pytest.approx(alike.trials[1:]) and new.own.tolist() == [0.0, 0.0]
+    hits, trials = np.array(alike.prompts).sum(0)  # the first draft: the finished prompts' pooled rate, undecayed
+    assert new.trials[0] == pytest.approx(carry) and new.p[0] == pytest.approx((hits / trials * carry + 3 * autospec.PRIOR) / (carry + 3))
     new.observe([[1]] * 4, 1)  # four lucky rounds
     assert new.p[0] < 0.65 and new.own.tolist() == [4.0, 4.0]
     differ = autospec.AcceptanceEstimate()

@@ -129,6 +129,9 @@ PROBE_FIRST_BELOW = 0.8
 # rounds: a batch size at which speculation does not pay then costs what plain decoding costs, and
 # still probes about every REPROBE_ROUNDS rounds.
 PLAIN_EVIDENCE_ROWS = 8
+# ... or PROMPTS_TO_CARRY where the prompts were seen to be alike (``carry_rounds`` above CARRY_ROUNDS: at T=1
+# every prompt accepts within its own noise), so that one prompt speaks for the next: else a batch of 1
+# pays the drafter's prefill and a probe on every call of a short sequence that plain decoding wins.
 PLAIN_MARGIN = 1.02
 REPROBE_ROUNDS = 192  # about one call in four of ~64 tokens probes: the drafter's prefill and a probe cost ~5-10% of such a call
 # Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
@@ -200,16 +203,23 @@ class AcceptanceEstimate:
 
     def for_new_prompt(self) -> "AcceptanceEstimate":
         """A copy to start a new prompt's estimate from: the same rates, with at most ``CARRY_ROUNDS`` rounds
-        of evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one, or ``carry_rounds``
-        for every position where the prompts before were seen to be alike."""
+        of evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one; or, where the prompts
+        before were seen to be alike (``carry_rounds`` above those caps), ``carry_rounds`` for every position,
+        the first draft's at the finished prompts' pooled rate (their rounds undecayed: the decayed
+        estimate holds ~30 rounds, whose noise alone swung a chain of 3 in and out of favour at T=1)."""
         new = AcceptanceEstimate(len(self.trials))
         new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
+        carry = self.carry_rounds()
         cap = np.full(len(new.trials), CARRY_DEEP_ROUNDS)
         cap[0] = CARRY_ROUNDS
-        cap = np.maximum(cap, self.carry_rounds())
+        cap = np.maximum(cap, carry)
         scale = np.minimum(1.0, cap / np.maximum(new.trials, 1e-12))
         new.trials *= scale
         new.hits *= scale
+        if carry > CARRY_ROUNDS:
+            hits, trials = np.array(self.prompts).sum(0)
+            new.trials[0] = min(carry, trials)
+            new.hits[0] = new.trials[0] * hits / trials
         return new
 
     def finish_prompt(self, row: "AcceptanceEstimate") -> None:
@@ -222,15 +232,18 @@ class AcceptanceEstimate:
         """Rounds of the pair's evidence a new prompt is worth, from how the last prompts' first-draft rates
         differ: with a between-prompt variance tau^2 of the rates (their observed variance less the
         binomial variance their rounds explain), a prior of n0 = p (1 - p) / tau^2 - 1 rounds (the
-        beta-binomial's). 0 until ``PROMPTS_TO_CARRY`` prompts were seen."""
+        beta-binomial's). tau^2 is read one standard error high (a sample variance of k rates is known
+        to ~sqrt(2 / (k - 1)) of itself): four alike prompts do not make a fifth one's rounds worthless.
+        0 until ``PROMPTS_TO_CARRY`` prompts were seen."""
         if len(self.prompts) < PROMPTS_TO_CARRY:
             return 0.0
         hits, trials = np.array(self.prompts).T
         rate = hits / trials
         p = float(hits.sum() / trials.sum())
-        tau2 = float(rate.var(ddof=1) - np.mean(rate * (1 - rate) / (trials - 1)))
         if p * (1 - p) <= 0:
             return 0.0  # every draft accepted, or none: nothing tells the prompts apart yet
+        spread = float(rate.var(ddof=1))
+        tau2 = spread * (1 + math.sqrt(2 / (len(rate) - 1))) - float(np.mean(rate * (1 - rate) / (trials - 1)))
         return float(np.clip(p * (1 - p) / max(tau2, 1e-6) - 1, 0.0, 1e3))
 
     def _add(self, trials: np.ndarray, hits: np.ndarray, reached: int) -> None:
@@ -483,9 +496,11 @@ class SpanCosts:
         clear = self.measured(PLAIN, batch) and spec is not None and PLAIN_MARGIN * times[PLAIN] <= spec
         self.plain_rows[batch] = self.plain_rows.get(batch, 0) + batch if clear else 0
 
-    def plain_settled(self, batch: int) -> bool:
-        """Whether plain decoding was fastest on enough recent prompts at this batch size to start a call without the drafter."""
-        return self.measured(PLAIN, batch) and self.plain_rows.get(batch, 0) >= PLAIN_EVIDENCE_ROWS
+    def plain_settled(self, batch: int, alike: bool = False) -> bool:
+        """Whether plain decoding was fastest on enough recent prompts at this batch size to start a call
+        without the drafter; ``alike``: the prompts were seen to accept alike, so fewer suffice."""
+        needed = PROMPTS_TO_CARRY if alike else PLAIN_EVIDENCE_ROWS
+        return self.measured(PLAIN, batch) and self.plain_rows.get(batch, 0) >= needed
 
 
 class AtSpan:
@@ -519,6 +534,15 @@ def finish_times(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int
     expected_tokens(d)``, not the batch's tokens per second: rows the drafter follows well finish
     early and then only wait."""
     return {d: c * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if (c := costs.cost(d, batch))}
+
+
+def keep_close(times: dict[int, float], current: int | None) -> int:
+    """The depth expected soonest in ``times`` (depth -> expected seconds), or ``current`` (the depth of the chunk
+    that just ran) where it is within ``WATCH_TOLERANCE`` of it: the watch ends a chunk at that tolerance, and a
+    closer race is not worth a switch, whose winner the estimates' noise picks (at T=1 a chain of 1 and one of
+    3 are that close, and an estimate over ~30 rounds swung between them every chunk)."""
+    best = min(times, key=times.get)
+    return current if current in times and times[current] <= (1 + WATCH_TOLERANCE) * times[best] else best
 
 
 def toward_the_batch(rows: Sequence[tuple[int, AcceptanceEstimate]]) -> list[tuple[int, AcceptanceEstimate]]:

@@ -399,14 +399,16 @@ class _AutoRun:
         # A depth chosen anew runs CHUNK_ROUNDS: a look at these rows' own acceptance there, read by the
         # estimates' point values (a prompt's first rounds say most about it). Chosen again, it takes the rounds
         # the call is expected to need and half as many again (the loop stops once every row is done), up to
-        # MAX_CHUNK_ROUNDS, and ends sooner where its rows depart from the estimate it was chosen on
+        # MAX_CHUNK_ROUNDS (unless the call is expected to end within a look past them: no short chunk is left
+        # for the end), and ends sooner where its rows depart from the estimate it was chosen on
         # (``autospec.watch``): a chunk's host round trip and loop entry (~1.6 ms here, 4% of an 8-round chunk
-        # at T=1) is paid about twice a call, not every few rounds. No short chunk is left for the end.
+        # at T=1) is paid about twice a call, not every few rounds.
         # Where prompts are alike (a new one carries at least a long chunk's rounds of their evidence), a look
         # could not change the choice: every chunk is a long one, watched.
         left = max(r / est.expected_tokens(depth) for r, est in rows)
         again = (bool(self.chunks) and self.chunks[-1][0] == depth) or self.carry >= autospec.MAX_CHUNK_ROUNDS
-        most = min(autospec.MAX_CHUNK_ROUNDS, self.most_rounds or autospec.MAX_CHUNK_ROUNDS)
+        longest = autospec.MAX_CHUNK_ROUNDS if left > autospec.MAX_CHUNK_ROUNDS + autospec.CHUNK_ROUNDS else self.plan.max_rounds
+        most = min(longest, self.most_rounds or longest)
         if not again and left > 2 * autospec.CHUNK_ROUNDS:
             return depth, min(autospec.CHUNK_ROUNDS, most)
         return depth, min(max(autospec.CHUNK_ROUNDS, math.ceil(1.5 * left)), most)

@@ -21,10 +21,11 @@ apart, because they change at different speeds:
   (engine ``probe_acceptance``), so the estimate recovers while decoding plainly.
 
 Each chunk of rounds (a ``generate`` call's; the server decides per step) runs the depth with the most
-expected tokens per second, ``expected_tokens(K) / cost(K)`` (``choose_depth``). A ``generate`` chunk
-at a depth chosen anew runs ``CHUNK_ROUNDS``; chosen again, it takes the rounds its call is expected to
-need (up to ``MAX_CHUNK_ROUNDS``) and ends early in the compiled loop once its rows accept drafts
-outside the band where its depth pays (``watch``, engine ``departed``). One bad prompt therefore
+expected tokens per second, ``expected_tokens(K) / cost(K)`` (``choose_depth``), the running depth kept
+where it is within ``WATCH_TOLERANCE`` of it (``keep_close``). A ``generate`` chunk at a depth chosen
+anew runs ``CHUNK_ROUNDS`` (a look; none where prompts are alike); chosen again, it takes the rounds its
+call is expected to need (up to ``MAX_CHUNK_ROUNDS``) and ends early in the compiled loop once its rows
+accept drafts outside the band where its depth pays (``watch``, engine ``departed``). One bad prompt therefore
 costs a few rounds, not the process: the choice is made again wherever what the current prompts do
 says it may change. Plain decoding proper (the drafter not
 fed, so no way back within the call) runs only after a fresh probe of ``PROBE_ROUNDS`` rounds has

@@ -299,7 +299,6 @@ class _AutoRun:
         self._programs: dict[tuple[int | None, bool], Any] = {}
         self.most_rounds = most_rounds  # the longest chunk: a stream's reader waits for each (None: any)
         self.carry = 0.0  # rounds of the pair's evidence each new prompt carries (``carry_rounds``), read at the start
-        self.departed = False  # whether the last chunk ended early, its watch seeing its rows depart
 
     def _compiled(self, kind: str, plan: Plan, fed: bool, args: tuple, build, donate_argnums: tuple[int, ...] = ()):
         compiled, seconds = _PROGRAMS.get(kind, self.t_graph, None, plan, args, build, self._pairs[fed], donate_argnums, self._states[fed])
@@ -380,8 +379,7 @@ class _AutoRun:
             return todo[0], autospec.EXPLORE_ROUNDS
         rows = autospec.toward_the_batch(self._as_chosen(rows, observed))
         times = autospec.finish_times(costs, batch, rows)
-        # The running depth is kept in a close race, unless its watch just ended it (the rows left its band).
-        depth = autospec.keep_close(times, self.chunks[-1][0] if self.chunks and not self.departed else None)
+        depth = autospec.keep_close(times, self.chunks[-1][0] if self.chunks else None)
         may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]
         if observed < autospec.PROBE_ROUNDS and (depth == autospec.PLAIN or may_win):
             # Plain decoding ends the call's speculation, measured or chosen: only on this call's own evidence.
@@ -450,7 +448,6 @@ class _AutoRun:
             accepted = accepted[:, rounds : rounds + n]
             seconds = time.perf_counter() - t0 - (self.compile_s - compile0)
             ran = int(new_rounds) - rounds
-            self.departed = ran < n and not np.all(done_rows) and int(new_rounds) < self.plan.max_rounds
             self.run_s += seconds
             if not fresh:  # a program's first run pays one-time costs (~0.3 s on a CPU): not a round's cost
                 if self.costs.chunk_s is None:

@@ -330,20 +330,6 @@ def test_a_close_race_keeps_the_running_depth():
     assert autospec.keep_close(times, None) == 1 and autospec.keep_close({**times, 3: 0.83}, 3) == 1
 
 
-def test_a_call_keeps_its_depth_in_a_close_race_unless_its_watch_ended_it(fixed_costs, pair):
-    """Every draft accepted 77% of the time: K=3 is the fastest, K=5 within 1% of it. A call running K=5 goes
-    on with it; one whose K=5 chunk its watch just ended (the rows left the band where K=5 pays) chooses anew."""
-    est = autospec.AcceptanceEstimate()
-    est.trials[:], est.hits[:] = 1000.0, 770.0
-    run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 64, _AUTO_KW)
-    times = autospec.finish_times(fixed_costs.at(run.plan.cache_len), 1, [(64, est)])
-    assert min(times, key=times.get) == 3 and times[5] <= (1 + autospec.WATCH_TOLERANCE) * times[3]
-    run.chunks[:] = [(5, autospec.CHUNK_ROUNDS)]
-    assert run._next(True, [(64, est)], observed=8)[0] == 5
-    run.departed = True
-    assert run._next(True, [(64, est)], observed=8)[0] == 3
-
-
 def test_acceptance_estimate_and_choice():
     """Per-position conditional acceptance from accepted counts; a prior for positions never reached;
     rounds without drafts observe the first draft; aging returns toward the prior."""

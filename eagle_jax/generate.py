@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
-from eagle_jax.decoding import autospec
+from eagle_jax.decoding import adaptive_costs, autospec
 from eagle_jax.decoding.engine import Plan, run_rounds
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
@@ -179,7 +179,7 @@ def _prepare(target, drafter, prompts, max_new_tokens, sampling: SamplingParams,
         exact=bool(exact),
     )
     if spec_cfg is not None and spec_cfg.adaptive:
-        plan = dataclasses.replace(plan, widths=autospec.widths_for(spec_cfg.num_speculative_tokens))
+        plan = dataclasses.replace(plan, widths=adaptive_costs.widths_for(spec_cfg.num_speculative_tokens))
     prompt = np.zeros((plan.batch, bucket(longest)), np.int32)
     for i, p in enumerate(ids):
         prompt[i, : len(p)] = p
@@ -195,11 +195,11 @@ def _placeholder_costs(plan: Plan):
     return None if plan.widths is None else jnp.zeros((len(plan.widths) + 3,), jnp.float32)
 
 
-def _calibrated(t_graph, d_graph, plan: Plan, run: autospec.Runner):
+def _calibrated(t_graph, d_graph, plan: Plan, run: adaptive_costs.Runner):
     """The costs array of an adaptive plan (measured once per pair and plan), None for other plans."""
     if plan.widths is None:
         return None
-    return autospec.calibrate((t_graph, d_graph, plan), run, plan.widths, plan.spec.num_speculative_tokens).as_array()
+    return adaptive_costs.calibrate((t_graph, d_graph, plan), run, plan.widths, plan.spec.num_speculative_tokens).as_array()
 
 
 def _split(module):

@@ -2,7 +2,7 @@
 chains (engine._round_adaptive).
 
 Greedy output is plain decoding's whatever auto or the costs make a round choose: the costs are forced here
-(``autospec.calibrate`` patched) to make rounds verify everything, nothing, or a width below the
+(``adaptive_costs.calibrate`` patched) to make rounds verify everything, nothing, or a width below the
 drafts made, and then left to this machine's measurement. The sampling law under adaptive rounds is
 checked in test_engine.py (SAMPLING_CASES "adaptive-*").
 """
@@ -15,7 +15,7 @@ import pytest
 import eagle_jax
 from eagle_jax import SpecConfig
 from eagle_jax.config import ConfigError
-from eagle_jax.decoding import autospec
+from eagle_jax.decoding import adaptive_costs, autospec
 from eagle_jax.decoding.engine import WATCH_MIN_ROUNDS, RoundCosts, draft_confidence
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
@@ -29,7 +29,7 @@ ADAPTIVE = SpecConfig(num_speculative_tokens=K, adaptive=True)
 
 
 def costs(verify_s, draft_s=0.0, plain_s=1.0):
-    return RoundCosts(autospec.widths_for(K), tuple(verify_s), draft_s, plain_s)
+    return RoundCosts(adaptive_costs.widths_for(K), tuple(verify_s), draft_s, plain_s)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def plain(pair):
 
 def run_with(monkeypatch, pair, forced: RoundCosts | None, spec=ADAPTIVE):
     if forced is not None:
-        monkeypatch.setattr(autospec, "calibrate", lambda *a, **k: forced)
+        monkeypatch.setattr(adaptive_costs, "calibrate", lambda *a, **k: forced)
     return eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec=spec, eos_token_id=[])
 
 
@@ -357,7 +357,7 @@ def test_acceptance_estimate_and_choice():
         return min(times, key=times.get)
 
     assert fastest([(50, good)]) == 7 and fastest([(50, good), (50, bad)]) == autospec.PLAIN
-    assert autospec.widths_for(6) == (1, 2, 4, 7) and autospec.widths_for(1) == (1, 2)
+    assert adaptive_costs.widths_for(6) == (1, 2, 4, 7) and adaptive_costs.widths_for(1) == (1, 2)
 
 
 def _finished_prompts(pair: autospec.AcceptanceEstimate, rates, rounds: int = 48) -> None:
@@ -453,7 +453,7 @@ def test_spec_errors(pair):
 
 
 def test_stream_with_adaptive(monkeypatch, pair, plain):
-    monkeypatch.setattr(autospec, "calibrate", lambda *a, **k: costs([1.0, 1.0, 50.0, 50.0]))
+    monkeypatch.setattr(adaptive_costs, "calibrate", lambda *a, **k: costs([1.0, 1.0, 50.0, 50.0]))
     chunks = list(eagle_jax.generate_stream(pair[0], pair[1], PROMPTS, max_new_tokens=24, spec=ADAPTIVE, eos_token_id=[]))
     assert [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))] == plain.tokens
 

@@ -21,7 +21,7 @@ from flax import nnx
 import eagle_jax
 from eagle_jax import ConfigError, Drafter, SpecConfig
 from eagle_jax.config import aux_layer_ids_for
-from eagle_jax.decoding import autospec, engine
+from eagle_jax.decoding import adaptive_costs, engine
 from eagle_jax.decoding.engine import RoundCosts, one_round
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.penalties import Penalties
@@ -480,7 +480,7 @@ def sampled(sampling_pair):
             target, drafter = sampling_pair
             with pytest.MonkeyPatch.context() as mp:
                 if "costs" in case:
-                    mp.setattr(autospec, "calibrate", lambda *a, **k: case["costs"])
+                    mp.setattr(adaptive_costs, "calibrate", lambda *a, **k: case["costs"])
                 res = eagle_jax.generate(
                     target, drafter, [SAMPLE_PROMPT] * N_SAMPLES, max_new_tokens=3, temperature=1.0,
                     top_k=case["top_k"], top_p=case["top_p"], spec=case["spec"], seed=42, **case.get("pen", {}),

@@ -46,7 +46,7 @@ def one_shot_cache_len(prompt_len: int, max_new: int, spec: SpecConfig | None) -
 @dataclass(frozen=True)
 class RoundCosts:
     """Costs of an adaptive round's parts at a plan's batch and cache length, in seconds, as measured
-    in the compiled loop itself (autospec.calibrate): a round costs ``made x draft_s + verify_s[j]``
+    in the compiled loop itself (adaptive_costs.calibrate): a round costs ``made x draft_s + verify_s[j]``
     when it makes ``made`` drafts and verifies ``widths[j]`` positions (the drafter's extension over
     them included); ``plain_s`` is a plain round. ``worth_start``: the loop's initial ``worth``
     (below 1: plain rounds from the start, which calibration uses to time them).

@@ -343,16 +343,17 @@ class _AutoRun:
         return self._programs[depth, fed](*args), fresh
 
     def _time_empty_chunk(self, depth: int | None, st, fed: bool, rounds: int):
-        """Measures a chunk's fixed cost (dispatch and the host sync, ~1 ms on a CPU) by running this
-        chunk's program for no rounds, twice (the least counts); returns the (unchanged) state. Once per
-        pair: a short chunk (a probe's 4 rounds) would otherwise look dearer per round than a long one."""
+        """Measures a chunk's dispatch and host sync (~1 ms on a CPU), the least of its fixed cost, by running
+        this chunk's program for no rounds, twice (the least counts); returns the (unchanged) state. Once per
+        pair: a short chunk (a probe's 4 rounds) would otherwise look dearer per round than a long one. Pairs of
+        chunks of one depth then measure the rest of the fixed cost (``SpanCosts.observe_chunk_pair``)."""
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
             st, _ = self._chunk(depth, st, rounds, fed)
             jax.device_get((st.done, st.n_out, st.rounds, st.accepted, st.probe))
             times.append(time.perf_counter() - t0)
-        self.costs.chunk_s = min(times)
+        self.costs.set_dispatch(min(times))
         return st
 
     def warm(self) -> None:
@@ -430,6 +431,7 @@ class _AutoRun:
         self.run_s += prefill_s
         yield st
         observed, rounds = 0, 0
+        last = None  # (depth, rounds, seconds) of the last timed chunk
         # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
         self.carry = self.estimate.carry_rounds()
         row_est = [self.estimate.for_new_prompt() for _ in range(self.plan.batch)]
@@ -452,8 +454,13 @@ class _AutoRun:
             if not fresh:  # a program's first run pays one-time costs (~0.3 s on a CPU): not a round's cost
                 if self.costs.chunk_s is None:
                     st = self._time_empty_chunk(depth, st, fed, int(new_rounds))
+                if last is not None and last[0] == depth and ran:  # the same program twice: its fixed cost shows
+                    self.costs.observe_chunk_pair(last[1:], (ran, seconds))
+                last = (depth, ran, seconds)
                 cost = seconds - self.costs.chunk_s  # the chunk's rounds alone, comparable between chunk lengths
                 self.costs.model(self.plan.cache_len).update(depth, self.plan.batch, cost, ran)
+            else:
+                last = None
             if depth is None:
                 self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
                 for b, (hits, count) in enumerate(probe):

@@ -234,7 +234,7 @@ def test_a_calls_costs_are_read_at_its_cache_span(monkeypatch, pair):
 
 
 def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
-    """A depth whose cost is only modelled (a line in K through the probe round and the chains that ran), or
+    """A depth whose cost is only modelled (linear in K between the probe round and the chains that ran), or
     measured over fewer than SETTLED_ROUNDS rounds, runs EXPLORE_ROUNDS rounds where it is expected within
     EXPLORE_CLOSE of the best (plain decoding included), in ``generate`` and in the server's chooser; once
     settled, the clock decides, and a distant depth is never tried."""
@@ -246,16 +246,18 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
     model = costs.model(run.plan.cache_len)
     settled = autospec.SETTLED_ROUNDS
-    model.update(None, 1, 1.3, 1)  # probe 1.3 s, K=3 1.6 s, K=7 2.4 s: K=1 modelled at 1.2 s (the chains' line), K=5 at 2.0 s
+    # probe 1.05 s, K=3 1.6 s, K=7 2.4 s: K=1 modelled at 1.23 s (from the probe round to the shallowest chain;
+    # the chains' line would price it at 1.2), K=5 at 2.0 s (between the chains)
+    model.update(None, 1, 1.05, 1)
     model.update(3, 1, 1.6 * settled, settled)
     model.update(7, 1, 2.4 * settled, settled)
     model.update(autospec.PLAIN, 1, 0.95 * settled, settled)
-    assert [costs.at(run.plan.cache_len).cost(d, 1) for d in (1, 5)] == pytest.approx([1.2, 2.0])
+    assert [costs.at(run.plan.cache_len).cost(d, 1) for d in (1, 5)] == pytest.approx([1.05 + 0.55 / 3, 2.0])
     half = autospec.AcceptanceEstimate()
     half.observe(([[0]] * 8 + [[1]] * 4 + [[2]] * 2 + [[3]] * 2) * 5, 3)  # each draft accepted one time in two: K=1 and K=3 close, K=5 not
     depth, n = run._next(True, [(32, half)], observed=8)
     assert depth == 1 and n > autospec.EXPLORE_ROUNDS  # the best runs (and is measured)
-    model.update(1, 1, 1.35, 1)  # dearer than its line: K=3 (settled) wins, K=1 is 5% behind on one round: it runs again
+    model.update(1, 1, 1.35, 1)  # dearer than modelled: K=3 (settled) wins, K=1 is 5% behind on one round: it runs again
     assert run._next(True, [(32, half)], observed=8) == (1, autospec.EXPLORE_ROUNDS)
     model.update(1, 1, 1.45 * (settled - 1), settled - 1)  # settled, 13% behind; K=5 (19% behind) never ran
     assert run._next(True, [(32, half)], observed=8)[0] == 3
@@ -435,8 +437,13 @@ def test_cost_model_needs_one_depth_and_one_probe_per_row_count():
     assert [m.cost(d, 4) for d in (1, 3, 5)] == pytest.approx([2 + 1 / 3, 3.0, 2 + 5 / 3])
     # between measured row counts: probe and slope both interpolated (rows 2: 4/3 s + 0.244 s per draft)
     assert m.cost(5, 2) == pytest.approx(4 / 3 + 5 * (0.2 + (1 / 3 - 0.2) / 3))
-    m.update(3, 4, 9.0, 1)  # a slow measurement raises a cost by COST_RISE at most
-    assert m.cost(3, 4) == pytest.approx(3.0 * autospec.COST_RISE)
+    m.update(3, 4, 9.0, 1)  # one slow measurement does not make a depth dear ...
+    assert m.cost(3, 4) == pytest.approx(3.0)
+    m.update(3, 4, 8.0, 2)  # ... a machine that slowed down does, within a few: the median by rounds
+    assert m.cost(3, 4) == pytest.approx(4.0)
+    for _ in range(autospec.COST_WINDOW):  # and only the last COST_WINDOW measurements count
+        m.update(3, 4, 2.5, 1)
+    assert m.cost(3, 4) == pytest.approx(2.5)
     assert m.cost(autospec.PLAIN, 4) == 2.0 and not m.measured(autospec.PLAIN, 4)  # plain: the probe's until it runs
 
 
@@ -505,3 +512,31 @@ def test_a_watched_chunk_ends_once_its_rows_leave_the_band(pair):
         st, _ = run._chunk(3, run._begin(True), 12, True, np.array([*band, 0.1], np.float32))
         n = int(st.n_out[0])
         assert int(st.rounds) == rounds and n >= rounds and list(np.asarray(st.out[0, :n])) == plain[:n]
+
+
+def test_a_chunks_fixed_cost_is_solved_from_pairs_of_chunks():
+    """A chunk costs a fixed part (dispatch, host sync, the loop's slower first rounds) plus its rounds: two chunks of
+    one depth and different lengths solve for the fixed part, never below an empty chunk's time, robust to one
+    outlier."""
+    costs = autospec.SpanCosts()
+    costs.set_dispatch(0.001)
+    assert costs.chunk_s == 0.001
+    for n1, n2 in [(8, 56), (4, 60), (8, 40)]:
+        costs.observe_chunk_pair((n1, 0.003 + 0.005 * n1), (n2, 0.003 + 0.005 * n2))
+    assert costs.chunk_s == pytest.approx(0.003)
+    costs.observe_chunk_pair((8, 0.2), (56, 0.283))  # a busy moment: one wild solution does not move the median
+    assert costs.chunk_s == pytest.approx(0.003)
+    for _ in range(5):  # no fixed cost seen any more: the median falls, the dispatch stays the floor
+        costs.observe_chunk_pair((8, 0.040), (40, 0.200))
+    assert costs.chunk_s == 0.001
+
+
+def test_a_depth_below_the_shallowest_chain_is_priced_from_the_probe_round():
+    """Verification's cost can be concave in K (a CPU: 1 -> 3 drafts costs more than 3 -> 5): a shallow depth read off
+    the line through two deeper chains would be priced far above its cost and never run to correct it."""
+    m = autospec.CostModel()
+    m.update(None, 1, 1.0, 1)
+    m.update(3, 1, 1.8, 1)
+    m.update(5, 1, 2.0, 1)  # the line through 3 and 5 would price K=1 at 1.6
+    assert m.cost(1, 1) == pytest.approx(1.0 + 0.8 / 3)
+    assert m.cost(4, 1) == pytest.approx(1.9) and m.cost(7, 1) == pytest.approx(2.2)  # between and past them: the chains' line

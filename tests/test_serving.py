@@ -14,7 +14,7 @@ from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving.slots import Admission
 from eagle_jax.serving.depth import AutoDepth
-from eagle_jax.decoding.autospec import PROMPT_MIN_ROUNDS
+from eagle_jax.decoding.acceptance_estimate import PROMPT_MIN_ROUNDS
 from engine_models import markov_pair
 from eagle_jax.serving.text import TextStream
 from serving_models import build_tokenizer

@@ -13,9 +13,10 @@ apart, because they change at different speeds:
   reads it at the nearest span, scaled), so a new batch size, span or depth costs no exploration
   beyond one probe: only the deepest chain runs once (``EXPLORE_ROUNDS`` rounds of real work)
   before any choice, to measure what a drafter step costs, and a depth modelled or measured over few
-  rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's fixed cost (dispatch and
-  host sync) is measured once and left out of its rounds' costs, so short chunks and long ones compare.
-- ``AcceptanceEstimate``: the chance that draft i is accepted once drafts 0..i-1 were, from the
+  rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's fixed cost (dispatch,
+  host sync, the loop's slower first rounds) is solved from pairs of chunks of one depth and left out of
+  its rounds' costs, so short chunks and long ones compare.
+- ``AcceptanceEstimate`` (``decoding/acceptance_estimate.py``): the chance that draft i is accepted once drafts 0..i-1 were, from the
   accepted counts of every round that ran (decaying with ``KEEP`` per round, so it follows a change
   of workload), blended with a prior. Rounds that make no drafts still observe the first draft
   (engine ``probe_acceptance``), so the estimate recovers while decoding plainly.
@@ -45,9 +46,18 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from eagle_jax.decoding import adaptive_costs
+from eagle_jax.decoding.acceptance_estimate import (  # noqa: F401  (read as autospec.X by generate and the tests)
+    CARRY_DEEP_ROUNDS,
+    CARRY_ROUNDS,
+    DEEPEST,
+    PRIOR,
+    PROMPT_MIN_ROUNDS,
+    PROMPTS_TO_CARRY,
+    AcceptanceEstimate,
+)
 
 
-DEPTHS = (1, 3, 5, 7)  # chains auto chooses among, besides plain decoding (0)
+DEPTHS = (1, 3, 5, DEEPEST)  # chains auto chooses among, besides plain decoding (0)
 PLAIN = 0
 CHUNK_ROUNDS = 8  # a generate chunk at a depth chosen anew (one host sync each) ...
 MAX_CHUNK_ROUNDS = 64  # ... and the longest at a depth chosen again (ending sooner where its rows depart: ``watch``)
@@ -80,35 +90,12 @@ PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this fac
 # factor of plain decoding: a probe sees the first draft only, and the deeper positions' estimate carries
 # the prompts before (a hard prompt's), so a close call is settled by a chunk of the best chain.
 SPEC_WORTH_TRYING = 1.3
-KEEP = 0.97  # weight of the past per round in the acceptance estimate (a memory of ~30 rounds)
-# A new prompt starts from its pair's estimate with at most this many rounds of its evidence: acceptance
-# depends on the prompt more than on anything else, so a few probe rounds of its own must be able to
-# outweigh what the prompts before it did (else one hard prompt keeps the next ones decoding plainly).
-CARRY_ROUNDS = 6.0
-# ... and the deeper positions at most this many: a prompt's first rounds are often probes, which see the
-# first draft only, and a deeper position without evidence of its own falls back to the position before
-# it (``p``), i.e. to this prompt's first-draft rate; carried at full weight, the earlier prompts'
-# deeper rates outweighed it, and a call after a hard prompt left speculation where a chain was 1.3x
-# plain decoding (bfloat16, where a round that feeds the drafter costs 1.5x a plain one).
-CARRY_DEEP_ROUNDS = 2.0
-# Those caps hold while prompts are seen to differ. How much they differ is measured: the spread of the
-# first-draft rates of the last PROMPT_MEMORY prompts (each over at least PROMPT_MIN_ROUNDS rounds of its
-# own) beyond what their rounds' sampling explains. Where prompts are alike (sampling at T=1: every
-# prompt's rate within its own noise), a new prompt carries as many rounds as that spread warrants
-# (``carry_rounds``, empirical Bayes): else its first few rounds, noisy, pick the depth their luck
-# favours (a lucky first 4 rounds priced a chain of 3 at 1.2x its worth and it ran 8 rounds, call after call).
-PROMPT_MEMORY = 32
-PROMPT_MIN_ROUNDS = 8
-PROMPTS_TO_CARRY = 4  # prompts seen before the spread is read
 # A batch ends with its slowest row, priced from that row's own estimate; after a few rounds each such
 # estimate is noisy, and the slowest of several noisy estimates is lower than the slowest row turns out to
 # be (at T=1, batch 4, where rows accept alike, that priced K=1 below plain decoding though it was 5-7%
 # faster). So each row's estimate is read with this many rounds of its batch's pooled evidence added:
 # noise among rows shrinks, while a row that really differs shows so within a chunk of its own rounds.
 ROW_POOL_ROUNDS = 8.0
-KEEP_UNTRIED = 0.85  # the same for draft positions a round did not reach: they fall back to the prior sooner
-PRIOR = 0.6  # acceptance of a draft assumed before any is observed
-PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
 # A chain depth whose cost at these rows is only modelled (a line in K through the depths that ran) or rests
 # on fewer than SETTLED_ROUNDS measured rounds, and that is expected to finish within this factor of the
 # best choice (plain decoding included), runs EXPLORE_ROUNDS rounds to be measured: a close choice is
@@ -116,146 +103,22 @@ PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
 # by one short chunk that a busy moment made dear (the depth would then never run again to correct it).
 EXPLORE_CLOSE = 1.1
 SETTLED_ROUNDS = 8  # two exploring chunks, or one chunk of the chosen depth
-COST_RISE = 1.1  # a depth's cost per round may rise at most this much per measurement (see CostModel)
+# A depth's cost per round is the median of its last COST_WINDOW measurements, weighted by their rounds
+# (see CostModel): the lower one of two (optimism corrects itself), a spike's never.
+COST_WINDOW = 8
+CHUNK_SAMPLES = 16  # pairs of chunks whose fixed cost ``SpanCosts.chunk_s`` is the median of
 
 
-class AcceptanceEstimate:
-    """Per draft position i, the chance ``p[i]`` that draft i is accepted given drafts 0..i-1 were.
-
-    Decayed sums over rounds of trials (rounds whose chain reached draft i) and hits (rounds that
-    accepted it); each round weighs 1 however many rows it ran, and the past weighs ``KEEP`` per
-    round. ``p[0]`` falls back to ``PRIOR`` and ``p[i]`` to ``p[i-1]`` with ``PRIOR_ROUNDS`` of weight,
-    so a position never tried is assumed as good as the one before it."""
-
-    def __init__(self, max_depth: int = max(DEPTHS)):
-        self.trials = np.zeros(max_depth)
-        self.hits = np.zeros(max_depth)
-        self.unobserved = float("inf")  # rounds decoded since acceptance was last observed (``age``): never yet
-        self.own = np.zeros(2)  # this prompt's own first-draft (hits, trials), undecayed, carried evidence apart
-        self.prompts: deque[tuple[float, float]] = deque(maxlen=PROMPT_MEMORY)  # finished prompts' ``own``
-
-    def copy(self) -> "AcceptanceEstimate":
-        new = AcceptanceEstimate(len(self.trials))
-        new.trials, new.hits, new.unobserved, new.own = self.trials.copy(), self.hits.copy(), self.unobserved, self.own.copy()
-        new.prompts = deque(self.prompts, maxlen=PROMPT_MEMORY)
-        return new
-
-    def for_new_prompt(self) -> "AcceptanceEstimate":
-        """A copy to start a new prompt's estimate from: the same rates, with at most ``CARRY_ROUNDS`` rounds
-        of evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one; or, where the prompts
-        before were seen to be alike (``carry_rounds`` above those caps), ``carry_rounds`` for every position,
-        the first draft's at the finished prompts' pooled rate (their rounds undecayed: the decayed
-        estimate holds ~30 rounds, whose noise alone swung a chain of 3 in and out of favour at T=1)."""
-        new = AcceptanceEstimate(len(self.trials))
-        new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
-        carry = self.carry_rounds()
-        cap = np.full(len(new.trials), CARRY_DEEP_ROUNDS)
-        cap[0] = CARRY_ROUNDS
-        cap = np.maximum(cap, carry)
-        scale = np.minimum(1.0, cap / np.maximum(new.trials, 1e-12))
-        new.trials *= scale
-        new.hits *= scale
-        if carry > CARRY_ROUNDS:
-            hits, trials = np.array(self.prompts).sum(0)
-            new.trials[0] = min(carry, trials)
-            new.hits[0] = new.trials[0] * hits / trials
-        return new
-
-    def finish_prompt(self, row: "AcceptanceEstimate") -> None:
-        """A prompt whose estimate ``row`` started from ``for_new_prompt`` ended: its own first-draft
-        evidence joins the spread ``carry_rounds`` reads."""
-        if row.own[1] >= PROMPT_MIN_ROUNDS:
-            self.prompts.append((float(row.own[0]), float(row.own[1])))
-
-    def carry_rounds(self) -> float:
-        """Rounds of the pair's evidence a new prompt is worth, from how the last prompts' first-draft rates
-        differ: with a between-prompt variance tau^2 of the rates (their observed variance less the
-        binomial variance their rounds explain), a prior of n0 = p (1 - p) / tau^2 - 1 rounds (the
-        beta-binomial's). tau^2 is read one standard error high (a sample variance of k rates is known
-        to ~sqrt(2 / (k - 1)) of itself): four alike prompts do not make a fifth one's rounds worthless.
-        0 until ``PROMPTS_TO_CARRY`` prompts were seen."""
-        if len(self.prompts) < PROMPTS_TO_CARRY:
-            return 0.0
-        hits, trials = np.array(self.prompts).T
-        rate = hits / trials
-        p = float(hits.sum() / trials.sum())
-        if p * (1 - p) <= 0:
-            return 0.0  # every draft accepted, or none: nothing tells the prompts apart yet
-        spread = float(rate.var(ddof=1))
-        tau2 = spread * (1 + math.sqrt(2 / (len(rate) - 1))) - float(np.mean(rate * (1 - rate) / (trials - 1)))
-        return float(np.clip(p * (1 - p) / max(tau2, 1e-6) - 1, 0.0, 1e3))
-
-    def _add(self, trials: np.ndarray, hits: np.ndarray, reached: int) -> None:
-        """Adds rounds given as per-round trial / hit rates [R, max_depth] (oldest first) of rounds
-        that made ``reached`` drafts. Positions past them age faster (``KEEP_UNTRIED``): what a deeper
-        chain did on earlier prompts says little about these, and falling back to the prior (each
-        position as good as the one before, the fresh ones included) is what brings deep chains back."""
-        r = len(trials)
-        self.unobserved = 0
-        keep = np.where(np.arange(len(self.trials)) < reached, KEEP, KEEP_UNTRIED)
-        w = keep[None, :] ** np.arange(r - 1, -1, -1)[:, None]
-        self.trials = self.trials * keep**r + (w * trials).sum(0)
-        self.hits = self.hits * keep**r + (w * hits).sum(0)
-
-    def observe(self, accepted: Sequence[Sequence[int]] | np.ndarray, depth: int) -> None:
-        """Rounds of chains of ``depth`` drafts: ``accepted[r]`` = drafts accepted by each row that ran
-        round r (rows that did not run left out), or an array [rounds, rows] with -1 where a row did
-        not run. One pass over all rounds (this runs inside a timed call, once per chunk and row)."""
-        if depth < 1:
-            return
-        if isinstance(accepted, np.ndarray):
-            a = accepted.astype(np.int64).reshape(len(accepted), -1)
-        else:
-            a = np.full((len(accepted), max((len(r) for r in accepted), default=0)), -1, np.int64)
-            for r, row in enumerate(accepted):
-                a[r, : len(row)] = row
-        ran = a >= 0
-        n = ran.sum(1)
-        a, ran, n = a[n > 0], ran[n > 0, :, None], n[n > 0, None]
-        if not len(n):
-            return
-        a = np.minimum(a, depth)[:, :, None]
-        i = np.arange(len(self.trials))
-        trials = ((i <= a) & (i < depth) & ran).sum(1) / n
-        hits = ((i < a) & ran).sum(1) / n
-        self.own += (hits[:, 0].sum(), len(n))
-        self._add(trials, hits, depth)
-
-    def observe_probe(self, chance: float, rounds: float) -> None:
-        """``rounds`` rounds without drafts whose first draft would have been accepted with this mean chance."""
-        n = int(round(rounds))
-        if n < 1:
-            return
-        trials = np.zeros((n, len(self.trials)))
-        trials[:, 0] = 1.0
-        hits = np.zeros_like(trials)
-        hits[:, 0] = chance
-        self.own += (chance * rounds, rounds)
-        self._add(trials, hits, 1)
-
-    def age(self, rounds: int) -> None:
-        """``rounds`` rounds passed without observing acceptance: the evidence fades toward the prior, so
-        that plain decoding chosen on old evidence is tried against speculation again."""
-        self.trials *= KEEP**rounds
-        self.hits *= KEEP**rounds
-        self.unobserved += rounds
-
-    @property
-    def p(self) -> np.ndarray:
-        out, prev = np.empty(len(self.trials)), PRIOR
-        for i in range(len(out)):
-            prev = out[i] = (self.hits[i] + PRIOR_ROUNDS * prev) / (self.trials[i] + PRIOR_ROUNDS)
-        return out
-
-    def expected_tokens(self, depth: int) -> float:
-        """Tokens a round of ``depth`` drafts is expected to emit: 1 + sum over i < depth of prod(p[:i+1])."""
-        return 1.0 + float(np.cumprod(self.p[:depth]).sum()) if depth > 0 else 1.0
-
-    def accepted_moments(self, depth: int) -> tuple[float, float]:
-        """Mean and variance of the drafts a round of ``depth`` drafts accepts: P(a >= k) = prod(p[:k])."""
-        at_least = np.cumprod(self.p[:depth])
-        mean = float(at_least.sum())
-        return mean, float((at_least * (2 * np.arange(1, depth + 1) - 1)).sum()) - mean**2
+def weighted_median(values: Iterable[tuple[float, float]]) -> float:
+    """The lower weighted median of (value, weight) pairs: the least value with at least half the weight at
+    or below it."""
+    ordered = sorted(values)
+    half, run = sum(w for _, w in ordered) / 2, 0.0
+    for v, w in ordered:
+        run += w
+        if run >= half:
+            return v
+    return ordered[-1][0]
 
 
 def _along(points: dict[int, float], x: int, extrapolate: bool = False) -> float | None:
@@ -284,10 +147,13 @@ class CostModel:
     run). One model serves every batch size of a pair (``rows``: a ``generate`` call's batch, the
     rows a server step computes), so that a new batch size or depth need not be explored:
 
-    - measured: the lowest seen, allowed to rise by ``COST_RISE`` per measurement (a measurement is a
-      round plus whatever else the machine did meanwhile: one slow chunk cannot make a depth look dear
-      for good, as it would never run again to correct it, while a machine that really slowed down
-      raises its costs within a few chunks);
+    - measured: the median of the last ``COST_WINDOW`` measurements, weighted by their rounds, the
+      lower one of two (a measurement is its rounds plus whatever else the machine did meanwhile: one
+      slow chunk cannot make a depth look dear, as it might never run again to correct it, while a
+      machine that really slowed down raises its costs within a few chunks). Not the lowest seen: at
+      T=1 a chain of 1 and one of 3 are within a few percent, and the lowest of a rarely run depth's
+      few chunks priced it ~9% below what it ran at, against a cost of the running depth read from
+      many; it won the race and ran, call after call;
     - a depth not measured at these rows: a round is one target forward over 1 + K positions and K
       drafter steps, so its cost is linear in K: between the depths measured at these rows, from the
       probe round (K = 0) on, and extrapolated past the deepest;
@@ -301,15 +167,17 @@ class CostModel:
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     probe: dict[int, float] = field(default_factory=dict)
     rounds: dict[tuple[int, int], int] = field(default_factory=dict)  # rounds measured per (rows, depth)
+    # the last COST_WINDOW measurements (seconds per round, rounds) per (rows, depth), depth None = probe
+    window: dict[tuple[int, int | None], deque] = field(default_factory=dict)
 
     def update(self, depth: int | None, rows: int, seconds: float, rounds: int) -> None:
         """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``."""
         if rounds < 1 or seconds <= 0:
             return
-        per = seconds / rounds
         table, key = (self.probe, rows) if depth is None else (self.seconds, (rows, depth))
-        old = table.get(key)
-        table[key] = per if old is None else min(per, COST_RISE * old)
+        seen = self.window.setdefault((rows, depth), deque(maxlen=COST_WINDOW))
+        seen.append((seconds / rounds, rounds))
+        table[key] = weighted_median(seen)
         if depth is not None:
             self.rounds[key] = self.rounds.get(key, 0) + rounds
 
@@ -335,8 +203,8 @@ class CostModel:
 
     def at_rows(self, depth: int, rows: int) -> float | None:
         """Seconds per round at ``depth`` from what ran at exactly ``rows`` rows: measured, or linear in K
-        between the chains measured there (past them, the line through the nearest two, never below a
-        plain round's cost), or with one chain measured, between the probe round and it; None where these
+        between the chains measured there (past the deepest, the line through the nearest two, never below a
+        plain round's cost), or below the shallowest, between the probe round and it; None where these
         rows do not tell. The probe round is the line's base only while one chain ran: it is no chain
         (it feeds and probes the drafter in full), so two chains' costs draw the line better."""
         if (rows, depth) in self.seconds:
@@ -345,8 +213,11 @@ class CostModel:
         if depth == PLAIN or base is None:
             return base
         here = {d: s for (r, d), s in self.seconds.items() if r == rows and d != PLAIN}
-        if len(here) >= 2:
+        if len(here) >= 2 and depth > min(here):
             return max(_along(here, depth, extrapolate=True), self.seconds.get((rows, PLAIN), 0.0))
+        # Below the shallowest chain measured: from the probe round on. The line through two deeper chains
+        # overprices a shallow one where verification's cost is concave in K (a CPU: K=1 read off chains of 3
+        # and 5 at ~1.25x its cost), and a depth priced too dear never runs to correct it.
         return _along({0: base, **here}, depth, extrapolate=True) if here else None
 
     def cost(self, depth: int, rows: int) -> float | None:
@@ -373,7 +244,13 @@ class SpanCosts:
 
     def __init__(self):
         self.by_span: dict[int, CostModel] = {}
-        self.chunk_s: float | None = None  # a generate chunk's fixed cost (dispatch, host sync), apart from its rounds
+        # A generate chunk's fixed cost, apart from its rounds: at least its dispatch and host sync (an empty
+        # chunk's time, ``dispatch_s``), and as two chunks of one depth and different lengths show it
+        # (``observe_chunk_pair``): the loop's first rounds after a host sync run slower too (~0.7 ms more
+        # here), which charged a depth measured in short chunks ~4% more per round than one run long.
+        self.chunk_s: float | None = None
+        self.dispatch_s: float | None = None
+        self._chunk_samples: deque[float] = deque(maxlen=CHUNK_SAMPLES)
         self.plain_rows: dict[int, int] = {}  # per batch: prompts of the latest calls in a row that plain decoding finished soonest
         # per batch: the rows' own estimates at the end of the last call that observed acceptance. A call's
         # first choice reads them: its slowest row sets its end, and the pooled estimate hides the spread.
@@ -381,6 +258,21 @@ class SpanCosts:
 
     def model(self, span: int) -> CostModel:
         return self.by_span.setdefault(span, CostModel())
+
+    def set_dispatch(self, seconds: float) -> None:
+        """An empty chunk's time: the least a chunk's fixed cost can be."""
+        self.dispatch_s = seconds
+        self.chunk_s = max(seconds, self.chunk_s or 0.0)
+
+    def observe_chunk_pair(self, first: tuple[int, float], second: tuple[int, float]) -> None:
+        """Two chunks (rounds, seconds) of one depth, batch and span in a row: t = fixed + rounds x per-round
+        solved for the fixed cost; ``chunk_s`` is the median of the last ``CHUNK_SAMPLES`` such solutions, never
+        below the dispatch."""
+        (n1, t1), (n2, t2) = first, second
+        if n1 == n2 or self.dispatch_s is None:
+            return
+        self._chunk_samples.append((n2 * t1 - n1 * t2) / (n2 - n1))
+        self.chunk_s = max(self.dispatch_s, float(np.median(self._chunk_samples)))
 
     def probed(self, rows: int) -> bool:
         """Whether a probe round's cost at ``rows`` was measured at some span."""

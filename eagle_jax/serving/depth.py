@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding import autospec
-from eagle_jax.decoding.autospec import AcceptanceEstimate, SpanCosts
+from eagle_jax.decoding.acceptance_estimate import AcceptanceEstimate
+from eagle_jax.decoding.autospec import SpanCosts
 
 
 class AutoDepth:

@@ -301,9 +301,18 @@ def test_hindsight_counts_the_drafters_prefill():
     assert costs.plain_rows[4] == 0
     costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
     assert costs.plain_rows[4] == 4
-    # PLAIN_EVIDENCE_ROWS prompts settle plain decoding; PROMPTS_TO_CARRY where the prompts were seen to be alike
+    # PLAIN_EVIDENCE_ROWS prompts settle plain decoding; PROMPTS_TO_CARRY where the prompts were seen to be alike,
+    # from two calls at least (one call's rows may be alike by how they were grouped)
     assert autospec.PROMPTS_TO_CARRY == 4 < autospec.PLAIN_EVIDENCE_ROWS
-    assert not costs.plain_settled(4) and costs.plain_settled(4, alike=True)
+    assert not costs.plain_settled(4) and not costs.plain_settled(4, alike=True)
+    costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
+    assert costs.plain_settled(4, alike=True) and costs.plain_settled(4)
+    model.update(autospec.PLAIN, 2, 1.0, 10)  # batch 2: two calls are the 4 alike prompts, 8 otherwise
+    model.update(None, 2, 1.2, 10)
+    model.update(1, 2, 1.3, 10)
+    for calls in range(1, 5):
+        costs.record_hindsight(256, [(32, est)] * 2, prefill_s=2.0)
+        assert costs.plain_settled(2, alike=True) == (calls >= 2) and costs.plain_settled(2) == (calls >= 4)
 
 
 def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed_costs, pair):

@@ -80,7 +80,8 @@ PROBE_FIRST_BELOW = 0.8
 PLAIN_EVIDENCE_ROWS = 8
 # ... or PROMPTS_TO_CARRY where the prompts were seen to be alike (``carry_rounds`` above CARRY_ROUNDS: at T=1
 # every prompt accepts within its own noise), so that one prompt speaks for the next: else a batch of 1
-# pays the drafter's prefill and a probe on every call of a short sequence that plain decoding wins.
+# pays the drafter's prefill and a probe on every call of a short sequence that plain decoding wins. Two
+# calls' prompts at least (``SpanCosts.plain_settled``).
 PLAIN_MARGIN = 1.02
 REPROBE_ROUNDS = 192  # about one call in four of ~64 tokens probes: the drafter's prefill and a probe cost ~5-10% of such a call
 # Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
@@ -329,8 +330,11 @@ class SpanCosts:
 
     def plain_settled(self, batch: int, alike: bool = False) -> bool:
         """Whether plain decoding was fastest on enough recent prompts at this batch size to start a call
-        without the drafter; ``alike``: the prompts were seen to accept alike, so fewer suffice."""
-        needed = PROMPTS_TO_CARRY if alike else PLAIN_EVIDENCE_ROWS
+        without the drafter; ``alike``: the prompts were seen to accept alike, so fewer suffice, but from two
+        calls at least: one call's rows may be alike by how they were grouped (greedy, batch 4, the four
+        hardest prompts in one call settled plain decoding for the next two, where a chain of 3 was
+        1.2-1.6x faster)."""
+        needed = max(PROMPTS_TO_CARRY, min(PLAIN_EVIDENCE_ROWS, 2 * batch)) if alike else PLAIN_EVIDENCE_ROWS
         return self.measured(PLAIN, batch) and self.plain_rows.get(batch, 0) >= needed
 
 

@@ -87,7 +87,8 @@ def warm(target, drafter, calls, fixed: dict, *, max_new: int, temperature: floa
     """Compiles and runs once every program the calls' shapes need (each fixed configuration, and each of
     auto's: its prefill, a chunk at every depth, plain decoding), on one call per prompt bucket: a
     program's first run pays one-time costs (~0.3 s here) that are compile time, not decoding."""
-    from eagle_jax.generate import _AutoRun, bucket
+    from eagle_jax.decoding.auto_run import AutoRun
+    from eagle_jax.decoding.calls import bucket
 
     kw = dict(max_new_tokens=max_new, temperature=temperature, eos_token_id=list(eos), seed=0)
     by_shape = {bucket(max(map(len, c))): c for c in calls}
@@ -96,7 +97,7 @@ def warm(target, drafter, calls, fixed: dict, *, max_new: int, temperature: floa
             eagle_jax.generate(target, d, prompts, spec=spec, **kw)
         rules = dict(sampling=SamplingParams(temperature), penalties=Penalties(), eos_token_id=list(eos), seed=0, tokenizer=None, mesh=None,
                      exact=False)
-        _AutoRun(target, drafter, prompts, max_new, rules).warm()
+        AutoRun(target, drafter, prompts, max_new, rules).warm()
 
 
 def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperature: float, eos, seed: int = 0) -> list[dict]:

@@ -88,7 +88,7 @@ from bench.common import (
 )
 from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import SpecConfig
-from eagle_jax.generate import bucket
+from eagle_jax.decoding.calls import bucket
 
 
 def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict:

@@ -38,7 +38,7 @@ from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
 from eagle_jax.decoding.engine import Plan, run_rounds
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
-from eagle_jax.generate import bucket
+from eagle_jax.decoding.calls import bucket
 from eagle_jax.modeling import layers
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     import eagle_jax
     from eagle_jax import bundled, compile_cache
     from eagle_jax.cli.serve import service_settings
-    from eagle_jax.generate import eos_ids
+    from eagle_jax.decoding.calls import eos_ids
     from eagle_jax.serving.server import Server, make_service, parse_spec, served_name
     from eagle_jax.serving.slots import slot_len
 

@@ -116,7 +116,7 @@ def _check(log: list, sample: int) -> dict:
     with a long prompt (chunked prefill, prefix reuse) and a sample of the others, ``sample`` in all."""
     import eagle_jax
     from eagle_jax import bundled
-    from eagle_jax.generate import eos_ids
+    from eagle_jax.decoding.calls import eos_ids
     from eagle_jax.serving.server import read_profile
 
     profile = read_profile(bundled.config_path("serve/bundled.yaml"))

@@ -41,7 +41,7 @@ from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
 from eagle_jax.decoding.engine import Plan, causal_cache_mask, run_rounds
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
-from eagle_jax.generate import bucket
+from eagle_jax.decoding.calls import bucket
 from bench import roofline as rl
 from bench.common import TARGET_HELP, load_pair_or_random, load_recipe_pair, print_table, spec_name, stop_ids, write_json
 

@@ -6,7 +6,8 @@ from eagle_jax.checkpoint.models import fetch_model
 from eagle_jax.checkpoint.tensor_files import CheckpointError
 from eagle_jax.checkpoint.tokenizer import load_tokenizer
 from eagle_jax.config import ConfigError, DrafterConfig, MLAConfig, MoEConfig, RopeConfig, SpecConfig, TargetConfig
-from eagle_jax.generate import GenerationResult, generate, generate_stream
+from eagle_jax.decoding.calls import GenerationResult
+from eagle_jax.generate import generate, generate_stream
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import KVCache, Target
 

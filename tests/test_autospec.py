@@ -19,7 +19,7 @@ from eagle_jax.decoding import adaptive_costs, autospec
 from eagle_jax.decoding.engine import WATCH_MIN_ROUNDS, RoundCosts, draft_confidence
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
-from eagle_jax.generate import _AutoRun
+from eagle_jax.decoding.auto_run import AutoRun
 from engine_models import markov_drafter, markov_pair, markov_target
 
 PROMPTS = [list(np.random.default_rng(7).integers(0, 32, n)) for n in (4, 11, 19)]
@@ -124,7 +124,7 @@ def test_auto_output_is_plain_decodings(pair, plain):
     assert [sum((c[b] for c in streamed), []) for b in range(len(PROMPTS))] == plain.tokens
     # A stream's chunks (what its reader waits for) stay within rounds_per_chunk, bar a probe's or a measuring
     # run's few rounds (unbounded, this call would run chunks of 8 rounds or more).
-    run = _AutoRun(pair[0], pair[1], PROMPTS, 24, _AUTO_KW, most_rounds=2)
+    run = AutoRun(pair[0], pair[1], PROMPTS, 24, _AUTO_KW, most_rounds=2)
     for _ in run:
         pass
     assert all(n <= max(2, autospec.EXPLORE_ROUNDS, autospec.PROBE_ROUNDS) for _, n in run.chunks), run.chunks
@@ -182,7 +182,7 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
     autospec.reset()
     costs = autospec.SpanCosts()
     monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
-    run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
     model = costs.model(run.plan.cache_len)
     model.update(None, 1, 1.2, 1)  # probe rounds 1.2 s, K=3 1.5 s: plain decoding not measured
     model.update(3, 1, 1.5, 1)
@@ -217,7 +217,7 @@ def test_a_calls_tail_measures_plain_decoding_where_it_may_be_close(monkeypatch,
     autospec.reset()
     costs = autospec.SpanCosts()
     monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
-    run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 96, _AUTO_KW)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 96, _AUTO_KW)
     model = costs.model(run.plan.cache_len)
     settled = autospec.SETTLED_ROUNDS
     for depth, s in ((None, 1.5), (1, 1.55), (3, 2.0), (5, 2.6), (7, 3.2)):  # plain decoding (1.0 s) never ran
@@ -244,8 +244,8 @@ def test_a_calls_costs_are_read_at_its_cache_span(monkeypatch, pair):
     autospec.reset()
     costs = autospec.SpanCosts()
     monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
-    short = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
-    long = _AutoRun(pair[0], pair[1], [PROMPTS[0] * 40], 32, _AUTO_KW)
+    short = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    long = AutoRun(pair[0], pair[1], [PROMPTS[0] * 40], 32, _AUTO_KW)
     assert long.plan.cache_len > short.plan.cache_len
     slow = costs.model(long.plan.cache_len)
     slow.update(None, 1, 5.0, 1)  # at the long span: probe 5 s, K=1 5.6 s, K=7 9.2 s, plain 4.8 s
@@ -271,7 +271,7 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     autospec.reset()
     costs = autospec.SpanCosts()
     monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
-    run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
     model = costs.model(run.plan.cache_len)
     settled = autospec.SETTLED_ROUNDS
     # probe 1.05 s, K=3 1.6 s, K=7 2.4 s: K=1 modelled at 1.23 s (from the probe round to the shallowest chain;
@@ -543,7 +543,7 @@ def test_a_watched_chunk_ends_once_its_rows_leave_the_band(pair):
     """Engine ``departed``: a chunk whose rows accept drafts below (or above) its watch's band stops after
     WATCH_MIN_ROUNDS rounds; unwatched, the same chunk runs to its limit. Its tokens are plain decoding's."""
     autospec.reset()
-    run = _AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
     plain = eagle_jax.generate(pair[0], None, PROMPTS[:1], max_new_tokens=32, eos_token_id=[]).tokens[0]
     for band, rounds in (((10.0, 20.0), WATCH_MIN_ROUNDS), ((-np.inf, -1.0), WATCH_MIN_ROUNDS), ((-np.inf, np.inf), 12)):
         st, _ = run._chunk(3, run._begin(True), 12, True, np.array([*band, 0.1], np.float32))

@@ -9,7 +9,6 @@ output so that some rows stop mid-way and others run to max_new_tokens: every ru
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import jax
@@ -21,14 +20,11 @@ from flax import nnx
 import eagle_jax
 from eagle_jax import ConfigError, Drafter, SpecConfig
 from eagle_jax.config import aux_layer_ids_for
-from eagle_jax.decoding import adaptive_costs, engine
+from eagle_jax.decoding import adaptive_costs, calls, engine
 from eagle_jax.decoding.engine import RoundCosts, one_round
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
-from eagle_jax.generate import _prepare
-
-generate_module = importlib.import_module("eagle_jax.generate")  # the module (eagle_jax.generate is the function)
 
 from engine_models import drafter_config, markov_drafter, markov_target, random_pair, target_config
 import penalty_reference
@@ -211,8 +207,8 @@ def test_growing_spans_change_nothing(monkeypatch, markov, name, temperature):
     whole = eagle_jax.generate(markov[0], markov[1], prompts, **kw)
     monkeypatch.setattr(engine, "SPAN_MIN_CACHE", 0)
     monkeypatch.setattr(engine, "SPAN_ALIGN", 8)
-    monkeypatch.setattr(generate_module, "_PROGRAMS", generate_module._Programs())  # trace again, with the phases
-    plan = _prepare(markov[0], markov[1], prompts, new, SamplingParams(temperature), Penalties(), SPECS[name], [], None)[0]
+    monkeypatch.setattr(calls, "PROGRAMS", calls.Programs())  # trace again, with the phases
+    plan = calls.prepare(markov[0], markov[1], prompts, new, SamplingParams(temperature), Penalties(), SPECS[name], [], None)[0]
     assert engine.growing_spans(plan), plan
     phased = eagle_jax.generate(markov[0], markov[1], prompts, **kw)
     assert phased.tokens == whole.tokens and phased.accepted == whole.accepted
@@ -281,7 +277,7 @@ def _check_invariant(recompute, prompts, st, atol=2e-5):
 def test_caches_equal_recompute_after_each_round(markov, recompute, spec, temperature):
     """prefill + 4 rounds by hand (jitted over nnx.split states); the invariant holds after each."""
     target, drafter = markov[0], markov[1]
-    plan, prompt, lens, rs = _prepare(target, drafter, PROMPTS, MAX_NEW, SamplingParams(temperature), Penalties(), spec, None, None)
+    plan, prompt, lens, rs = calls.prepare(target, drafter, PROMPTS, MAX_NEW, SamplingParams(temperature), Penalties(), spec, None, None)
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(drafter)
     pre = jax.jit(lambda ts, ds, prompt, lens, key: start(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, prompt, lens, rs, key, MAX_NEW))
@@ -642,7 +638,6 @@ def test_the_drafters_prefill_computes_outputs_only_where_drafting_starts():
     from eagle_jax.decoding.prefill import prefill, prefill_packed
     from eagle_jax.decoding.sampling import RowSampling
     from eagle_jax.modeling.layers import document_mask
-    from eagle_jax.modeling.target import window_mask
 
     target, drafter = random_pair(seed=3)
     rng = np.random.default_rng(0)

@@ -13,7 +13,6 @@ drafts and emits ``accept_length + 1`` tokens (``update_inference_inputs``).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import pytest
 
@@ -23,7 +22,7 @@ from eagle_jax import ConfigError, SpecConfig
 
 from engine_models import markov_drafter, markov_target
 
-gen = importlib.import_module("eagle_jax.generate")  # the module (eagle_jax.generate is the function)
+from eagle_jax.decoding import calls
 
 
 def eagle_max_accept(depth: int) -> int:
@@ -163,7 +162,7 @@ def test_a_round_emits_and_verifies_what_an_eagle_round_does(markov, monkeypatch
 
     accept_tree = engine.accept_tree
     monkeypatch.setattr(engine, "accept_tree", spy)
-    monkeypatch.setattr(gen, "_PROGRAMS", gen._Programs())  # trace afresh, so that the spy runs
+    monkeypatch.setattr(calls, "PROGRAMS", calls.Programs())  # trace afresh, so that the spy runs
     spec = {"total_token": TOTAL, "depth": DEPTH, "top_k": TOP_K}
     res = eagle_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, eos_token_id=[])
 

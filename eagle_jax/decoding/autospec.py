@@ -30,7 +30,8 @@ accept drafts outside the band where its depth pays (``watch``, engine ``departe
 costs a few rounds, not the process: the choice is made again wherever what the current prompts do
 says it may change. Plain decoding proper (the drafter not
 fed, so no way back within the call) runs only after a fresh probe of ``PROBE_ROUNDS`` rounds has
-confirmed that speculation does not pay; each call starts with the drafter fed, so a later call
+confirmed that speculation does not pay, or, while its cost at the batch size is unknown and may be close,
+for a call's last ``PLAIN_TAIL_TOKENS`` tokens, to measure it; each call starts with the drafter fed, so a later call
 speculates again as soon as its own prompts allow.
 
 The opt-in adaptive chains calibrate their costs apart (``decoding/adaptive_costs.py``).
@@ -46,7 +47,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from eagle_jax.decoding import adaptive_costs
-from eagle_jax.decoding.acceptance_estimate import (  # noqa: F401  (read as autospec.X by generate and the tests)
+from eagle_jax.decoding.acceptance_estimate import (  # noqa: F401  (read as autospec.X by auto_run and the tests)
     CARRY_DEEP_ROUNDS,
     CARRY_ROUNDS,
     DEEPEST,

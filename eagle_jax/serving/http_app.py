@@ -22,7 +22,7 @@ from eagle_jax.config import ConfigError
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.scoring import TokenLogprobs
-from eagle_jax.generate import acceptance_summary
+from eagle_jax.decoding.calls import acceptance_summary
 from eagle_jax.serving import Handle, QueueFull, Request, Scheduler
 from eagle_jax.serving.logprobs import TokenNames, chat_logprobs, completion_logprobs
 from eagle_jax.serving.metrics import Metrics

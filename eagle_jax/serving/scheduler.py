@@ -43,7 +43,7 @@ import numpy as np
 from eagle_jax.config import ConfigError, SpecConfig
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
-from eagle_jax.generate import acceptance_summary
+from eagle_jax.decoding.calls import acceptance_summary
 from eagle_jax.decoding.acceptance_estimate import AcceptanceEstimate
 from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.serving.prefix_cache import PrefixIndex

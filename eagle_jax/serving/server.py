@@ -15,7 +15,7 @@ import jax
 from eagle_jax.checkpoint.hub import looks_like_repo_id
 from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import ConfigError, SpecConfig
-from eagle_jax.generate import eos_ids
+from eagle_jax.decoding.calls import eos_ids
 from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.serving.http_app import Service, create_app

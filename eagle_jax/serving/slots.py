@@ -37,7 +37,7 @@ from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.decoding.scoring import TokenLogprobs, token_logprobs
 from eagle_jax.decoding.state import LoopState
-from eagle_jax.generate import PROMPT_BUCKETS, bucket
+from eagle_jax.decoding.calls import PROMPT_BUCKETS, bucket
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 from eagle_jax.serving.program_cache import ProgramCache, check_map_limit

@@ -98,7 +98,8 @@ def regenerate_conversations(
     whose prompt plus ``max_new_tokens`` would exceed the target's context is cut before that turn
     (kept if an assistant turn survives, left out otherwise).
     """
-    from eagle_jax.generate import eos_ids, generate
+    from eagle_jax.decoding.calls import eos_ids
+    from eagle_jax.generate import generate
 
     stats = RegenStats(conversations=len(conversations))
     convs: list[list[dict[str, str]] | None] = []

@@ -78,7 +78,8 @@ def synthesize_prompts(
     (``system``: a system message first, else the template's default). Samples at most
     ``max_samples`` (default ``10 * n``) turns; fewer than ``n`` come back when that cap is reached.
     ``exclude``: queries kept before (an earlier shard of the same run), which count as duplicates."""
-    from eagle_jax.generate import eos_ids, generate
+    from eagle_jax.decoding.calls import eos_ids
+    from eagle_jax.generate import generate
 
     if n < 1:
         raise ConfigError(f"the number of prompts to synthesise must be >= 1, got {n}")

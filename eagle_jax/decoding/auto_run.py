@@ -1,0 +1,259 @@
+"""One ``spec="auto"`` call (``AutoRun``): chunks of rounds, each at the depth ``decoding/autospec.py`` chooses
+from the measured round costs and the observed acceptance, on one loop state."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.config import SpecConfig
+from eagle_jax.decoding import autospec, calls
+from eagle_jax.decoding.calls import GenerationResult
+from eagle_jax.decoding.engine import Plan, run_rounds
+from eagle_jax.decoding.prefill import start
+from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.target import Target
+
+
+class AutoRun:
+    """One ``spec="auto"`` call: the prefill, then chunks of rounds, each at the depth that
+    ``autospec`` expects to emit the most tokens per second from the costs measured so far for this
+    pair, batch, sampling mode and device, and the acceptance observed so far on this pair's traffic
+    (both updated from every chunk). Every depth's program runs on one loop state: the cache is sized
+    for the deepest chain, and rounds without drafts keep the drafter fed, so the depth can change
+    between any two chunks; plain decoding proper (drafter not fed) runs to the end of the call once
+    chosen. Iterating yields the state after each chunk."""
+
+    def __init__(self, target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict,
+                 most_rounds: int | None = None):
+        top = SpecConfig(num_speculative_tokens=max(autospec.DEPTHS))
+        self.plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, kw["sampling"], kw["penalties"],
+                                               top, kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
+        self.t_graph, self.t_state = calls.split(target)
+        self.d_graph, self.d_state = calls.split(drafter)
+        if kw["mesh"] is not None:
+            from eagle_jax.sharding import shard_tree
+
+            self.t_state, self.d_state = shard_tree(self.t_state, kw["mesh"]), shard_tree(self.d_state, kw["mesh"])
+        greedy = self.plan.greedy
+        # One lookup of the pair's graphs per call (hashing a graph walks all its nodes): its programs with
+        # and without the drafter, and its costs and acceptance, keyed by the programs' dict.
+        fed, plain = calls.PROGRAMS.pair_and_plain(self.t_graph, self.d_graph)
+        self._pairs = {True: fed, False: plain}
+        pair = (id(fed), id(target), id(drafter))
+        self.costs = autospec.cost_model((*pair, greedy, self.plan.exact, kw["mesh"], jax.default_backend()))
+        self.estimate = autospec.acceptance_estimate((*pair, greedy))
+        self.compile_s = 0.0
+        self.run_s = 0.0
+        self.chunks: list[tuple[int | None, int]] = []  # (depth, rounds): None = probe rounds
+        self._args = (prompt, lens, rs, jax.random.key(kw["seed"]))
+        # A program lookup would otherwise walk the models' states again (0.6-1.8 ms per program a call runs).
+        self._states = {True: calls.signature((self.t_state, self.d_state)), False: calls.signature((self.t_state, None))}
+        self._programs: dict[tuple[int | None, bool], Any] = {}
+        self.most_rounds = most_rounds  # the longest chunk: a stream's reader waits for each (None: any)
+        self.carry = 0.0  # rounds of the pair's evidence each new prompt carries (``carry_rounds``), read at the start
+
+    def _compiled(self, kind: str, plan: Plan, fed: bool, args: tuple, build, donate_argnums: tuple[int, ...] = ()):
+        compiled, seconds = calls.PROGRAMS.get(kind, self.t_graph, None, plan, args, build, self._pairs[fed], donate_argnums, self._states[fed])
+        self.compile_s += seconds
+        return compiled
+
+    def _begin(self, fed: bool):
+        plan, t_graph, d_graph = self.plan, self.t_graph, (self.d_graph if fed else None)
+
+        def begin(t_state, d_state, prompt, lens, rs, key):
+            drf = None if d_graph is None else nnx.merge(d_graph, d_state)
+            return start(nnx.merge(t_graph, t_state), drf, plan, prompt, lens, rs, key, plan.max_rounds)
+
+        args = (self.t_state, self.d_state if fed else None, *self._args)
+        return self._compiled("auto_start", plan, fed, args, begin)(*args)
+
+    def _plain_from_start(self) -> bool:
+        """Whether this call decodes plainly without ever feeding the drafter (``SpanCosts.plain_settled``),
+        while the pair's acceptance was observed within ``REPROBE_ROUNDS`` rounds (past them, a call probes)."""
+        alike = self.estimate.carry_rounds() > autospec.CARRY_ROUNDS
+        return self.costs.plain_settled(self.plan.batch, alike) and self.estimate.unobserved < autospec.REPROBE_ROUNDS
+
+    def _chunk(self, depth: int | None, st, limit: int, fed: bool, watch: np.ndarray = autospec.NEVER):
+        """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
+        decoding proper) until ``limit`` rounds in all, or until they depart from ``watch``
+        (``autospec.watch``); returns (state, whether the program was compiled for this chunk)."""
+        spec = None if depth in (None, autospec.PLAIN) else SpecConfig(num_speculative_tokens=depth)
+        plan = dataclasses.replace(self.plan, spec=spec)
+        t_graph, d_graph = self.t_graph, (self.d_graph if fed else None)
+
+        def chunk(t_state, d_state, st, limit, watch):
+            drf = None if d_graph is None else nnx.merge(d_graph, d_state)
+            return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit, watch)
+
+        args = (self.t_state, self.d_state if fed else None, st, jnp.int32(limit), jnp.asarray(watch))
+        fresh = False
+        if (depth, fed) not in self._programs:
+            compile0 = self.compile_s
+            # The loop state is consumed: its caches are updated in place, not copied once per chunk.
+            self._programs[depth, fed] = self._compiled("auto_chunk", plan, fed, args, chunk, donate_argnums=(2,))
+            fresh = self.compile_s > compile0
+        return self._programs[depth, fed](*args), fresh
+
+    def _time_empty_chunk(self, depth: int | None, st, fed: bool, rounds: int):
+        """Measures a chunk's dispatch and host sync (~1 ms on a CPU), the least of its fixed cost, by running
+        this chunk's program for no rounds, twice (the least counts); returns the (unchanged) state. Once per
+        pair: a short chunk (a probe's 4 rounds) would otherwise look dearer per round than a long one. Pairs of
+        chunks of one depth then measure the rest of the fixed cost (``SpanCosts.observe_chunk_pair``)."""
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            st, _ = self._chunk(depth, st, rounds, fed)
+            jax.device_get((st.done, st.n_out, st.rounds, st.accepted, st.probe))
+            times.append(time.perf_counter() - t0)
+        self.costs.set_dispatch(min(times))
+        return st
+
+    def warm(self) -> None:
+        """Compiles and runs once every program this call's shapes may use (the prefill with and without
+        the drafter, a chunk at every depth, plain decoding): a program's first run pays one-time costs
+        (~0.3 s on a CPU) that benchmarks count as compile time, not decoding."""
+        st = self._begin(True)
+        for i, depth in enumerate((None, *autospec.DEPTHS)):
+            st, _ = self._chunk(depth, st, i + 1, True)
+        jax.block_until_ready(self._chunk(autospec.PLAIN, self._begin(False), 1, False)[0].out)
+
+    def _next(self, fed: bool, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> tuple[int | None, int]:
+        """(depth, rounds) of the next chunk; depth None: probe rounds."""
+        batch = self.plan.batch
+        plain_known = self.costs.measured(autospec.PLAIN, batch)
+        if not fed:  # a first run of plain decoding is not timed (a program's first run): a short chunk first
+            return autospec.PLAIN, (self.most_rounds or self.plan.max_rounds) if plain_known else autospec.EXPLORE_ROUNDS
+        if not self.costs.probed(batch):
+            # what a round without drafts costs at this batch size (the base of every modelled depth), and acceptance
+            return None, autospec.PROBE_ROUNDS
+        costs = self.costs.at(self.plan.cache_len)
+        todo = autospec.unexplored(costs, batch)
+        if todo:
+            return todo[0], autospec.EXPLORE_ROUNDS
+        rows = autospec.toward_the_batch(self._as_chosen(rows, observed))
+        times = autospec.finish_times(costs, batch, rows)
+        depth = autospec.keep_close(times, self.chunks[-1][0] if self.chunks else None)
+        may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]
+        if observed < autospec.PROBE_ROUNDS and (depth == autospec.PLAIN or may_win):
+            # Plain decoding ends the call's speculation, measured or chosen: only on this call's own evidence.
+            return None, autospec.PROBE_ROUNDS
+        if may_win:
+            return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # measured (the rest of this call decodes plainly)
+        if depth == autospec.PLAIN and not any(d not in (None, autospec.PLAIN) for d, _ in self.chunks):
+            best = min((d for d in times if d != autospec.PLAIN), key=times.get, default=None)
+            if best is not None and times[best] <= autospec.SPEC_WORTH_TRYING * times[autospec.PLAIN]:
+                return best, autospec.EXPLORE_ROUNDS  # close: this call's rows run a chain before it stops speculating
+        if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
+            return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
+        if (rival := autospec.close_unsettled(times, lambda d: self.costs.settled(d, batch))) is not None:
+            return rival, autospec.EXPLORE_ROUNDS  # a close depth whose cost is not known well yet
+        if depth == autospec.PLAIN:  # plain decoding proper cannot be left within the call: no look, no boundary
+            return depth, self.most_rounds or self.plan.max_rounds
+        most = self.most_rounds or self.plan.max_rounds
+        if not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_TAIL_WORTH * times[depth]:
+            # plain decoding's cost unknown, and maybe close: the call's tail measures it
+            before = math.floor(max((r - autospec.PLAIN_TAIL_TOKENS) / est.expected_tokens(depth) for r, est in rows))
+            if before < autospec.EXPLORE_ROUNDS:
+                return autospec.PLAIN, autospec.EXPLORE_ROUNDS
+            most = min(most, before)
+        # A depth chosen anew runs CHUNK_ROUNDS: a look at these rows' own acceptance there, read by the
+        # estimates' point values (a prompt's first rounds say most about it). Chosen again, it takes the rounds
+        # the call is expected to need and half as many again (the loop stops once every row is done), up to
+        # MAX_CHUNK_ROUNDS (unless the call is expected to end within a look past them: no short chunk is left
+        # for the end), and ends sooner where its rows depart from the estimate it was chosen on
+        # (``autospec.watch``): a chunk's host round trip and loop entry (~1.6 ms here, 4% of an 8-round chunk
+        # at T=1) is paid about twice a call, not every few rounds.
+        # Where prompts are alike (a new one carries at least a long chunk's rounds of their evidence), a look
+        # could not change the choice: every chunk is a long one, watched.
+        left = max(r / est.expected_tokens(depth) for r, est in rows)
+        again = (bool(self.chunks) and self.chunks[-1][0] == depth) or self.carry >= autospec.MAX_CHUNK_ROUNDS
+        longest = autospec.MAX_CHUNK_ROUNDS if left > autospec.MAX_CHUNK_ROUNDS + autospec.CHUNK_ROUNDS else self.plan.max_rounds
+        most = min(longest, most)
+        if not again and left > 2 * autospec.CHUNK_ROUNDS:
+            return depth, min(autospec.CHUNK_ROUNDS, most)
+        return depth, min(max(autospec.CHUNK_ROUNDS, math.ceil(1.5 * left)), most)
+
+    def _as_chosen(self, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> list[tuple[int, autospec.AcceptanceEstimate]]:
+        """The rows a choice reads: before this call's own evidence, the last call's rows (their estimates)."""
+        last = self.costs.last_call.get(self.plan.batch)
+        if observed or not last:
+            return rows
+        return [(n, last[i % len(last)]) for i, (n, _) in enumerate(rows)]
+
+    def __iter__(self) -> Iterator[Any]:
+        t0 = time.perf_counter()
+        compile0 = self.compile_s
+        fed = not self._plain_from_start()
+        st = self._begin(fed)
+        jax.block_until_ready(st.out)
+        prefill_s = time.perf_counter() - t0 - (self.compile_s - compile0)
+        self.run_s += prefill_s
+        yield st
+        observed, rounds = 0, 0
+        last = None  # (depth, rounds, seconds) of the last timed chunk
+        # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
+        self.carry = self.estimate.carry_rounds()
+        row_est = [self.estimate.for_new_prompt() for _ in range(self.plan.batch)]
+        done_rows, n_out = jax.device_get((st.done, st.n_out))
+        while not np.all(done_rows) and rounds < self.plan.max_rounds:
+            remaining = [(self.plan.max_rounds - int(n_out[b]), row_est[b]) for b in range(self.plan.batch) if not done_rows[b]]
+            depth, n = self._next(fed, remaining, observed)
+            watch = autospec.watch(self.costs.at(self.plan.cache_len), self.plan.batch, self._as_chosen(remaining, observed), depth)
+            if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
+                fed = False
+                st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
+            compile0, t0 = self.compile_s, time.perf_counter()
+            st, fresh = self._chunk(depth, st, rounds + n, fed, watch)
+            # Whole arrays: slicing on the device would compile a program per slice.
+            done_rows, n_out, new_rounds, accepted, probe = jax.device_get((st.done, st.n_out, st.rounds, st.accepted, st.probe))
+            accepted = accepted[:, rounds : rounds + n]
+            seconds = time.perf_counter() - t0 - (self.compile_s - compile0)
+            ran = int(new_rounds) - rounds
+            self.run_s += seconds
+            if not fresh:  # a program's first run pays one-time costs (~0.3 s on a CPU): not a round's cost
+                if self.costs.chunk_s is None:
+                    st = self._time_empty_chunk(depth, st, fed, int(new_rounds))
+                if last is not None and last[0] == depth and ran:  # the same program twice: its fixed cost shows
+                    self.costs.observe_chunk_pair(last[1:], (ran, seconds))
+                last = (depth, ran, seconds)
+                cost = seconds - self.costs.chunk_s  # the chunk's rounds alone, comparable between chunk lengths
+                self.costs.model(self.plan.cache_len).update(depth, self.plan.batch, cost, ran)
+            else:
+                last = None
+            if depth is None:
+                self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
+                for b, (hits, count) in enumerate(probe):
+                    if count > 0:
+                        row_est[b].observe_probe(float(hits / count), float(count))
+                st = dataclasses.replace(st, probe=jnp.zeros_like(st.probe))
+                observed += ran
+            elif depth == autospec.PLAIN:
+                self.estimate.age(ran)
+            else:
+                self.estimate.observe(accepted[:, :ran].T, depth)
+                for b, row in enumerate(accepted[:, :ran]):
+                    row_est[b].observe(row[:, None], depth)
+                observed += ran
+            self.chunks.append((depth, ran))
+            rounds = int(new_rounds)
+            yield st
+        for est in row_est:
+            self.estimate.finish_prompt(est)
+        if observed:  # which depth would have finished this call soonest, had it been known from the start
+            self.costs.record_hindsight(self.plan.cache_len, [(int(n), est) for n, est in zip(n_out, row_est)], prefill_s)
+
+    def result(self, tokenizer) -> GenerationResult:
+        st = None
+        for st in self:
+            pass
+        res = calls.result(st, self.plan, self.compile_s, self.run_s, tokenizer)
+        res.stats.update(spec="auto", chunks=list(self.chunks))
+        return res

@@ -208,34 +208,6 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
     assert run._next(True, [(32, hard)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
 
 
-def test_a_calls_tail_measures_plain_decoding_where_it_may_be_close(monkeypatch, pair):
-    """Plain decoding's cost is unknown until it runs, and the probe round's stands in for it (dearer by the
-    drafter's step), so a chain a little slower than plain decoding would run on, call after call. Where that
-    stand-in is within PLAIN_TAIL_WORTH of the best depth, a call's chunks stop short of its last
-    PLAIN_TAIL_TOKENS tokens, which decode plainly in one chunk (a short chunk's per-round cost is unreliable)
-    and measure it; then the clock decides. Where plain decoding is far behind, no tail is spent on it."""
-    autospec.reset()
-    costs = autospec.SpanCosts()
-    monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
-    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 96, _AUTO_KW)
-    model = costs.model(run.plan.cache_len)
-    settled = autospec.SETTLED_ROUNDS
-    for depth, s in ((None, 1.5), (1, 1.55), (3, 2.0), (5, 2.6), (7, 3.2)):  # plain decoding (1.0 s) never ran
-        model.update(depth, 1, s * settled, settled)
-    fair, easy = autospec.AcceptanceEstimate(), autospec.AcceptanceEstimate()
-    fair.observe_probe(0.45, 200)  # K=1: 1.55 s per 1.45 tokens; the stand-in for plain decoding 1.4x as dear
-    easy.observe_probe(0.9, 200)
-    assert run._next(True, [(14, easy)], observed=8)[0] in (3, 5)  # plain decoding looks far behind: no tail
-    run.chunks.append(run._next(True, [(96, fair)], observed=8))
-    assert run.chunks[-1] == (1, autospec.CHUNK_ROUNDS)
-    depth, n = run._next(True, [(30, fair)], observed=16)
-    assert depth == 1 and 30 - n * fair.expected_tokens(1) >= autospec.PLAIN_TAIL_TOKENS  # stops short of the tail
-    run.chunks.append((depth, n))
-    assert run._next(True, [(14, fair)], observed=28) == (autospec.PLAIN, run.plan.max_rounds)  # the rest, in one chunk
-    model.update(autospec.PLAIN, 1, 1.0 * settled, settled)  # measured: 1.0 s per token against K=1's 1.07
-    assert run._next(True, [(96, fair)], observed=8)[0] == autospec.PLAIN
-
-
 def test_a_calls_costs_are_read_at_its_cache_span(monkeypatch, pair):
     """A round reads the call's whole cache, so its cost grows with the prompt: a call over a new cache
     span reads the costs of the nearest span (all scaled alike: the same choice, no probe needed), and

@@ -157,13 +157,6 @@ class AutoRun:
             return rival, autospec.EXPLORE_ROUNDS  # a close depth whose cost is not known well yet
         if depth == autospec.PLAIN:  # plain decoding proper cannot be left within the call: no look, no boundary
             return depth, self.most_rounds or self.plan.max_rounds
-        most = self.most_rounds or self.plan.max_rounds
-        if not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_TAIL_WORTH * times[depth]:
-            # plain decoding's cost unknown, and maybe close: the call's tail measures it, in one chunk
-            before = math.floor(max((r - autospec.PLAIN_TAIL_TOKENS) / est.expected_tokens(depth) for r, est in rows))
-            if before < autospec.EXPLORE_ROUNDS:
-                return autospec.PLAIN, most
-            most = min(most, before)
         # A depth chosen anew runs CHUNK_ROUNDS: a look at these rows' own acceptance there, read by the
         # estimates' point values (a prompt's first rounds say most about it). Chosen again, it takes the rounds
         # the call is expected to need and half as many again (the loop stops once every row is done), up to
@@ -176,7 +169,7 @@ class AutoRun:
         left = max(r / est.expected_tokens(depth) for r, est in rows)
         again = (bool(self.chunks) and self.chunks[-1][0] == depth) or self.carry >= autospec.MAX_CHUNK_ROUNDS
         longest = autospec.MAX_CHUNK_ROUNDS if left > autospec.MAX_CHUNK_ROUNDS + autospec.CHUNK_ROUNDS else self.plan.max_rounds
-        most = min(longest, most)
+        most = min(longest, self.most_rounds or longest)
         if not again and left > 2 * autospec.CHUNK_ROUNDS:
             return depth, min(autospec.CHUNK_ROUNDS, most)
         return depth, min(max(autospec.CHUNK_ROUNDS, math.ceil(1.5 * left)), most)

@@ -30,8 +30,7 @@ accept drafts outside the band where its depth pays (``watch``, engine ``departe
 costs a few rounds, not the process: the choice is made again wherever what the current prompts do
 says it may change. Plain decoding proper (the drafter not
 fed, so no way back within the call) runs only after a fresh probe of ``PROBE_ROUNDS`` rounds has
-confirmed that speculation does not pay, or, while its cost at the batch size is unknown and may be close,
-for a call's last ``PLAIN_TAIL_TOKENS`` tokens, to measure it; each call starts with the drafter fed, so a later call
+confirmed that speculation does not pay; each call starts with the drafter fed, so a later call
 speculates again as soon as its own prompts allow.
 
 The opt-in adaptive chains calibrate their costs apart (``decoding/adaptive_costs.py``).
@@ -88,13 +87,6 @@ REPROBE_ROUNDS = 192  # about one call in four of ~64 tokens probes: the drafter
 # Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
 # estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
 PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth
-# That estimate is dearer than plain decoding by the drafter's step (1.2-1.5x a plain round on a CPU, more at
-# batch 12 in bfloat16, where chains of 3 then ran whole sequences at up to 1.2x plain decoding's time). Where
-# it is within PLAIN_TAIL_WORTH of the best depth, a call's last ~PLAIN_TAIL_TOKENS tokens decode plainly, in
-# one chunk (a short chunk's fixed cost makes its per-round cost unreliable), which measures plain decoding at
-# the batch size for the price of a few rounds without drafts, once: later calls read the measured cost.
-PLAIN_TAIL_WORTH = 2.0
-PLAIN_TAIL_TOKENS = 16
 # Likewise a call stops speculating for good only after its own rows ran a chain, where one was within this
 # factor of plain decoding: a probe sees the first draft only, and the deeper positions' estimate carries
 # the prompts before (a hard prompt's), so a close call is settled by a chunk of the best chain.

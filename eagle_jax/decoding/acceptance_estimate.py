@@ -37,6 +37,12 @@ PRIOR = 0.6  # acceptance of a draft assumed before any is observed
 PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
 
 
+def prompts_alike(carry: float) -> bool:
+    """Whether prompts worth ``carry`` rounds of the pair's evidence each (``carry_rounds``) count as alike: their
+    carry is above the cap of prompts seen to differ."""
+    return carry > CARRY_ROUNDS
+
+
 class AcceptanceEstimate:
     """Per draft position i, the chance ``p[i]`` that draft i is accepted given drafts 0..i-1 were.
 
@@ -58,22 +64,23 @@ class AcceptanceEstimate:
         new.prompts = deque(self.prompts, maxlen=PROMPT_MEMORY)
         return new
 
-    def for_new_prompt(self) -> "AcceptanceEstimate":
+    def for_new_prompt(self, carry: float | None = None) -> "AcceptanceEstimate":
         """A copy to start a new prompt's estimate from: the same rates, with at most ``CARRY_ROUNDS`` rounds
         of evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one; or, where the prompts
         before were seen to be alike (``carry_rounds`` above those caps), ``carry_rounds`` for every position,
         the first draft's at the finished prompts' pooled rate (their rounds undecayed: the decayed
-        estimate holds ~30 rounds, whose noise alone swung a chain of 3 in and out of favour at T=1)."""
+        estimate holds ~30 rounds, whose noise alone swung a chain of 3 in and out of favour at T=1).
+        ``carry``: ``carry_rounds()`` when the caller has it already (a call reads it once for all its rows)."""
         new = AcceptanceEstimate(len(self.trials))
         new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
-        carry = self.carry_rounds()
+        carry = self.carry_rounds() if carry is None else carry
         cap = np.full(len(new.trials), CARRY_DEEP_ROUNDS)
         cap[0] = CARRY_ROUNDS
         cap = np.maximum(cap, carry)
         scale = np.minimum(1.0, cap / np.maximum(new.trials, 1e-12))
         new.trials *= scale
         new.hits *= scale
-        if carry > CARRY_ROUNDS:
+        if prompts_alike(carry):
             hits, trials = np.array(self.prompts).sum(0)
             new.trials[0] = min(carry, trials)
             new.hits[0] = new.trials[0] * hits / trials

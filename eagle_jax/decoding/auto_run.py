@@ -15,6 +15,7 @@ from flax import nnx
 
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding import autospec, calls
+from eagle_jax.decoding.acceptance_estimate import prompts_alike
 from eagle_jax.decoding.calls import GenerationResult
 from eagle_jax.decoding.engine import Plan, run_rounds
 from eagle_jax.decoding.prefill import start
@@ -78,8 +79,7 @@ class AutoRun:
     def _plain_from_start(self) -> bool:
         """Whether this call decodes plainly without ever feeding the drafter (``SpanCosts.plain_settled``),
         while the pair's acceptance was observed within ``REPROBE_ROUNDS`` rounds (past them, a call probes)."""
-        alike = self.estimate.carry_rounds() > autospec.CARRY_ROUNDS
-        return self.costs.plain_settled(self.plan.batch, alike) and self.estimate.unobserved < autospec.REPROBE_ROUNDS
+        return self.costs.plain_settled(self.plan.batch, prompts_alike(self.carry)) and self.estimate.unobserved < autospec.REPROBE_ROUNDS
 
     def _chunk(self, depth: int | None, st, limit: int, fed: bool, watch: np.ndarray = autospec.NEVER):
         """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
@@ -182,6 +182,7 @@ class AutoRun:
         return [(n, last[i % len(last)]) for i, (n, _) in enumerate(rows)]
 
     def __iter__(self) -> Iterator[Any]:
+        self.carry = self.estimate.carry_rounds()  # read once: the start's choice and every row's estimate
         t0 = time.perf_counter()
         compile0 = self.compile_s
         fed = not self._plain_from_start()
@@ -193,8 +194,7 @@ class AutoRun:
         observed, rounds = 0, 0
         last = None  # (depth, rounds, seconds) of the last timed chunk
         # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
-        self.carry = self.estimate.carry_rounds()
-        row_est = [self.estimate.for_new_prompt() for _ in range(self.plan.batch)]
+        row_est = [self.estimate.for_new_prompt(self.carry) for _ in range(self.plan.batch)]
         done_rows, n_out = jax.device_get((st.done, st.n_out))
         while not np.all(done_rows) and rounds < self.plan.max_rounds:
             remaining = [(self.plan.max_rounds - int(n_out[b]), row_est[b]) for b in range(self.plan.batch) if not done_rows[b]]

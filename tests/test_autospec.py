@@ -158,7 +158,7 @@ def test_a_batch_starts_from_its_last_calls_rows_and_a_choice_made_again_runs_th
     mixed = [[1, 1], [25, 25]]
     runs = [eagle_jax.generate(target, drafter, mixed, max_new_tokens=32, eos_token_id=[])]
     (key,) = autospec._ESTIMATES
-    pooled = autospec.finish_times(fixed_costs.at(0), 2, [(32, autospec.acceptance_estimate(key).for_new_prompt())] * 2)
+    pooled = autospec.finish_times(fixed_costs.at(0), 2, [(32, autospec.acceptance_estimate(key).for_new_prompt())])
     best = min(pooled, key=pooled.get)  # what the second call would run on the pooled estimate alone: clearly a chain
     assert best != autospec.PLAIN and pooled[best] < autospec.PROBE_FIRST_BELOW * pooled[autospec.PLAIN]
     runs.append(eagle_jax.generate(target, drafter, mixed, max_new_tokens=32, eos_token_id=[]))
@@ -294,9 +294,9 @@ def test_hindsight_counts_the_drafters_prefill():
     model = costs.model(256)
     model.update(autospec.PLAIN, 4, 1.0, 10)  # 0.1 s per round
     model.update(None, 4, 1.2, 10)  # probe rounds: 0.12 s (a sixth of it the drafter)
-    model.update(1, 4, 1.3, 10)
     est = autospec.AcceptanceEstimate()
-    est.observe_probe(0.3, 1000)  # a chain of 1 emits 1.3 tokens per round: 0.13 / 1.3 = plain's 0.1 per token
+    est.observe_probe(0.3, 1000)  # a chain of 1 emits 1.3 tokens per round, and its slowest of 4 rows ...
+    model.update(1, 4, 10 * 3.2 / autospec.slowest_rounds([(32, est)] * 4, 1), 10)  # ... ends in plain's 32 x 0.1 s
     costs.record_hindsight(256, [(32, est)] * 4)
     assert costs.plain_rows[4] == 0
     costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
@@ -523,21 +523,61 @@ def test_a_watched_chunk_ends_once_its_rows_leave_the_band(pair):
         assert int(st.rounds) == rounds and n >= rounds and list(np.asarray(st.out[0, :n])) == plain[:n]
 
 
-def test_a_chunks_fixed_cost_is_solved_from_pairs_of_chunks():
-    """A chunk costs a fixed part (dispatch, host sync, the loop's slower first rounds) plus its rounds: two chunks of
-    one depth and different lengths solve for the fixed part, never below an empty chunk's time, robust to one
-    outlier."""
+def test_a_chunks_overhead_is_fitted_per_batch_size_and_reprices_earlier_chunks():
+    """A chunk costs a fixed part per batch size (dispatch, host sync, each execution's one-time work), more for the
+    first chunk after a prefill, plus its rounds. Fitted jointly over the batch size's chunks (robust to a busy
+    moment's chunk), both parts come out of every round cost, re-derived for chunks measured before they were
+    known: the probe's 4 rounds, the first chunk after a prefill, then price plain decoding's stand-in right."""
     costs = autospec.SpanCosts()
-    costs.set_dispatch(0.001)
-    assert costs.chunk_s == 0.001
-    for n1, n2 in [(8, 56), (4, 60), (8, 40)]:
-        costs.observe_chunk_pair((n1, 0.003 + 0.005 * n1), (n2, 0.003 + 0.005 * n2))
-    assert costs.chunk_s == pytest.approx(0.003)
-    costs.observe_chunk_pair((8, 0.2), (56, 0.283))  # a busy moment: one wild solution does not move the median
-    assert costs.chunk_s == pytest.approx(0.003)
-    for _ in range(5):  # no fixed cost seen any more: the median falls, the dispatch stays the floor
-        costs.observe_chunk_pair((8, 0.040), (40, 0.200))
-    assert costs.chunk_s == 0.001
+    costs.overhead.set_dispatch(0.001)
+    fixed, first, per = {12: 0.020, 1: 0.0015}, {12: 0.010, 1: 0.0}, {None: 0.016, 1: 0.018, 3: 0.025}
+
+    def chunk(rows, depth, n, is_first, busy=0.0):
+        scale = 1.0 if rows == 12 else 0.25
+        t = fixed[rows] + (first[rows] if is_first else 0.0) + n * per[depth] * scale + busy
+        costs.observe_chunk(256, depth, rows, n, t, is_first)
+
+    chunk(12, None, 4, True)  # the probe, before anything else is known: the dispatch alone comes off
+    assert costs.model(256).probe[12] == pytest.approx((0.030 + 4 * 0.016 - 0.001) / 4)
+    for depth, lengths in ((1, (8, 38)), (3, (8, 30)), (1, (8, 38)), (3, (8, 30))):
+        chunk(12, depth, lengths[0], True)
+        chunk(12, depth, lengths[1], False)
+    chunk(12, 1, 4, False)
+    chunk(12, 1, 16, False, busy=0.2)  # a busy moment: its chunk barely moves the fit
+    chunk(1, 1, 8, True)  # another batch size keeps its own parts
+    chunk(1, 1, 40, False)
+    assert costs.overhead.seconds(12) == pytest.approx(0.020, abs=2e-3)
+    assert costs.overhead.seconds(12, first=True) == pytest.approx(0.030, abs=2e-3)
+    assert costs.overhead.seconds(1) < 0.005 and costs.overhead.seconds(2) == 0.001  # nothing ran at 2 rows: the dispatch
+    model = costs.model(256)
+    assert model.probe[12] == pytest.approx(0.016, rel=0.05)  # re-derived with the first chunk's parts
+    assert model.seconds[12, 1] == pytest.approx(0.018, rel=0.05) and model.seconds[12, 3] == pytest.approx(0.025, rel=0.05)
+    assert model.seconds[1, 1] == pytest.approx(0.0045, rel=0.1)
+
+
+def test_a_batch_ends_with_its_slowest_rows_rounds():
+    """A call of 12 rows ends when its slowest row is done: the expected maximum of the rows' rounds, which the
+    rounds' spread puts well past the mean (the more, the deeper the chain), as simulated rounds show."""
+    est = autospec.AcceptanceEstimate()
+    est.observe_probe(0.0, 0)
+    rng = np.random.default_rng(0)
+    for depth in (1, 3, 7):
+        rows = [(64, est)] * 12
+        mean = 64 / est.expected_tokens(depth)
+        assert autospec.slowest_rounds(rows[:1], depth) == pytest.approx(mean)
+        chances = np.cumprod(est.p[:depth])  # P(at least k drafts accepted)
+        sims = []
+        for _ in range(400):
+            made = np.zeros(12)
+            rounds = 0
+            while (made < 64).any():
+                u = rng.random(12)
+                made += 1 + (u[:, None] < chances[None]).sum(axis=1)
+                rounds += 1
+            sims.append(rounds)
+        assert autospec.slowest_rounds(rows, depth) == pytest.approx(np.mean(sims), rel=0.05)
+        assert autospec.slowest_rounds(rows, depth) > mean + 2
+    assert autospec.slowest_rounds([(64, est)] * 12, autospec.PLAIN) == 64
 
 
 def test_a_depth_below_the_shallowest_chain_is_priced_from_the_probe_round():

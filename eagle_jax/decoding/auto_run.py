@@ -105,15 +105,14 @@ class AutoRun:
     def _time_empty_chunk(self, depth: int | None, st, fed: bool, rounds: int):
         """Measures a chunk's dispatch and host sync (~1 ms on a CPU), the least of its fixed cost, by running
         this chunk's program for no rounds, twice (the least counts); returns the (unchanged) state. Once per
-        pair: a short chunk (a probe's 4 rounds) would otherwise look dearer per round than a long one. Pairs of
-        chunks of one depth then measure the rest of the fixed cost (``SpanCosts.observe_chunk_pair``)."""
+        pair: the prior of the fixed part that the chunks then fit (``chunk_overhead``)."""
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
             st, _ = self._chunk(depth, st, rounds, fed)
             jax.device_get((st.done, st.n_out, st.rounds, st.accepted, st.probe))
             times.append(time.perf_counter() - t0)
-        self.costs.set_dispatch(min(times))
+        self.costs.overhead.set_dispatch(min(times))
         return st
 
     def warm(self) -> None:
@@ -137,7 +136,7 @@ class AutoRun:
         costs = self.costs.at(self.plan.cache_len)
         todo = autospec.unexplored(costs, batch)
         if todo:
-            return todo[0], autospec.EXPLORE_ROUNDS
+            return todo[0], self._explore_rounds(costs, todo[0])
         rows = autospec.toward_the_batch(self._as_chosen(rows, observed))
         times = autospec.finish_times(costs, batch, rows)
         depth = autospec.keep_close(times, self.chunks[-1][0] if self.chunks else None)
@@ -150,11 +149,11 @@ class AutoRun:
         if depth == autospec.PLAIN and not any(d not in (None, autospec.PLAIN) for d, _ in self.chunks):
             best = min((d for d in times if d != autospec.PLAIN), key=times.get, default=None)
             if best is not None and times[best] <= autospec.SPEC_WORTH_TRYING * times[autospec.PLAIN]:
-                return best, autospec.EXPLORE_ROUNDS  # close: this call's rows run a chain before it stops speculating
+                return best, self._explore_rounds(costs, best)  # close: this call's rows run a chain before it stops speculating
         if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
             return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
         if (rival := autospec.close_unsettled(times, lambda d: self.costs.settled(d, batch))) is not None:
-            return rival, autospec.EXPLORE_ROUNDS  # a close depth whose cost is not known well yet
+            return rival, self._explore_rounds(costs, rival)  # a close depth whose cost is not known well yet
         if depth == autospec.PLAIN:  # plain decoding proper cannot be left within the call: no look, no boundary
             return depth, self.most_rounds or self.plan.max_rounds
         # A depth chosen anew runs CHUNK_ROUNDS: a look at these rows' own acceptance there, read by the
@@ -174,6 +173,14 @@ class AutoRun:
             return depth, min(autospec.CHUNK_ROUNDS, most)
         return depth, min(max(autospec.CHUNK_ROUNDS, math.ceil(1.5 * left)), most)
 
+    def _explore_rounds(self, costs: autospec.AtSpan, depth: int) -> int:
+        """Rounds that measure ``depth``: ``EXPLORE_ROUNDS``, in one chunk up to ``SETTLED_ROUNDS`` where a chunk's
+        overhead is a round's cost or more (bfloat16 batch 12 on a CPU: ~20 ms a chunk, ~18 ms a round), since
+        a settled depth takes two such chunks otherwise."""
+        per_round = costs.cost(depth, self.plan.batch) or math.inf
+        share = self.costs.overhead.seconds(self.plan.batch) / per_round
+        return min(autospec.SETTLED_ROUNDS, autospec.EXPLORE_ROUNDS * (1 + round(share)))
+
     def _as_chosen(self, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> list[tuple[int, autospec.AcceptanceEstimate]]:
         """The rows a choice reads: before this call's own evidence, the last call's rows (their estimates)."""
         last = self.costs.last_call.get(self.plan.batch)
@@ -192,14 +199,14 @@ class AutoRun:
         self.run_s += prefill_s
         yield st
         observed, rounds = 0, 0
-        last = None  # (depth, rounds, seconds) of the last timed chunk
         # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
         row_est = [self.estimate.for_new_prompt(self.carry) for _ in range(self.plan.batch)]
         done_rows, n_out = jax.device_get((st.done, st.n_out))
         while not np.all(done_rows) and rounds < self.plan.max_rounds:
             remaining = [(self.plan.max_rounds - int(n_out[b]), row_est[b]) for b in range(self.plan.batch) if not done_rows[b]]
             depth, n = self._next(fed, remaining, observed)
-            watch = autospec.watch(self.costs.at(self.plan.cache_len), self.plan.batch, self._as_chosen(remaining, observed), depth)
+            watch = autospec.watch(self.costs.at(self.plan.cache_len), self.plan.batch, self._as_chosen(remaining, observed), depth,
+                                   self.costs.overhead.seconds(self.plan.batch))
             if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
                 fed = False
                 st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
@@ -212,15 +219,9 @@ class AutoRun:
             ran = int(new_rounds) - rounds
             self.run_s += seconds
             if not fresh:  # a program's first run pays one-time costs (~0.3 s on a CPU): not a round's cost
-                if self.costs.chunk_s is None:
+                if self.costs.overhead.dispatch_s is None:
                     st = self._time_empty_chunk(depth, st, fed, int(new_rounds))
-                if last is not None and last[0] == depth and ran:  # the same program twice: its fixed cost shows
-                    self.costs.observe_chunk_pair(last[1:], (ran, seconds))
-                last = (depth, ran, seconds)
-                cost = seconds - self.costs.chunk_s  # the chunk's rounds alone, comparable between chunk lengths
-                self.costs.model(self.plan.cache_len).update(depth, self.plan.batch, cost, ran)
-            else:
-                last = None
+                self.costs.observe_chunk(self.plan.cache_len, depth, self.plan.batch, ran, seconds, first=not self.chunks)
             if depth is None:
                 self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
                 for b, (hits, count) in enumerate(probe):

@@ -13,9 +13,10 @@ apart, because they change at different speeds:
   reads it at the nearest span, scaled), so a new batch size, span or depth costs no exploration
   beyond one probe: only the deepest chain runs once (``EXPLORE_ROUNDS`` rounds of real work)
   before any choice, to measure what a drafter step costs, and a depth modelled or measured over few
-  rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's fixed cost (dispatch,
-  host sync, the loop's slower first rounds) is solved from pairs of chunks of one depth and left out of
-  its rounds' costs, so short chunks and long ones compare.
+  rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's time apart from its
+  rounds (dispatch, host sync, each execution's one-time work, more after a prefill) is fitted per batch size
+  over its latest chunks (``decoding/chunk_overhead.py``) and left out of its rounds' costs, so short chunks
+  and long ones compare.
 - ``AcceptanceEstimate`` (``decoding/acceptance_estimate.py``): the chance that draft i is accepted once drafts 0..i-1 were, from the
   accepted counts of every round that ran (decaying with ``KEEP`` per round, so it follows a change
   of workload), blended with a prior. Rounds that make no drafts still observe the first draft
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+from scipy.special import ndtr
 
 from eagle_jax.decoding import adaptive_costs
 from eagle_jax.decoding.acceptance_estimate import (  # noqa: F401  (read as autospec.X by auto_run and the tests)
@@ -55,6 +57,7 @@ from eagle_jax.decoding.acceptance_estimate import (  # noqa: F401  (read as aut
     PROMPTS_TO_CARRY,
     AcceptanceEstimate,
 )
+from eagle_jax.decoding.chunk_overhead import ChunkOverhead
 
 
 DEPTHS = (1, 3, 5, DEEPEST)  # chains auto chooses among, besides plain decoding (0)
@@ -107,7 +110,7 @@ SETTLED_ROUNDS = 8  # two exploring chunks, or one chunk of the chosen depth
 # A depth's cost per round is the median of its last COST_WINDOW measurements, weighted by their rounds
 # (see CostModel): the lower one of two (optimism corrects itself), a spike's never.
 COST_WINDOW = 8
-CHUNK_SAMPLES = 16  # pairs of chunks whose fixed cost ``SpanCosts.chunk_s`` is the median of
+MIN_ROUNDS_SHARE = 0.2  # a measurement's rounds are at least this share of its time, whatever overhead is fitted
 
 
 def weighted_median(values: Iterable[tuple[float, float]]) -> float:
@@ -168,19 +171,34 @@ class CostModel:
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     probe: dict[int, float] = field(default_factory=dict)
     rounds: dict[tuple[int, int], int] = field(default_factory=dict)  # rounds measured per (rows, depth)
-    # the last COST_WINDOW measurements (seconds per round, rounds) per (rows, depth), depth None = probe
+    # the last COST_WINDOW measurements (seconds, rounds, first chunk after a prefill) per (rows, depth), depth None = probe
     window: dict[tuple[int, int | None], deque] = field(default_factory=dict)
+    # seconds of a measurement that are not its rounds, by (rows, first): a generate chunk's fixed part
+    # (``ChunkOverhead.seconds``, re-read by ``reprice`` as it is fitted); none for a server step
+    overhead: Callable[[int, bool], float] | None = None
 
-    def update(self, depth: int | None, rows: int, seconds: float, rounds: int) -> None:
-        """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``."""
+    def update(self, depth: int | None, rows: int, seconds: float, rounds: int, first: bool = False) -> None:
+        """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``; ``first``: in the
+        first chunk after a prefill."""
         if rounds < 1 or seconds <= 0:
             return
-        table, key = (self.probe, rows) if depth is None else (self.seconds, (rows, depth))
-        seen = self.window.setdefault((rows, depth), deque(maxlen=COST_WINDOW))
-        seen.append((seconds / rounds, rounds))
-        table[key] = weighted_median(seen)
+        self.window.setdefault((rows, depth), deque(maxlen=COST_WINDOW)).append((seconds, rounds, first))
+        self._price(rows, depth)
         if depth is not None:
-            self.rounds[key] = self.rounds.get(key, 0) + rounds
+            self.rounds[rows, depth] = self.rounds.get((rows, depth), 0) + rounds
+
+    def reprice(self) -> None:
+        """Every cost derived anew from its measurements, with the overhead as it is now known."""
+        for rows, depth in self.window:
+            self._price(rows, depth)
+
+    def _price(self, rows: int, depth: int | None) -> None:
+        fixed = self.overhead or (lambda _rows, _first: 0.0)
+        per = [(max(s - fixed(rows, first), MIN_ROUNDS_SHARE * s) / n, n) for s, n, first in self.window[rows, depth]]
+        if depth is None:
+            self.probe[rows] = weighted_median(per)
+        else:
+            self.seconds[rows, depth] = weighted_median(per)
 
     def measured(self, depth: int, rows: int) -> bool:
         return (rows, depth) in self.seconds
@@ -245,35 +263,23 @@ class SpanCosts:
 
     def __init__(self):
         self.by_span: dict[int, CostModel] = {}
-        # A generate chunk's fixed cost, apart from its rounds: at least its dispatch and host sync (an empty
-        # chunk's time, ``dispatch_s``), and as two chunks of one depth and different lengths show it
-        # (``observe_chunk_pair``): the loop's first rounds after a host sync run slower too (~0.7 ms more
-        # here), which charged a depth measured in short chunks ~4% more per round than one run long.
-        self.chunk_s: float | None = None
-        self.dispatch_s: float | None = None
-        self._chunk_samples: deque[float] = deque(maxlen=CHUNK_SAMPLES)
+        self.overhead = ChunkOverhead()  # a generate chunk's time apart from its rounds, per batch size
         self.plain_rows: dict[int, int] = {}  # per batch: prompts of the latest calls in a row that plain decoding finished soonest
         # per batch: the rows' own estimates at the end of the last call that observed acceptance. A call's
         # first choice reads them: its slowest row sets its end, and the pooled estimate hides the spread.
         self.last_call: dict[int, list[AcceptanceEstimate]] = {}
 
     def model(self, span: int) -> CostModel:
-        return self.by_span.setdefault(span, CostModel())
+        return self.by_span.setdefault(span, CostModel(overhead=self.overhead.seconds))
 
-    def set_dispatch(self, seconds: float) -> None:
-        """An empty chunk's time: the least a chunk's fixed cost can be."""
-        self.dispatch_s = seconds
-        self.chunk_s = max(seconds, self.chunk_s or 0.0)
-
-    def observe_chunk_pair(self, first: tuple[int, float], second: tuple[int, float]) -> None:
-        """Two chunks (rounds, seconds) of one depth, batch and span in a row: t = fixed + rounds x per-round
-        solved for the fixed cost; ``chunk_s`` is the median of the last ``CHUNK_SAMPLES`` such solutions, never
-        below the dispatch."""
-        (n1, t1), (n2, t2) = first, second
-        if n1 == n2 or self.dispatch_s is None:
-            return
-        self._chunk_samples.append((n2 * t1 - n1 * t2) / (n2 - n1))
-        self.chunk_s = max(self.dispatch_s, float(np.median(self._chunk_samples)))
+    def observe_chunk(self, span: int, depth: int | None, rows: int, rounds: int, seconds: float, first: bool) -> None:
+        """A ``generate`` chunk of ``rounds`` rounds at ``depth`` (None: probe rounds) over ``rows`` rows and ``span``
+        cache slots took ``seconds``; ``first``: the first after its call's prefill. Its rounds' cost is its time
+        less the chunk's overhead, which this chunk refits: every cost is derived anew with it."""
+        self.overhead.observe(rows, (span, depth), rounds, seconds, first)
+        self.model(span).update(depth, rows, seconds, rounds, first)
+        for m in self.by_span.values():
+            m.reprice()
 
     def probed(self, rows: int) -> bool:
         """Whether a probe round's cost at ``rows`` was measured at some span."""
@@ -364,11 +370,35 @@ def choose_depth(costs: CostModel | AtSpan, rows: int, expected: Callable[[int],
 def finish_times(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]],
                  depths: Iterable[int] = DEPTHS) -> dict[int, float]:
     """Expected seconds to finish a call of ``batch`` rows at each depth of known cost (``PLAIN`` and
-    ``depths``): rows = (tokens still to make, that row's estimate) of the rows not done. A batch call ends with its slowest row, and every round
-    costs the whole batch, so the time at depth d is ``cost(d) x max over rows of remaining /
-    expected_tokens(d)``, not the batch's tokens per second: rows the drafter follows well finish
-    early and then only wait."""
-    return {d: c * max(n / est.expected_tokens(d) for n, est in rows) for d in (PLAIN, *depths) if (c := costs.cost(d, batch))}
+    ``depths``): rows = (tokens still to make, that row's estimate) of the rows not done. A batch call ends with
+    its slowest row, and every round costs the whole batch, so the time at depth d is ``cost(d)`` times the
+    rounds its slowest row takes (``slowest_rounds``), not the batch's tokens per second: rows the drafter
+    follows well finish early and then only wait."""
+    return {d: c * slowest_rounds(rows, d) for d in (PLAIN, *depths) if (c := costs.cost(d, batch))}
+
+
+def slowest_rounds(rows: Sequence[tuple[int, AcceptanceEstimate]], depth: int) -> float:
+    """Expected rounds of ``depth`` drafts until every row of ``rows`` (tokens left, estimate) is done: the
+    expected maximum over the rows of each row's rounds, approximately normal (a renewal count: mean n/mu,
+    variance n sigma^2/mu^3 for the tokens a round emits, mu and sigma^2 their mean and variance). Not the
+    maximum of the means: a round's emitted tokens vary more the deeper the chain, so of 12 rows one lags
+    by ~1.6 standard deviations (bfloat16, batch 12, greedy: the means priced a chain of 3 at 31 rounds
+    where it took 38, and it ran in place of a chain of 1, 10% faster)."""
+    if depth == PLAIN or not rows:
+        return float(max((n for n, _ in rows), default=0))
+    mean, sd = np.zeros(len(rows)), np.zeros(len(rows))
+    for i, (n, est) in enumerate(rows):
+        drafts, var = est.accepted_moments(depth)
+        mu = 1.0 + drafts
+        mean[i], sd[i] = n / mu, math.sqrt(max(n * var, 0.0) / mu**3)
+    if len(rows) == 1 or not sd.any():
+        return float(mean.max())
+    # E[max] = lo + integral over x >= lo of P(max > x), on a grid past every row's spread
+    lo, hi = float((mean - 6 * sd).max()), float((mean + 6 * sd).max())
+    x = np.linspace(lo, hi, 257)
+    below = np.prod(ndtr((x[:, None] - mean[None]) / np.maximum(sd[None], 1e-9)), axis=1)
+    above = 1.0 - below
+    return lo + float((above.sum() - (above[0] + above[-1]) / 2) * (x[1] - x[0]))
 
 
 def keep_close(times: dict[int, float], current: int | None) -> int:
@@ -401,11 +431,13 @@ NEVER = np.array([-np.inf, np.inf, 0.0], np.float32)  # a watch no rounds depart
 _SCALES = np.geomspace(1 / 8, 8, 49)  # acceptance scaled by these to find where a choice stops paying
 
 
-def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]], depth: int | None) -> np.ndarray:
+def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]], depth: int | None,
+          switch_s: float = 0.0) -> np.ndarray:
     """What a ``generate`` chunk of ``depth`` drafts over ``rows`` (tokens left, estimate) is watched with
     (engine ``departed``): (lo, hi, sd), the band of drafts accepted per row and round within which
-    ``depth`` stays within ``WATCH_TOLERANCE`` of the best choice, and the standard deviation of one
-    row-round's count. The band scales every row's acceptance alike (all drafts, all rows: what a
+    ``depth`` stays within ``WATCH_TOLERANCE`` of the best choice, and ``switch_s`` more (what a new chunk costs
+    apart from its rounds: ~1 round at bfloat16 batch 12 on a CPU, where ending chunks on 2% turned a call into
+    five chunks), and the standard deviation of one row-round's count. The band scales every row's acceptance alike (all drafts, all rows: what a
     prompt unlike the ones before does) and reads where another depth would finish the call sooner by
     more than the tolerance. A chunk whose rows leave it ends early, so its choice is made again;
     ``NEVER`` for rounds without drafts and for a depth run to be measured (not the choice)."""
@@ -420,7 +452,7 @@ def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, Accep
     tokens = np.stack([np.ones(reach.shape[:2]) if d == PLAIN else 1.0 + reach[..., d - 1] for d in ds], axis=-1)
     finish = np.array([price[d] for d in ds]) * (left[None, :, None] / tokens).max(axis=1)  # [scale, depth]
     mine = finish[:, ds.index(depth)]
-    fine = mine <= (1.0 + WATCH_TOLERANCE) * np.delete(finish, ds.index(depth), axis=1).min(axis=1)
+    fine = mine <= (1.0 + WATCH_TOLERANCE) * np.delete(finish, ds.index(depth), axis=1).min(axis=1) + switch_s
     at = len(_SCALES) // 2  # the scale 1: the rows as estimated
     if not fine[at]:
         return NEVER

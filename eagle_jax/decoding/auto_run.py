@@ -164,27 +164,22 @@ class AutoRun:
         # (``autospec.watch``): a chunk's host round trip and loop entry (~1.6 ms here, 4% of an 8-round chunk
         # at T=1) is paid about twice a call, not every few rounds.
         # Where prompts are alike (a new one carries at least a long chunk's rounds of their evidence), a look
-        # could not change the choice: every chunk is a long one, watched. So too where a chunk's overhead is over
-        # LOOK_OVERHEAD of a round (bfloat16 batch 12 on a CPU: ~1 round), since the watch ends a chunk whose rows
-        # depart anyway.
+        # could not change the choice: every chunk is a long one, watched.
         left = max(r / est.expected_tokens(depth) for r, est in rows)
-        again = ((bool(self.chunks) and self.chunks[-1][0] == depth) or self.carry >= autospec.MAX_CHUNK_ROUNDS
-                 or self._overhead_rounds(costs, depth) > autospec.LOOK_OVERHEAD)
+        again = (bool(self.chunks) and self.chunks[-1][0] == depth) or self.carry >= autospec.MAX_CHUNK_ROUNDS
         longest = autospec.MAX_CHUNK_ROUNDS if left > autospec.MAX_CHUNK_ROUNDS + autospec.CHUNK_ROUNDS else self.plan.max_rounds
         most = min(longest, self.most_rounds or longest)
         if not again and left > 2 * autospec.CHUNK_ROUNDS:
             return depth, min(autospec.CHUNK_ROUNDS, most)
         return depth, min(max(autospec.CHUNK_ROUNDS, math.ceil(1.5 * left)), most)
 
-    def _overhead_rounds(self, costs: autospec.AtSpan, depth: int) -> float:
-        """A chunk's overhead (``chunk_overhead``) in rounds of ``depth`` at this call's batch size."""
-        return self.costs.overhead.seconds(self.plan.batch) / (costs.cost(depth, self.plan.batch) or math.inf)
-
     def _explore_rounds(self, costs: autospec.AtSpan, depth: int) -> int:
         """Rounds that measure ``depth``: ``EXPLORE_ROUNDS``, in one chunk up to ``SETTLED_ROUNDS`` where a chunk's
         overhead is a round's cost or more (bfloat16 batch 12 on a CPU: ~20 ms a chunk, ~18 ms a round), since
         a settled depth takes two such chunks otherwise."""
-        return min(autospec.SETTLED_ROUNDS, autospec.EXPLORE_ROUNDS * (1 + round(self._overhead_rounds(costs, depth))))
+        per_round = costs.cost(depth, self.plan.batch) or math.inf
+        share = self.costs.overhead.seconds(self.plan.batch) / per_round
+        return min(autospec.SETTLED_ROUNDS, autospec.EXPLORE_ROUNDS * (1 + round(share)))
 
     def _as_chosen(self, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> list[tuple[int, autospec.AcceptanceEstimate]]:
         """The rows a choice reads: before this call's own evidence, the last call's rows (their estimates)."""

@@ -63,7 +63,6 @@ from eagle_jax.decoding.chunk_overhead import ChunkOverhead
 DEPTHS = (1, 3, 5, DEEPEST)  # chains auto chooses among, besides plain decoding (0)
 PLAIN = 0
 CHUNK_ROUNDS = 8  # a generate chunk at a depth chosen anew (one host sync each) ...
-LOOK_OVERHEAD = 0.5  # ... unless a chunk's overhead is more rounds than this: then it runs long at once, watched
 MAX_CHUNK_ROUNDS = 64  # ... and the longest at a depth chosen again (ending sooner where its rows depart: ``watch``)
 # A chunk's rows depart from its estimate where another depth would finish the call sooner by more than this
 # share (``watch``): a closer race is not worth a new chunk's host round trip, nor its risk of a noisy switch.

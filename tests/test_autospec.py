@@ -287,9 +287,10 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
 
 
 def test_hindsight_counts_the_drafters_prefill():
-    """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting the
-    drafter's share of the prefill (the probe round's cost over plain decoding's) makes plain decoding
-    the better start, so such calls go on to skip the drafter."""
+    """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting what speculating
+    paid besides (the drafter's share of the prefill, the probe round's cost over plain decoding's; the probe
+    rounds' excess; chunks' overheads) makes plain decoding the better start, so such calls go on to skip the
+    drafter."""
     costs = autospec.SpanCosts()
     model = costs.model(256)
     model.update(autospec.PLAIN, 4, 1.0, 10)  # 0.1 s per round
@@ -298,6 +299,15 @@ def test_hindsight_counts_the_drafters_prefill():
     est.observe_probe(0.3, 1000)  # a chain of 1 emits 1.3 tokens per round, and its slowest of 4 rows ...
     model.update(1, 4, 10 * 3.2 / autospec.slowest_rounds([(32, est)] * 4, 1), 10)  # ... ends in plain's 32 x 0.1 s
     costs.record_hindsight(256, [(32, est)] * 4)
+    assert costs.plain_rows[4] == 0
+    # what the call paid besides: 4 probe rounds' excess over plain ones (0.08 s), or a second chunk's overhead (0.1 s)
+    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(None, 4), (1, 28)])
+    assert costs.plain_rows[4] == 4
+    costs.overhead.set_dispatch(0.1)
+    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])
+    assert costs.plain_rows[4] == 8
+    costs.overhead.set_dispatch(0.0)
+    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])
     assert costs.plain_rows[4] == 0
     costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
     assert costs.plain_rows[4] == 4

@@ -242,7 +242,7 @@ class AutoRun:
         for est in row_est:
             self.estimate.finish_prompt(est)
         if observed:  # which depth would have finished this call soonest, had it been known from the start
-            self.costs.record_hindsight(self.plan.cache_len, [(int(n), est) for n, est in zip(n_out, row_est)], prefill_s)
+            self.costs.record_hindsight(self.plan.cache_len, [(int(n), est) for n, est in zip(n_out, row_est)], prefill_s, self.chunks)
 
     def result(self, tokenizer) -> GenerationResult:
         st = None

@@ -319,18 +319,23 @@ class SpanCosts:
         span depends on its depth)."""
         return AtSpan(self, span_of if callable(span_of) else (lambda _d, s=span_of: s))
 
-    def record_hindsight(self, span: int, rows: Sequence[tuple[int, AcceptanceEstimate]], prefill_s: float = 0.0) -> None:
+    def record_hindsight(self, span: int, rows: Sequence[tuple[int, AcceptanceEstimate]], prefill_s: float = 0.0,
+                         chunks: Sequence[tuple[int | None, int]] = ()) -> None:
         """A call of ``len(rows)`` prompts over ``span`` cache slots that observed acceptance ended: ``rows``
-        = (tokens it made, the row's estimate); ``prefill_s``: its prefill, the drafter's included.
-        Speculating pays the drafter's share of that prefill, which plain decoding from the start does
-        not: the share of a round that feeding the drafter adds (the probe round's cost over plain
-        decoding's)."""
+        = (tokens it made, the row's estimate); ``prefill_s``: its prefill, the drafter's included; ``chunks``:
+        the (depth, rounds) it ran (depth None: probe rounds). Speculating pays what plain decoding from the
+        start does not: the drafter's share of that prefill (the share of a round that feeding the drafter
+        adds, the probe round's cost over plain decoding's), the probe rounds' excess over plain ones, and
+        the overhead of every chunk past one (``chunk_overhead``: ~1 round each at bfloat16 batch 12 on a CPU,
+        where a call that probes, looks and runs on paid 5% over plain decoding's time in a near tie)."""
         batch, here = len(rows), self.at(span)
         self.last_call[batch] = [est.copy() for _, est in rows]
         times = finish_times(here, batch, toward_the_batch(rows))
         plain, probe = self.model(span).at_rows(PLAIN, batch), self.model(span).probe.get(batch)
-        feeding = prefill_s * max(0.0, 1.0 - plain / probe) if plain and probe else 0.0
-        spec = min((t + feeding for d, t in times.items() if d != PLAIN), default=None)
+        extra = max(len(chunks) - 1, 0) * self.overhead.seconds(batch)
+        if plain and probe:
+            extra += prefill_s * max(0.0, 1.0 - plain / probe) + sum(n for d, n in chunks if d is None) * max(probe - plain, 0.0)
+        spec = min((t + extra for d, t in times.items() if d != PLAIN), default=None)
         clear = self.measured(PLAIN, batch) and spec is not None and PLAIN_MARGIN * times[PLAIN] <= spec
         self.plain_rows[batch] = self.plain_rows.get(batch, 0) + batch if clear else 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Iterator, Sequence
 
 import jax
@@ -83,11 +82,7 @@ def generate(
     if _wants_auto(drafter, spec):
         return AutoRun(target, drafter, prompts, max_new_tokens, kw).result(tokenizer)
     plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, sampling, pen, spec, eos_token_id, tokenizer, mesh, exact)
-    compiled, args, compile_s = calls.program(target, drafter, plan, prompt, lens, rs, seed, mesh)
-    t0 = time.perf_counter()
-    state = compiled(*args)
-    jax.block_until_ready(state.out)
-    run_s = time.perf_counter() - t0
+    state, compile_s, run_s = calls.run_whole(target, drafter, plan, prompt, lens, rs, seed, mesh)
     return calls.result(state, plan, compile_s, run_s, tokenizer)
 
 

@@ -258,12 +258,10 @@ class AutoRun:
         target, prompts, max_new_tokens, kw = self._call
         self.plan, prompt, lens, rs = calls.prepare(target, None, prompts, max_new_tokens, kw["sampling"], kw["penalties"], None,
                                                     kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
-        compiled, args, compile_s = calls.program(target, None, self.plan, prompt, lens, rs, kw["seed"], kw["mesh"])
+        st, compile_s, run_s = calls.run_whole(target, None, self.plan, prompt, lens, rs, kw["seed"], kw["mesh"])
         self.compile_s += compile_s
-        t0 = time.perf_counter()
-        st = compiled(*args)
-        rounds = int(st.rounds)  # waits for the whole call
-        self.run_s += time.perf_counter() - t0
+        self.run_s += run_s
+        rounds = int(st.rounds)
         self.estimate.age(rounds)
         self.chunks.append((autospec.PLAIN, rounds))
         yield st

@@ -255,3 +255,14 @@ def program(target: Target, drafter: Drafter | None, plan: Plan, prompt, lens, r
         costs = calibrated(t_graph, d_graph, plan, lambda c, n: compiled(*args[:6], c, jnp.int32(n)))
         args = (*args[:6], costs, args[7])
     return compiled, args, compile_s
+
+
+def run_whole(target: Target, drafter: Drafter | None, plan: Plan, prompt, lens, rs, seed: int, mesh) -> tuple[Any, float, float]:
+    """A call run as one program (``program``), the prefill and every round in one execution: (final loop state,
+    compile seconds, run seconds). A fixed ``spec``'s ``generate``, and a ``spec="auto"`` call that decodes plainly
+    from its start."""
+    compiled, args, compile_s = program(target, drafter, plan, prompt, lens, rs, seed, mesh)
+    t0 = time.perf_counter()
+    state = compiled(*args)
+    jax.block_until_ready(state.out)
+    return state, compile_s, time.perf_counter() - t0

@@ -73,4 +73,3 @@ class ChunkOverhead:
             scale = 1.4826 * float(np.median(np.abs(r))) + 1e-9
             w[:-2] = np.sqrt(np.minimum(1.0, HUBER * scale / np.maximum(np.abs(r), 1e-12)))
         return float(x[0]), float(x[1])
-

@@ -565,6 +565,21 @@ def test_a_chunks_overhead_is_fitted_per_batch_size_and_reprices_earlier_chunks(
     assert model.seconds[1, 1] == pytest.approx(0.0045, rel=0.1)
 
 
+def test_a_cold_calls_chunks_fit_the_overhead_from_the_one_depth_that_ran_twice():
+    """A call's first chunks run one depth each (the probe, the depths explored), each fitted exactly by its own
+    cost per round: only plain decoding's two chunks (4 rounds measured, then the rest) tell the fixed part. Their
+    residuals decide it; the others' zero residuals must not make the fit read every residual as an outlier."""
+    costs = autospec.SpanCosts()
+    costs.overhead.set_dispatch(0.001)
+    per = {None: 0.0145, 7: 0.038, 5: 0.033, 1: 0.0175, autospec.PLAIN: 0.0135}
+    for depth, n in ((None, 4), (7, 4), (5, 4), (1, 4), (autospec.PLAIN, 4), (autospec.PLAIN, 33)):
+        costs.observe_chunk(256, depth, 12, n, 0.021 + n * per[depth], first=depth is None)
+    assert costs.overhead.seconds(12) == pytest.approx(0.021, abs=2.5e-3)  # the prior (the dispatch) pulls a little
+    model = costs.model(256)
+    assert model.seconds[12, 1] == pytest.approx(0.0175, rel=0.05) and model.seconds[12, 7] == pytest.approx(0.038, rel=0.03)
+    assert model.seconds[12, autospec.PLAIN] == pytest.approx(0.0135, rel=0.03)
+
+
 def test_a_batch_ends_with_its_slowest_rows_rounds():
     """A call of 12 rows ends when its slowest row is done: the expected maximum of the rows' rounds, which the
     rounds' spread puts well past the mean (the more, the deeper the chain), as simulated rounds show."""

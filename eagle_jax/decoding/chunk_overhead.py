@@ -26,6 +26,7 @@ import numpy as np
 FIT_CHUNKS = 48  # a batch size's latest chunks the parts are fitted over
 PRIOR_WEIGHT = 0.3  # the prior's weight against one chunk's (a chunk's time is ~0.05-1 s; the parts are fitted in ms)
 HUBER = 2.0  # residuals beyond this many robust standard deviations count linearly, not squared
+MIN_SPREAD_S = 1e-4  # the least spread a chunk's time is read with (a timer's and a dispatch's jitter)
 
 
 class ChunkOverhead:
@@ -66,10 +67,19 @@ class ChunkOverhead:
         # the prior: fixed = the dispatch, first = 0 (what an unidentified part falls back to)
         a[-2, 0], t[-2] = PRIOR_WEIGHT, PRIOR_WEIGHT * (self.dispatch_s or 0.0)
         a[-1, 1] = PRIOR_WEIGHT
+        # Huber weights from the residuals' robust spread, read over the chunks the fit does not pass through by
+        # construction: a depth's only chunk has its own cost per round, so its residual is 0 whatever the
+        # parts (leverage 1). Counted in, those zeros made the spread 0 and every other chunk an outlier,
+        # which left a cold call's parts at the prior (bfloat16 batch 12: 1 ms fitted, 21 ms paid).
+        leverage = np.einsum("ij,ji->i", a, np.linalg.pinv(a))[:-2]
+        free = leverage < 1.0 - 1e-6
         w = np.ones(len(t))
         for _ in range(4):  # iteratively reweighted: a busy moment's chunk counts less
             x, *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
+            if free.sum() < 3:  # too few chunks to tell a busy one: least squares
+                break
             r = (t - a @ x)[:-2]
-            scale = 1.4826 * float(np.median(np.abs(r))) + 1e-9
+            spread = np.abs(r[free]) / np.sqrt(1.0 - leverage[free])
+            scale = 1.4826 * float(np.median(spread)) + MIN_SPREAD_S
             w[:-2] = np.sqrt(np.minimum(1.0, HUBER * scale / np.maximum(np.abs(r), 1e-12)))
         return float(x[0]), float(x[1])

@@ -173,9 +173,9 @@ class CostModel:
     rounds: dict[tuple[int, int], int] = field(default_factory=dict)  # rounds measured per (rows, depth)
     # the last COST_WINDOW measurements (seconds, rounds, first chunk after a prefill) per (rows, depth), depth None = probe
     window: dict[tuple[int, int | None], deque] = field(default_factory=dict)
-    # seconds of a measurement that are not its rounds, by (rows, first): a generate chunk's fixed part
+    # seconds of a measurement that are not its rounds, by (rows, depth, first): a generate chunk's fixed part
     # (``ChunkOverhead.seconds``, re-read by ``reprice`` as it is fitted); none for a server step
-    overhead: Callable[[int, bool], float] | None = None
+    overhead: Callable[[int, int | None, bool], float] | None = None
 
     def update(self, depth: int | None, rows: int, seconds: float, rounds: int, first: bool = False) -> None:
         """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``; ``first``: in the
@@ -193,8 +193,8 @@ class CostModel:
             self._price(rows, depth)
 
     def _price(self, rows: int, depth: int | None) -> None:
-        fixed = self.overhead or (lambda _rows, _first: 0.0)
-        per = [(max(s - fixed(rows, first), MIN_ROUNDS_SHARE * s) / n, n) for s, n, first in self.window[rows, depth]]
+        fixed = self.overhead or (lambda _rows, _depth, _first: 0.0)
+        per = [(max(s - fixed(rows, depth, first), MIN_ROUNDS_SHARE * s) / n, n) for s, n, first in self.window[rows, depth]]
         if depth is None:
             self.probe[rows] = weighted_median(per)
         else:
@@ -270,7 +270,9 @@ class SpanCosts:
         self.last_call: dict[int, list[AcceptanceEstimate]] = {}
 
     def model(self, span: int) -> CostModel:
-        return self.by_span.setdefault(span, CostModel(overhead=self.overhead.seconds))
+        if span not in self.by_span:
+            self.by_span[span] = CostModel(overhead=lambda rows, depth, first: self.overhead.seconds(rows, first, (span, depth)))
+        return self.by_span[span]
 
     def observe_chunk(self, span: int, depth: int | None, rows: int, rounds: int, seconds: float, first: bool) -> None:
         """A ``generate`` chunk of ``rounds`` rounds at ``depth`` (None: probe rounds) over ``rows`` rows and ``span``

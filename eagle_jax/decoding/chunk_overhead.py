@@ -2,14 +2,14 @@
 round costs read from short chunks and from long ones compare.
 
 A chunk's time is ``fixed + rounds x per-round``, plus ``first`` more for the first chunk after a prefill.
-The fixed part is at least the chunk's dispatch and host sync (~1 ms on a CPU), and can be far more: on a
-CPU, a bfloat16 batch of 12 pays ~20 ms per chunk (about one round), a batch of 1 ~1.6 ms, float32 ~1.3 ms
-at both (one-time work of each execution, outside its loop). The first chunk after a prefill pays ~10 ms
-more there. Both depend on the batch size, so they are fitted per batch size, jointly over the batch
-size's latest chunks: ``time = fixed + first x is_first + rounds x cost(span, depth)`` by least squares,
-a cost per (span, depth) and robust to a busy moment's chunk (Huber weights). Where the chunks cannot tell
-a part apart (one length per depth, no first chunk beside a later one of its depth), a weak prior holds it
-at the dispatch (fixed) and at 0 (first).
+The fixed part is at least the chunk's dispatch and host sync (~1 ms on a CPU). The first chunk's extra
+depends on what runs: after a benchmark's other programs, a chain of 1's first chunk at bfloat16 batch 12
+on a CPU paid ~40 ms more while a probe's paid ~3 ms, so one extra for every depth priced the probe,
+whose chunks are all first ones, at a quarter of a plain round. Both parts depend on the batch size,
+so they are fitted per batch size, jointly over the batch size's latest chunks: ``time = fixed +
+first(span, depth) x is_first + rounds x cost(span, depth)`` by least squares, robust to a busy moment's
+chunk (Huber weights). Where the chunks cannot tell a part apart (one length per depth, a depth's first
+chunks only), a weak prior holds it at the dispatch (fixed) and at 0 (a first extra).
 
 The parts are fitted anew with every chunk, so a cost derived from a chunk early on (a probe's 4 rounds,
 the first after a prefill, measured while the fixed part looked like the dispatch alone: it priced plain
@@ -25,7 +25,8 @@ import numpy as np
 
 FIT_CHUNKS = 48  # a batch size's latest chunks the parts are fitted over
 PRIOR_WEIGHT = 0.3  # the prior's weight against one chunk's (a chunk's time is ~0.05-1 s; the parts are fitted in ms)
-HUBER = 2.0  # residuals beyond this many robust standard deviations count linearly, not squared
+HUBER = 2.0  # residuals beyond this many robust standard deviations count linearly, not squared ...
+TUKEY = 4.685  # ... and then, from a fit so weighted, beyond this many not at all
 MIN_SPREAD_S = 1e-4  # the least spread a chunk's time is read with (a timer's and a dispatch's jitter)
 
 
@@ -36,50 +37,59 @@ class ChunkOverhead:
     def __init__(self):
         self.dispatch_s: float | None = None
         self._chunks: dict[int, deque] = {}  # rows -> (key, rounds, seconds, first)
-        self._parts: dict[int, tuple[float, float]] = {}  # rows -> (fixed, first)
+        self._parts: dict[int, tuple[float, dict]] = {}  # rows -> (fixed, key -> the first chunk's extra)
 
     def set_dispatch(self, seconds: float) -> None:
         self.dispatch_s = seconds
 
     def observe(self, rows: int, key: Hashable, rounds: int, seconds: float, first: bool) -> None:
         """A chunk of ``rounds`` rounds over ``rows`` rows took ``seconds``; ``key``: what sets its cost per round
-        (span, depth); ``first``: the first chunk after its call's prefill. Refits this batch size's parts."""
+        and its first extra (span, depth); ``first``: the first chunk after its call's prefill. Refits this batch
+        size's parts."""
         if rounds < 1 or seconds <= 0:
             return
         self._chunks.setdefault(rows, deque(maxlen=FIT_CHUNKS)).append((key, rounds, seconds, first))
         self._parts[rows] = self._fit(self._chunks[rows])
 
-    def seconds(self, rows: int, first: bool = False) -> float:
-        """The part of a chunk's time over ``rows`` rows that is not its rounds (the dispatch where no chunk ran
-        at these rows: none of their rounds is priced yet)."""
+    def seconds(self, rows: int, first: bool = False, key: Hashable = None) -> float:
+        """The part of a chunk's time over ``rows`` rows that is not its rounds, for a chunk of ``key`` where
+        ``first`` (the dispatch where no chunk ran at these rows: none of their rounds is priced yet)."""
         floor = self.dispatch_s or 0.0
         if rows not in self._parts:
             return floor
         fixed, extra = self._parts[rows]
-        return max(floor, fixed) + (max(extra, 0.0) if first else 0.0)
+        return max(floor, fixed) + (max(extra.get(key, 0.0), 0.0) if first else 0.0)
 
-    def _fit(self, chunks) -> tuple[float, float]:
+    def _fit(self, chunks) -> tuple[float, dict]:
         keys = list(dict.fromkeys(k for k, *_ in chunks))
-        a = np.zeros((len(chunks) + 2, 2 + len(keys)))
-        t = np.zeros(len(chunks) + 2)
+        firsts = list(dict.fromkeys(k for k, _, _, first in chunks if first))
+        ncol = 1 + len(firsts) + len(keys)
+        a = np.zeros((len(chunks) + 1 + len(firsts), ncol))
+        t = np.zeros(len(a))
         for i, (k, n, s, first) in enumerate(chunks):
-            a[i, 0], a[i, 1], a[i, 2 + keys.index(k)], t[i] = 1.0, float(first), n, s
-        # the prior: fixed = the dispatch, first = 0 (what an unidentified part falls back to)
-        a[-2, 0], t[-2] = PRIOR_WEIGHT, PRIOR_WEIGHT * (self.dispatch_s or 0.0)
-        a[-1, 1] = PRIOR_WEIGHT
+            a[i, 0], a[i, 1 + len(firsts) + keys.index(k)], t[i] = 1.0, n, s
+            if first:
+                a[i, 1 + firsts.index(k)] = 1.0
+        # the priors: fixed = the dispatch, each first extra = 0 (what an unidentified part falls back to)
+        m = len(chunks)
+        a[m, 0], t[m] = PRIOR_WEIGHT, PRIOR_WEIGHT * (self.dispatch_s or 0.0)
+        for j in range(len(firsts)):
+            a[m + 1 + j, 1 + j] = PRIOR_WEIGHT
         # Huber weights from the residuals' robust spread, read over the chunks the fit does not pass through by
         # construction: a depth's only chunk has its own cost per round, so its residual is 0 whatever the
         # parts (leverage 1). Counted in, those zeros made the spread 0 and every other chunk an outlier,
         # which left a cold call's parts at the prior (bfloat16 batch 12: 1 ms fitted, 21 ms paid).
-        leverage = np.einsum("ij,ji->i", a, np.linalg.pinv(a))[:-2]
+        leverage = np.einsum("ij,ji->i", a, np.linalg.pinv(a))[:m]
         free = leverage < 1.0 - 1e-6
         w = np.ones(len(t))
-        for _ in range(4):  # iteratively reweighted: a busy moment's chunk counts less
+        for step in range(8):  # iteratively reweighted: Huber's weights, then Tukey's (a busy chunk drops out)
             x, *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
             if free.sum() < 3:  # too few chunks to tell a busy one: least squares
                 break
-            r = (t - a @ x)[:-2]
+            r = (t - a @ x)[:m]
             spread = np.abs(r[free]) / np.sqrt(1.0 - leverage[free])
             scale = 1.4826 * float(np.median(spread)) + MIN_SPREAD_S
-            w[:-2] = np.sqrt(np.minimum(1.0, HUBER * scale / np.maximum(np.abs(r), 1e-12)))
-        return float(x[0]), float(x[1])
+            u = np.abs(r) / scale
+            weight = np.minimum(1.0, HUBER / np.maximum(u, 1e-12)) if step < 4 else np.clip(1.0 - (u / TUKEY) ** 2, 0.0, 1.0) ** 2
+            w[:m] = np.sqrt(weight)
+        return float(x[0]), {k: float(x[1 + j]) for j, k in enumerate(firsts)}

@@ -286,6 +286,34 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     assert run._next(True, [(32, half)], observed=8)[0] == autospec.PLAIN
 
 
+def test_a_call_explores_one_close_depth(monkeypatch, pair):
+    """Of the close depths whose costs are not settled, a call runs one to measure it (again until settled, if
+    still close), not one after another: the next waits for a later call (at bfloat16 batch 12 a call explored
+    K=3 and then K=5, each worse than plain decoding, and took 1.31x plain decoding's time)."""
+    autospec.reset()
+    costs = autospec.SpanCosts()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    run.chunks[:] = [(1, 4)]  # this call ran a chain already
+    model = costs.model(run.plan.cache_len)
+    settled = autospec.SETTLED_ROUNDS
+    likely = autospec.AcceptanceEstimate()
+    likely.observe(([[1]] * 2 + [[2]] * 2 + [[3]] * 4 + [[0]]) * 8, 3)
+    rows = [(32, likely)]
+    tokens = {d: likely.expected_tokens(d) for d in autospec.DEPTHS}
+    model.update(None, 1, 1.05, 1)
+    model.update(autospec.PLAIN, 1, 1.0 * settled, settled)
+    model.update(7, 1, 1.5 * tokens[7] * settled, settled)
+    model.update(1, 1, 1.03 * tokens[1], 1)  # per token 1.03x plain decoding's, not settled
+    model.update(3, 1, 1.04 * tokens[3], 1)  # per token 1.04x, not settled; K=5 (between K=3 and K=7) further
+    assert run._next(True, rows, observed=8) == (1, autospec.EXPLORE_ROUNDS)
+    model.update(1, 1, 1.3 * tokens[1] * 3, 3)  # K=1 measured dearer: no longer close
+    depth, n = run._next(True, rows, observed=8)
+    assert depth == autospec.PLAIN  # not K=3: this call explored K=1 already
+    run._explored.clear()  # a later call explores K=3
+    assert run._next(True, rows, observed=8) == (3, autospec.EXPLORE_ROUNDS)
+
+
 def test_hindsight_counts_the_drafters_prefill():
     """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting what speculating
     paid besides (the drafter's share of the prefill, the probe round's cost over plain decoding's; the probe

@@ -182,9 +182,10 @@ class AutoRun:
 
     def _explore_rounds(self, costs: autospec.AtSpan, depth: int) -> int:
         """Rounds that measure ``depth``: ``EXPLORE_ROUNDS``, in one chunk up to ``SETTLED_ROUNDS`` where a chunk's
-        overhead is a round's cost or more (bfloat16 batch 12 on a CPU: ~20 ms a chunk, ~18 ms a round), since
-        a settled depth takes two such chunks otherwise; never past a stream's chunk (``most_rounds``) beyond
-        ``EXPLORE_ROUNDS``, since its reader waits for each chunk."""
+        overhead is a round's cost or more (bfloat16 batch 12 on a CPU paid ~20 ms a chunk, ~18 ms a round,
+        before its cache writes were scattered as bits), since a settled depth takes two such chunks otherwise;
+        never past a stream's chunk (``most_rounds``) beyond ``EXPLORE_ROUNDS``, since its reader waits for each
+        chunk."""
         if self.most_rounds is not None:
             return autospec.EXPLORE_ROUNDS
         per_round = costs.cost(depth, self.plan.batch) or math.inf

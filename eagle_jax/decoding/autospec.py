@@ -328,8 +328,9 @@ class SpanCosts:
         the (depth, rounds) it ran (depth None: probe rounds). Speculating pays what plain decoding from the
         start does not: the drafter's share of that prefill (the share of a round that feeding the drafter
         adds, the probe round's cost over plain decoding's), the probe rounds' excess over plain ones, and
-        the overhead of every chunk past one (``chunk_overhead``: ~1 round each at bfloat16 batch 12 on a CPU,
-        where a call that probes, looks and runs on paid 5% over plain decoding's time in a near tie)."""
+        the overhead of every chunk past one (``chunk_overhead``: ~1 round each at bfloat16 batch 12 on a CPU
+        before its cache writes were scattered as bits, where a call that probes, looks and runs on paid 5% over
+        plain decoding's time in a near tie)."""
         batch, here = len(rows), self.at(span)
         self.last_call[batch] = [est.copy() for _, est in rows]
         times = finish_times(here, batch, toward_the_batch(rows))
@@ -443,8 +444,8 @@ def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, Accep
     """What a ``generate`` chunk of ``depth`` drafts over ``rows`` (tokens left, estimate) is watched with
     (engine ``departed``): (lo, hi, sd), the band of drafts accepted per row and round within which
     ``depth`` stays within ``WATCH_TOLERANCE`` of the best choice, and ``switch_s`` more (what a new chunk costs
-    apart from its rounds: ~1 round at bfloat16 batch 12 on a CPU, where ending chunks on 2% turned a call into
-    five chunks), and the standard deviation of one row-round's count. The band scales every row's acceptance alike (all drafts, all rows: what a
+    apart from its rounds: ~1 round at bfloat16 batch 12 on a CPU before its cache writes were scattered as
+    bits, where ending chunks on 2% turned a call into five chunks), and the standard deviation of one row-round's count. The band scales every row's acceptance alike (all drafts, all rows: what a
     prompt unlike the ones before does) and reads where another depth would finish the call sooner by
     more than the tolerance. A chunk whose rows leave it ends early, so its choice is made again;
     ``NEVER`` for rounds without drafts and for a depth run to be measured (not the choice)."""

@@ -299,7 +299,7 @@ def write_kv(cache: Array, new: Array, start: Array) -> Array:
 
     Several rows are a scatter, which XLA's CPU backend does for bfloat16 through a float32 copy of the whole
     cache and back: on a CPU a 16-bit float cache is scattered as its bits (uint16), exactly (bfloat16, batch 12,
-    bundled pair: 88 MB of temporaries an execution faulted in for ~20 ms, and 1.25x the time per round). One
+    bundled pair: 88 MB of temporaries, ~20 ms per execution, and 1.2x the time per round). One
     row of one is an in-place ``dynamic_update_slice``, left as it is.
     """
     b, t, h = new.shape[:3]

@@ -310,7 +310,7 @@ def test_a_call_explores_one_close_depth(monkeypatch, pair):
     model.update(1, 1, 1.3 * tokens[1] * 3, 3)  # K=1 measured dearer: no longer close
     depth, n = run._next(True, rows, observed=8)
     assert depth == autospec.PLAIN  # not K=3: this call explored K=1 already
-    run._explored.clear()  # a later call explores K=3
+    run._explored = None  # a later call explores K=3
     assert run._next(True, rows, observed=8) == (3, autospec.EXPLORE_ROUNDS)
 
 

@@ -55,7 +55,7 @@ class AutoRun:
         self.compile_s = 0.0
         self.run_s = 0.0
         self.chunks: list[tuple[int | None, int]] = []  # (depth, rounds): None = probe rounds
-        self._explored: set[int] = set()  # the close, unsettled depth this call ran to measure (``close_unsettled``)
+        self._explored: int | None = None  # the close, unsettled depth this call ran to measure (``close_unsettled``)
         self._args = (prompt, lens, rs, jax.random.key(kw["seed"]))
         # A program lookup would otherwise walk the models' states again (0.6-1.8 ms per program a call runs).
         self._states = {True: calls.signature((self.t_state, self.d_state)), False: calls.signature((self.t_state, None))}
@@ -157,9 +157,9 @@ class AutoRun:
         # A close depth whose cost is not known well yet runs to be measured: one such depth per call (it may run
         # again until settled), the next on a later call. At bfloat16 batch 12 a call explored K=3 and then
         # K=5, each worse than plain decoding, and took 1.31x plain's time.
-        skip = lambda d: self.costs.settled(d, batch) or bool(self._explored - {d})  # noqa: E731
+        skip = lambda d: self.costs.settled(d, batch) or self._explored not in (None, d)  # noqa: E731
         if (rival := autospec.close_unsettled(times, skip)) is not None:
-            self._explored.add(rival)
+            self._explored = rival
             return rival, self._explore_rounds(costs, rival)
         if depth == autospec.PLAIN:  # plain decoding proper cannot be left within the call: no look, no boundary
             return depth, self.most_rounds or self.plan.max_rounds

@@ -130,6 +130,31 @@ def test_auto_output_is_plain_decodings(pair, plain):
     assert all(n <= max(2, autospec.EXPLORE_ROUNDS, autospec.PROBE_ROUNDS) for _, n in run.chunks), run.chunks
 
 
+def test_a_warmed_calls_probe_compiles_nothing(pair):
+    """Once ``warm`` ran a call's programs, the call compiles nothing, its probe's reset included: an eager
+    ``jnp.zeros_like`` compiled on a process's first call, ~85 ms at batch 1 outside the compile time a call
+    reports. Seven rows: a shape no other test gives the probe's counts."""
+    import jax
+
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(7)]
+    AutoRun(pair[0], pair[1], prompts, 12, _AUTO_KW).warm()
+    autospec.reset()
+    compiles = []
+
+    def listen(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        run = AutoRun(pair[0], pair[1], prompts, 12, _AUTO_KW)
+        for _ in run:
+            pass
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert run.chunks[0][0] is None and not compiles, (run.chunks, compiles)
+
+
 def test_a_hard_first_prompt_does_not_switch_speculation_off(fixed_costs):
     """A drafter that never predicts prompt A's continuation (its tokens lie outside the draft vocabulary)
     and often predicts B's. A first call on A decodes plainly after measuring that; the calls on B that

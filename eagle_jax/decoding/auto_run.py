@@ -241,7 +241,9 @@ class AutoRun:
                 for b, (hits, count) in enumerate(probe):
                     if count > 0:
                         row_est[b].observe_probe(float(hits / count), float(count))
-                st = dataclasses.replace(st, probe=jnp.zeros_like(st.probe))
+                # Zeros from the host, not ``jnp.zeros_like``: an eager op compiles on a process's first call (~85 ms
+                # at batch 1, outside the compile time a call reports, in its first call's time).
+                st = dataclasses.replace(st, probe=jax.device_put(np.zeros(st.probe.shape, st.probe.dtype), st.probe.sharding))
                 observed += ran
             elif depth == autospec.PLAIN:
                 self.estimate.age(ran)

@@ -79,10 +79,10 @@ class ChunkOverhead:
         # construction: a depth's only chunk has its own cost per round, so its residual is 0 whatever the
         # parts (leverage 1). Counted in, those zeros made the spread 0 and every other chunk an outlier,
         # which left a cold call's parts at the prior (bfloat16 batch 12: 1 ms fitted, 21 ms paid).
-        gram = a.T @ a
-        leverage = np.einsum("ij,ji->i", a[:m], np.linalg.solve(gram + 1e-12 * np.trace(gram) * np.eye(ncol), a[:m].T))
+        gram = _ridged(a.T @ a)
+        leverage = np.einsum("ij,ji->i", a[:m], np.linalg.solve(gram, a[:m].T))
         free = leverage < 1.0 - 1e-6
-        x = _weighted_lstsq(a, t, np.ones(len(t)))
+        x = np.linalg.solve(gram, a.T @ t)  # least squares
         if free.sum() < 3:  # too few chunks to tell a busy one: least squares
             return float(x[0]), {k: float(x[1 + j]) for j, k in enumerate(firsts)}
         w = np.ones(len(t))
@@ -103,7 +103,11 @@ class ChunkOverhead:
 
 def _weighted_lstsq(a: np.ndarray, t: np.ndarray, w: np.ndarray) -> np.ndarray:
     """argmin_x sum w (t - a x)^2, by the normal equations (a few columns; an SVD per iteration took 1.5x as
-    long). A column every chunk of which weighs 0 is held at 0 (the ridge)."""
+    long). A column every chunk of which weighs 0 is held at 0 (``_ridged``)."""
     aw = a * w[:, None]
-    gram = aw.T @ a
-    return np.linalg.solve(gram + 1e-12 * np.trace(gram) * np.eye(len(gram)), aw.T @ t)
+    return np.linalg.solve(_ridged(aw.T @ a), aw.T @ t)
+
+
+def _ridged(gram: np.ndarray) -> np.ndarray:
+    """``gram`` with a ridge of 1e-12 of its trace: solvable where a column's every chunk weighs 0."""
+    return gram + 1e-12 * np.trace(gram) * np.eye(len(gram))

@@ -82,7 +82,7 @@ def generate(
     if _wants_auto(drafter, spec):
         return AutoRun(target, drafter, prompts, max_new_tokens, kw).result(tokenizer)
     plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, sampling, pen, spec, eos_token_id, tokenizer, mesh, exact)
-    state, compile_s, run_s = calls.run_whole(target, drafter, plan, prompt, lens, rs, seed, mesh)
+    state, compile_s, run_s = calls.run_whole(calls.split_pair(target, drafter, mesh), plan, prompt, lens, rs, seed)
     return calls.result(state, plan, compile_s, run_s, tokenizer)
 
 
@@ -128,8 +128,7 @@ def generate_stream(
                 yield new
         return
     plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, sampling, pen, spec, eos_token_id, tokenizer, None, exact)
-    t_graph, t_state = calls.split(target)
-    d_graph, d_state = calls.split(drafter)
+    t_graph, t_state, d_graph, d_state = calls.split_pair(target, drafter, None)
 
     def begin(t_state, d_state, prompt, lens, rs, key, costs):
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)

@@ -343,7 +343,7 @@ def test_hindsight_counts_the_drafters_prefill():
     """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting what speculating
     paid besides (the drafter's share of the prefill, the probe round's cost over plain decoding's; the probe
     rounds' excess; chunks' overheads) makes plain decoding the better start, so such calls go on to skip the
-    drafter."""
+    drafter, and probe less often the longer plain decoding stays fastest."""
     costs = autospec.SpanCosts()
     model = costs.model(256)
     model.update(autospec.PLAIN, 4, 1.0, 10)  # 0.1 s per round
@@ -370,6 +370,15 @@ def test_hindsight_counts_the_drafters_prefill():
     assert not costs.plain_settled(4) and not costs.plain_settled(4, alike=True)
     costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
     assert costs.plain_settled(4, alike=True) and costs.plain_settled(4)
+    # each further call in a row that finds plain decoding fastest doubles the rounds before the next probe, up to a cap
+    assert costs.reprobe_rounds(4) == autospec.REPROBE_ROUNDS
+    backoff = []
+    for _ in range(4):
+        costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
+        backoff.append(costs.reprobe_rounds(4) // autospec.REPROBE_ROUNDS)
+    assert backoff == [2, 4, 4, 4] and autospec.REPROBE_BACKOFF == 4
+    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])  # speculation was as fast: probes as often as at first
+    assert costs.plain_rows[4] == 0 and costs.reprobe_rounds(4) == autospec.REPROBE_ROUNDS
     model.update(autospec.PLAIN, 2, 1.0, 10)  # batch 2: two calls are the 4 alike prompts, 8 otherwise
     model.update(None, 2, 1.2, 10)
     model.update(1, 2, 1.3, 10)

@@ -17,7 +17,7 @@ from eagle_jax.config import SpecConfig
 from eagle_jax.decoding import autospec, calls
 from eagle_jax.decoding.acceptance_estimate import prompts_alike
 from eagle_jax.decoding.calls import GenerationResult
-from eagle_jax.decoding.engine import Plan, run_rounds
+from eagle_jax.decoding.engine import Plan, one_shot_cache_len, run_rounds
 from eagle_jax.decoding.prefill import start
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
@@ -34,16 +34,10 @@ class AutoRun:
 
     def __init__(self, target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict,
                  most_rounds: int | None = None):
-        self._call = (target, prompts, max_new_tokens, kw)  # for plain decoding's own program (``_plain_program``)
         top = SpecConfig(num_speculative_tokens=max(autospec.DEPTHS))
         self.plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, kw["sampling"], kw["penalties"],
                                                top, kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
-        self.t_graph, self.t_state = calls.split(target)
-        self.d_graph, self.d_state = calls.split(drafter)
-        if kw["mesh"] is not None:
-            from eagle_jax.sharding import shard_tree
-
-            self.t_state, self.d_state = shard_tree(self.t_state, kw["mesh"]), shard_tree(self.d_state, kw["mesh"])
+        self.t_graph, self.t_state, self.d_graph, self.d_state = calls.split_pair(target, drafter, kw["mesh"])
         greedy = self.plan.greedy
         # One lookup of the pair's graphs per call (hashing a graph walks all its nodes): its programs with
         # and without the drafter, and its costs and acceptance, keyed by the programs' dict.
@@ -56,7 +50,8 @@ class AutoRun:
         self.run_s = 0.0
         self.chunks: list[tuple[int | None, int]] = []  # (depth, rounds): None = probe rounds
         self._explored: int | None = None  # the close, unsettled depth this call ran to measure (``close_unsettled``)
-        self._args = (prompt, lens, rs, jax.random.key(kw["seed"]))
+        self._seed = kw["seed"]
+        self._args = (prompt, lens, rs, jax.random.key(self._seed))
         # A program lookup would otherwise walk the models' states again (0.6-1.8 ms per program a call runs).
         self._states = {True: calls.signature((self.t_state, self.d_state)), False: calls.signature((self.t_state, None))}
         self._programs: dict[tuple[int | None, bool], Any] = {}
@@ -80,8 +75,9 @@ class AutoRun:
 
     def _plain_from_start(self) -> bool:
         """Whether this call decodes plainly without ever feeding the drafter (``SpanCosts.plain_settled``),
-        while the pair's acceptance was observed within ``REPROBE_ROUNDS`` rounds (past them, a call probes)."""
-        return self.costs.plain_settled(self.plan.batch, prompts_alike(self.carry)) and self.estimate.unobserved < autospec.REPROBE_ROUNDS
+        while the pair's acceptance was observed within ``SpanCosts.reprobe_rounds`` rounds (past them, a call probes)."""
+        batch = self.plan.batch
+        return self.costs.plain_settled(batch, prompts_alike(self.carry)) and self.estimate.unobserved < self.costs.reprobe_rounds(batch)
 
     def _chunk(self, depth: int | None, st, limit: int, fed: bool, watch: np.ndarray = autospec.NEVER):
         """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
@@ -104,6 +100,22 @@ class AutoRun:
             fresh = self.compile_s > compile0
         return self._programs[depth, fed](*args), fresh
 
+    def _start_and_chunk(self, depth: int, rounds: int, watch: np.ndarray):
+        """The prefill, drafter fed, and a first chunk of ``rounds`` rounds at ``depth`` (``_chunk``) as one program:
+        apart, the second execution, the host round trip between them and the first chunk's dispatch cost ~3 ms
+        at batch 1 on a CPU (~3% of a call that speculates well). Returns as ``_chunk`` does."""
+        plan, chunk_plan = self.plan, dataclasses.replace(self.plan, spec=SpecConfig(num_speculative_tokens=depth))
+        t_graph, d_graph = self.t_graph, self.d_graph
+
+        def start_and_chunk(t_state, d_state, prompt, lens, rs, key, limit, watch):
+            tgt, drf = nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state)
+            return run_rounds(tgt, drf, chunk_plan, start(tgt, drf, plan, prompt, lens, rs, key, plan.max_rounds), limit, watch)
+
+        args = (self.t_state, self.d_state, *self._args, jnp.int32(rounds), jnp.asarray(watch))
+        compile0 = self.compile_s
+        program = self._compiled("auto_start_chunk", chunk_plan, True, args, start_and_chunk)
+        return program(*args), self.compile_s > compile0
+
     def _time_empty_chunk(self, depth: int | None, st, fed: bool, rounds: int):
         """Measures a chunk's dispatch and host sync (~1 ms on a CPU), the least of its fixed cost, by running
         this chunk's program for no rounds, twice (the least counts); returns the (unchanged) state. Once per
@@ -119,11 +131,13 @@ class AutoRun:
 
     def warm(self) -> None:
         """Compiles and runs once every program this call's shapes may use (the prefill with and without
-        the drafter, a chunk at every depth, plain decoding): a program's first run pays one-time costs
-        (~0.3 s on a CPU) that benchmarks count as compile time, not decoding."""
+        the drafter, a chunk at every depth, each chain's also with the prefill, plain decoding): a program's
+        first run pays one-time costs (~0.3 s on a CPU) that benchmarks count as compile time, not decoding."""
         st = self._begin(True)
         for i, depth in enumerate((None, *autospec.DEPTHS)):
             st, _ = self._chunk(depth, st, i + 1, True)
+        for depth in autospec.DEPTHS:
+            jax.block_until_ready(self._start_and_chunk(depth, 1, autospec.NEVER)[0].out)
         jax.block_until_ready(self._chunk(autospec.PLAIN, self._begin(False), 1, False)[0].out)
 
     def _next(self, fed: bool, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> tuple[int | None, int]:
@@ -201,41 +215,45 @@ class AutoRun:
 
     def __iter__(self) -> Iterator[Any]:
         self.carry = self.estimate.carry_rounds()  # read once: the start's choice and every row's estimate
-        t0 = time.perf_counter()
-        compile0 = self.compile_s
         fed = not self._plain_from_start()
         if not fed and self.most_rounds is None:
             yield from self._plain_program()
             return
-        st = self._begin(fed)
-        jax.block_until_ready(st.out)
-        prefill_s = time.perf_counter() - t0 - (self.compile_s - compile0)
-        self.run_s += prefill_s
-        yield st
-        observed, rounds = 0, 0
+        batch = self.plan.batch
+        observed, rounds, prefill_s = 0, 0, 0.0
         # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
-        row_est = [self.estimate.for_new_prompt(self.carry) for _ in range(self.plan.batch)]
-        done_rows, n_out = jax.device_get((st.done, st.n_out))
+        row_est = [self.estimate.for_new_prompt(self.carry) for _ in range(batch)]
+        # The first chunk is chosen before the prefill, after which every row holds its first token.
+        st, done_rows, n_out = None, np.zeros(batch, bool), np.ones(batch, np.int32)
         while not np.all(done_rows) and rounds < self.plan.max_rounds:
-            remaining = [(self.plan.max_rounds - int(n_out[b]), row_est[b]) for b in range(self.plan.batch) if not done_rows[b]]
+            remaining = [(self.plan.max_rounds - int(n_out[b]), row_est[b]) for b in range(batch) if not done_rows[b]]
             depth, n = self._next(fed, remaining, observed)
-            watch = autospec.watch(self.costs.at(self.plan.cache_len), self.plan.batch, self._as_chosen(remaining, observed), depth,
-                                   self.costs.overhead.seconds(self.plan.batch))
+            if st is None and not self._fuses(depth):
+                st, prefill_s = self._prefill(fed)
+                yield st
+                done_rows, n_out = jax.device_get((st.done, st.n_out))
+                continue  # chosen again on what the prefill left (a row may end with its first token)
+            watch = autospec.watch(self.costs.at(self.plan.cache_len), batch, self._as_chosen(remaining, observed), depth,
+                                   self.costs.overhead.seconds(batch))
             if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
                 fed = False
                 st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
             compile0, t0 = self.compile_s, time.perf_counter()
-            st, fresh = self._chunk(depth, st, rounds + n, fed, watch)
+            fused = st is None
+            st, fresh = self._start_and_chunk(depth, n, watch) if fused else self._chunk(depth, st, rounds + n, fed, watch)
             # Whole arrays: slicing on the device would compile a program per slice.
             done_rows, n_out, new_rounds, accepted, probe = jax.device_get((st.done, st.n_out, st.rounds, st.accepted, st.probe))
             accepted = accepted[:, rounds : rounds + n]
             seconds = time.perf_counter() - t0 - (self.compile_s - compile0)
             ran = int(new_rounds) - rounds
             self.run_s += seconds
-            if not fresh:  # a program's first run pays one-time costs (~0.3 s on a CPU): not a round's cost
+            if fused:  # the prefill's share: what the chunk's rounds and overhead are known to cost, taken off
+                per_round = self.costs.at(self.plan.cache_len).cost(depth, batch) or 0.0
+                prefill_s = max(seconds - self.costs.overhead.seconds(batch) - ran * per_round, 0.0)
+            elif not fresh:  # a program's first run pays one-time costs (~0.3 s on a CPU): not a round's cost
                 if self.costs.overhead.dispatch_s is None:
                     st = self._time_empty_chunk(depth, st, fed, int(new_rounds))
-                self.costs.observe_chunk(self.plan.cache_len, depth, self.plan.batch, ran, seconds, first=not self.chunks)
+                self.costs.observe_chunk(self.plan.cache_len, depth, batch, ran, seconds, first=not self.chunks)
             if depth is None:
                 self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
                 for b, (hits, count) in enumerate(probe):
@@ -260,14 +278,30 @@ class AutoRun:
         if observed:  # which depth would have finished this call soonest, had it been known from the start
             self.costs.record_hindsight(self.plan.cache_len, [(int(n), est) for n, est in zip(n_out, row_est)], prefill_s, self.chunks)
 
+    def _fuses(self, depth: int | None) -> bool:
+        """Whether a call's first chunk runs in one program with its prefill (``_start_and_chunk``): a chain whose
+        cost is settled at this batch size, outside a stream (whose reader takes the first token from the prefill).
+        A depth being measured runs apart from the prefill, which its time would otherwise include."""
+        return self.most_rounds is None and depth in autospec.DEPTHS and self.costs.settled(depth, self.plan.batch)
+
+    def _prefill(self, fed: bool):
+        """(the state after the prefill, its seconds)."""
+        compile0, t0 = self.compile_s, time.perf_counter()
+        st = self._begin(fed)
+        jax.block_until_ready(st.out)
+        seconds = time.perf_counter() - t0 - (self.compile_s - compile0)
+        self.run_s += seconds
+        return st, seconds
+
     def _plain_program(self) -> Iterator[Any]:
         """A call that decodes plainly from its start (not streamed) runs plain decoding's own program, the prefill
         and every round in one execution, as ``spec=None`` does: in chunks it paid an execution's overhead more,
         and the first chunk after a prefill more again (1-6% of a call at bfloat16 batch 12 on a CPU)."""
-        target, prompts, max_new_tokens, kw = self._call
-        self.plan, prompt, lens, rs = calls.prepare(target, None, prompts, max_new_tokens, kw["sampling"], kw["penalties"], None,
-                                                    kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
-        st, compile_s, run_s = calls.run_whole(target, None, self.plan, prompt, lens, rs, kw["seed"], kw["mesh"])
+        prompt, lens, rs, _ = self._args
+        # This call's split target and its program lookup, not another's (~4 ms at batch 1: 1-2% of a plain call).
+        self.plan = dataclasses.replace(self.plan, spec=None, cache_len=one_shot_cache_len(prompt.shape[1], self.plan.max_rounds, None))
+        st, compile_s, run_s = calls.run_whole((self.t_graph, self.t_state, None, None), self.plan, prompt, lens, rs, self._seed,
+                                               self._pairs[False], self._states[False])
         self.compile_s += compile_s
         self.run_s += run_s
         rounds = int(st.rounds)

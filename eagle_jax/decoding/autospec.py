@@ -87,6 +87,11 @@ PLAIN_EVIDENCE_ROWS = 8
 # calls' prompts at least (``SpanCosts.plain_settled``).
 PLAIN_MARGIN = 1.02
 REPROBE_ROUNDS = 192  # about one call in four of ~64 tokens probes: the drafter's prefill and a probe cost ~5-10% of such a call
+# ... twice as many after each further call in a row whose hindsight found plain decoding fastest again (past the
+# two that settle it), up to REPROBE_BACKOFF times as many: where speculation keeps not paying (bfloat16 at T=1,
+# batch 1 on a CPU: a call that probed took ~6% longer than plain decoding, one call in two or three), probing
+# costs less the longer that holds, and a change of workload is still met within REPROBE_BACKOFF x REPROBE_ROUNDS.
+REPROBE_BACKOFF = 4
 # Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
 # estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
 PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth
@@ -341,6 +346,12 @@ class SpanCosts:
         spec = min((t + extra for d, t in times.items() if d != PLAIN), default=None)
         clear = self.measured(PLAIN, batch) and spec is not None and PLAIN_MARGIN * times[PLAIN] <= spec
         self.plain_rows[batch] = self.plain_rows.get(batch, 0) + batch if clear else 0
+
+    def reprobe_rounds(self, batch: int) -> int:
+        """Rounds a call at this batch size may decode plainly from its start after acceptance was last observed
+        (past them, a call probes): ``REPROBE_ROUNDS``, backed off while probes keep finding plain decoding fastest."""
+        in_a_row = self.plain_rows.get(batch, 0) // batch
+        return REPROBE_ROUNDS * min(2 ** max(in_a_row - 2, 0), REPROBE_BACKOFF)
 
     def plain_settled(self, batch: int, alike: bool = False) -> bool:
         """Whether plain decoding was fastest on enough recent prompts at this batch size to start a call

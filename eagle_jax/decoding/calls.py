@@ -229,19 +229,26 @@ def result(state, plan: Plan, compile_s: float, run_s: float, tokenizer) -> Gene
     return GenerationResult(tokens, text, acc, al, pos, compile_s, run_s, int(rounds), {"spec": plan.spec})
 
 
-def program(target: Target, drafter: Drafter | None, plan: Plan, prompt, lens, rs, seed: int, mesh):
-    """(generate's compiled program for ``plan``, its arguments, compile seconds). The program takes
-    ``(t_state, d_state, prompt, lens, rs, key, costs, limit)`` and returns the loop state after
-    the prefill and at most ``limit`` rounds."""
+def split_pair(target: Target, drafter: Drafter | None, mesh) -> tuple[Any, Any, Any, Any]:
+    """(target graph, target state, drafter graph, drafter state): the states placed on ``mesh`` where one is
+    given (tensor parallel: heads / MLP / vocabulary over its "model" axis by the one rule table; a compiled
+    program follows the placement of its inputs). The caller's modules are untouched."""
     t_graph, t_state = split(target)
     d_graph, d_state = split(drafter)
     if mesh is not None:
-        # Tensor parallel: heads / MLP / vocabulary over the mesh's "model" axis by the one rule table;
-        # the compiled program follows the placement of its inputs. The caller's modules are untouched.
         from eagle_jax.sharding import shard_tree
 
         t_state = shard_tree(t_state, mesh)
         d_state = None if d_state is None else shard_tree(d_state, mesh)
+    return t_graph, t_state, d_graph, d_state
+
+
+def program(models: tuple[Any, Any, Any, Any], plan: Plan, prompt, lens, rs, seed: int, programs: dict | None = None,
+            states: tuple | None = None):
+    """(generate's compiled program for ``plan``, its arguments, compile seconds). ``models``: ``split_pair``'s;
+    ``programs``, ``states``: as ``Programs.get`` takes them. The program takes ``(t_state, d_state, prompt, lens,
+    rs, key, costs, limit)`` and returns the loop state after the prefill and at most ``limit`` rounds."""
+    t_graph, t_state, d_graph, d_state = models
 
     def run(t_state, d_state, prompt, lens, rs, key, costs, limit):
         tgt = nnx.merge(t_graph, t_state)
@@ -250,18 +257,19 @@ def program(target: Target, drafter: Drafter | None, plan: Plan, prompt, lens, r
         return run_rounds(tgt, drf, plan, st, limit)
 
     args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), placeholder_costs(plan), jnp.int32(plan.max_rounds))
-    compiled, compile_s = PROGRAMS.get("generate", t_graph, d_graph, plan, args, run)
+    compiled, compile_s = PROGRAMS.get("generate", t_graph, d_graph, plan, args, run, programs, states=states)
     if plan.widths is not None:  # adaptive: the measured round costs replace the placeholder
         costs = calibrated(t_graph, d_graph, plan, lambda c, n: compiled(*args[:6], c, jnp.int32(n)))
         args = (*args[:6], costs, args[7])
     return compiled, args, compile_s
 
 
-def run_whole(target: Target, drafter: Drafter | None, plan: Plan, prompt, lens, rs, seed: int, mesh) -> tuple[Any, float, float]:
+def run_whole(models: tuple[Any, Any, Any, Any], plan: Plan, prompt, lens, rs, seed: int, programs: dict | None = None,
+              states: tuple | None = None) -> tuple[Any, float, float]:
     """A call run as one program (``program``), the prefill and every round in one execution: (final loop state,
     compile seconds, run seconds). A fixed ``spec``'s ``generate``, and a ``spec="auto"`` call that decodes plainly
     from its start."""
-    compiled, args, compile_s = program(target, drafter, plan, prompt, lens, rs, seed, mesh)
+    compiled, args, compile_s = program(models, plan, prompt, lens, rs, seed, programs, states)
     t0 = time.perf_counter()
     state = compiled(*args)
     jax.block_until_ready(state.out)

@@ -200,6 +200,27 @@ def test_a_batch_starts_from_its_last_calls_rows_and_a_choice_made_again_runs_th
     assert d1 == d2 == 3 and n1 == autospec.CHUNK_ROUNDS, out.stats["chunks"]
 
 
+def test_a_settled_chains_first_chunk_runs_with_the_prefill(monkeypatch, fixed_costs):
+    """Where a call's first choice is a chain whose cost is settled, the prefill and its first chunk run as one
+    program: no prefill apart (an execution and a host round trip more). A depth still being measured, and a
+    stream (its reader takes the first token from the prefill), run the prefill apart. Outputs are plain
+    decoding's either way."""
+    target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1)
+    sure, _ = markov_drafter(target, succ, seed=0, disagree=0.0)
+    easy = [[25, 25]]
+    expect = eagle_jax.generate(target, None, easy, max_new_tokens=48, eos_token_id=[]).tokens
+    eagle_jax.generate(target, sure, easy, max_new_tokens=48, eos_token_id=[])  # the drafter's acceptance observed
+    apart: list[bool] = []
+    begin = AutoRun._begin
+    monkeypatch.setattr(AutoRun, "_begin", lambda self, fed: apart.append(fed) or begin(self, fed))
+    out = eagle_jax.generate(target, sure, easy, max_new_tokens=48, eos_token_id=[])
+    assert out.tokens == expect and out.stats["chunks"][0][0] in autospec.DEPTHS and apart == []
+    streamed = [t for step in eagle_jax.generate_stream(target, sure, easy, max_new_tokens=48, eos_token_id=[]) for t in step[0]]
+    assert streamed == expect[0] and apart == [True]
+    monkeypatch.setattr(fixed_costs, "settled", lambda depth, rows: False)
+    assert eagle_jax.generate(target, sure, easy, max_new_tokens=48, eos_token_id=[]).tokens == expect and apart == [True, True]
+
+
 def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pair):
     """Plain decoding, once a call runs it, ends the call's speculation (the drafter is no longer fed).
     While its cost is unknown (the probe's stands in) and the last call's hard rows make it look close,

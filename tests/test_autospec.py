@@ -215,6 +215,11 @@ def test_a_settled_chains_first_chunk_runs_with_the_prefill(monkeypatch, fixed_c
     monkeypatch.setattr(AutoRun, "_begin", lambda self, fed: apart.append(fed) or begin(self, fed))
     out = eagle_jax.generate(target, sure, easy, max_new_tokens=48, eos_token_id=[])
     assert out.tokens == expect and out.stats["chunks"][0][0] in autospec.DEPTHS and apart == []
+    # rows that end with their first token (a stop token, or one token asked for): the fused chunk runs no round
+    for stop, n in (([expect[0][0]], 48), ([], 1)):
+        one = eagle_jax.generate(target, sure, easy, max_new_tokens=n, eos_token_id=stop)
+        assert one.tokens == [expect[0][:1]] and one.rounds == 0
+    apart.clear()
     streamed = [t for step in eagle_jax.generate_stream(target, sure, easy, max_new_tokens=48, eos_token_id=[]) for t in step[0]]
     assert streamed == expect[0] and apart == [True]
     monkeypatch.setattr(fixed_costs, "settled", lambda depth, rows: False)

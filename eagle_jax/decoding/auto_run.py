@@ -254,6 +254,9 @@ class AutoRun:
                 if self.costs.overhead.dispatch_s is None:
                     st = self._time_empty_chunk(depth, st, fed, int(new_rounds))
                 self.costs.observe_chunk(self.plan.cache_len, depth, batch, ran, seconds, first=not self.chunks)
+            if not ran:  # every row ended with its first token (a fused chunk is chosen before the prefill)
+                yield st
+                break
             if depth is None:
                 self.estimate.observe_probe(float(probe[:, 0].sum() / max(probe[:, 1].sum(), 1)), ran)
                 for b, (hits, count) in enumerate(probe):

@@ -232,7 +232,8 @@ class AutoRun:
                 st, prefill_s = self._prefill(fed)
                 yield st
                 done_rows, n_out = jax.device_get((st.done, st.n_out))
-                continue  # chosen again on what the prefill left (a row may end with its first token)
+                if np.any(done_rows):  # a row ended with its first token: chosen again on the rows left
+                    continue
             watch = autospec.watch(self.costs.at(self.plan.cache_len), batch, self._as_chosen(remaining, observed), depth,
                                    self.costs.overhead.seconds(batch))
             if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped

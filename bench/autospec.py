@@ -14,7 +14,11 @@ case where one measurement on the first prompt used to decide the whole process)
 For each (dtype, temperature, batch): every order starts from a fresh ``autospec`` (no costs, no
 acceptance known: the first call pays the measurement), the programs already compiled (compile time is
 apart, and so is each program's first run: ``warm``; a call's time is its wall time less its compiles, the host
-work of setting it up and of auto's choices included). Each call runs auto, plain decoding and each fixed chain on the same prompts, side by
+work of setting it up and of auto's choices included). Python's cyclic garbage is collected before each call,
+untimed, with the heap of the models and programs frozen first (``gc.freeze``): a full collection of that heap
+takes 0.25-0.45 s here, and struck about one call in ten, whichever configuration it was running (one such
+pause is 10% of a configuration's time over an order at batch 1), so it would decide which configuration
+looks best in hindsight. Each call runs auto, plain decoding and each fixed chain on the same prompts, side by
 side (their order rotated call by call), so the machine's drift touches all alike. Fixed configurations do not depend on the order; auto
 does. Per order: tokens/s of auto, plain and each fixed chain over the whole sequence; auto against
 the best fixed configuration in hindsight (goal >= 0.95) and against plain (goal >= 1.0); the first
@@ -27,6 +31,7 @@ configuration draws other tokens, so one run's best fixed configuration is partl
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -112,6 +117,7 @@ def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperatu
     for c, prompts in enumerate(calls):
         row, tokens = {}, {}
         for name, (d, spec) in systems[c % len(systems):] + systems[: c % len(systems)]:
+            gc.collect()  # the garbage of the calls before, not this call's (the module docstring)
             t0 = time.perf_counter()
             r = eagle_jax.generate(target, d, prompts, spec=spec, **kw)
             # The call's wall time less its compiles: auto's choices between chunks are host work its run_s leaves out
@@ -190,6 +196,8 @@ def main(argv=None) -> dict:
                 seqs = orders(prompts, al, args.orders, args.seed)
                 warm(target, drafter, [c for _, order in seqs for c in calls_of(order, prompts, batch, args.calls)], fixed,
                      max_new=args.max_new, temperature=temp, eos=eos)
+                gc.collect()
+                gc.freeze()  # the models and programs: collections while measuring walk only what the calls made
                 for name, order in seqs:
                     t0 = time.perf_counter()
                     rows = [row | {"repeat": i}
@@ -206,6 +214,7 @@ def main(argv=None) -> dict:
                           f"depths {' '.join(f'{d:.1f}' for d in s['depths'])}" + ("" if s["equal_to_plain"] else "  OUTPUT DIFFERS"),
                           flush=True)
                     write_json(args.out, results | {"models": source})
+        gc.unfreeze()  # this dtype's models may go
     report(results, Path(args.plot))
     write_json(args.out, results | {"models": source})
     return results

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     from eagle_jax import bundled, compile_cache
     from eagle_jax.cli.serve import service_settings
     from eagle_jax.decoding.calls import eos_ids
-    from eagle_jax.serving.server import Server, make_service, parse_spec, served_name
+    from eagle_jax.serving.server import Server, freeze_startup_heap, make_service, parse_spec, served_name
     from eagle_jax.serving.slots import slot_len
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: measured before (--resume)")
             continue
         svc = make_service(target, drafter, tokenizer, schedule, eos, **settings, model_name="target", precompile=True)
+        freeze_startup_heap()  # as eagle-jax-serve does before it listens
         srv = Server(svc).start()
         rows = {}
         try:
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         # A precompiled engine's programs hold ~400 memory maps each: free them before the next server's
         # (one process runs every system; Linux allows 65530 maps by default).
         del svc, srv
+        gc.unfreeze()  # frozen, this service's cycles would never be collected
         gc.collect()
 
     pair = served_name(target_dir) if args.target else "Bundled pair"

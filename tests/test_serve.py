@@ -8,6 +8,7 @@ token). The server runs 4 slots and a schedule that changes the speculation dept
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -19,7 +20,7 @@ import pytest
 
 import eagle_jax
 from eagle_jax import SpecConfig
-from eagle_jax.serving.server import Server, build_service
+from eagle_jax.serving.server import Server, build_service, freeze_startup_heap
 from serving_models import save_pair
 
 MODEL = "target"
@@ -37,9 +38,22 @@ def pair_dirs(tmp_path_factory):
 def server(pair_dirs):
     t_dir, d_dir = pair_dirs
     service = build_service(t_dir, d_dir, spec=SCHEDULE, slots=4, max_len=MAX_LEN, rounds_per_step=2, max_queue=64, precompile=False)
+    freeze_startup_heap()  # as eagle-jax-serve does before it listens
     srv = Server(service).start()
     yield srv
     srv.stop()
+    gc.unfreeze()
+
+
+def test_the_start_up_heap_is_frozen_out_of_the_collector(server):
+    """What lived before the server listened (its models and programs) is out of the cyclic collector's
+    generations: a full collection while serving does not walk it."""
+    engine = server.service.scheduler.engine
+    assert gc.get_freeze_count() > 0
+    tracked = {id(o) for o in gc.get_objects()}
+    assert id(engine) not in tracked and id(engine.programs) not in tracked
+    fresh = [[]]  # allocated while serving: still collected
+    assert id(fresh) in {id(o) for o in gc.get_objects()}
 
 
 @pytest.fixture(scope="module")

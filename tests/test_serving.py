@@ -13,6 +13,7 @@ from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving.slots import Admission
+from eagle_jax.decoding import autospec
 from eagle_jax.serving.depth import AutoDepth
 from eagle_jax.decoding.acceptance_estimate import PROMPT_MIN_ROUNDS
 from engine_models import markov_pair
@@ -214,6 +215,26 @@ def test_a_short_steps_time_teaches_no_cost():
     assert not auto.models and est.trials[0] > 0
     auto.observe(None, 4, 256, True, 0.5, [(est, [0, 0], (2.0, 2.0))])
     assert auto.models[True].probed(4)
+
+
+def test_a_request_without_drafts_returns_to_speculation():
+    """A step without drafts probes its first round only (lazy feeding): its other rounds fade the request's
+    evidence toward the prior, as ``generate``'s plain rounds do. A request whose estimate dipped (40 rounds
+    without an accepted draft) and whose probes then see the first draft accepted 3 times in 10 speculates
+    again after a few steps (the costs: K=1 pays from 20%), not after the ~20 one observation a step takes."""
+    auto = AutoDepth(depths=(1, 3))
+    costs = auto.models[False] = autospec.SpanCosts()
+    model, settled = costs.model(512), autospec.SETTLED_ROUNDS
+    for depth, per_round in ((None, 1.0), (autospec.PLAIN, 1.0), (1, 1.2), (3, 1.6)):
+        model.update(depth, 1, per_round * settled, settled)
+    est = auto.new_estimate()
+    est.observe([[0]] * 40, 1)
+    steps = 0
+    while auto.choose([est], 1, False, lambda d: 512) is None:
+        auto.observe(None, 1, 512, False, None, [(est, [0] * 8, (0.3, 1.0))])  # 8 rounds, the first probed
+        steps += 1
+        assert steps <= 8
+    assert steps >= 3  # the dip is not forgotten at once
 
 
 def test_costs_are_kept_per_span():

@@ -95,9 +95,14 @@ class AutoDepth:
             self.models.setdefault(greedy, SpanCosts()).model(span).update(None if depth == autospec.PLAIN else depth, rows, seconds, ran)
         if depth == autospec.PLAIN:
             total = [p for _, _, p in per_request if p is not None and p[1] > 0]
-            for est, _, p in per_request:
-                if p is not None and p[1] > 0:
+            for est, acc, p in per_request:
+                probed = p[1] if p is not None and p[1] > 0 else 0.0
+                if probed:
                     est.observe_probe(p[0] / p[1], p[1])
+                # Lazily fed, a step probes its first round only: the rest fade the request's evidence toward the
+                # prior, as ``generate``'s plain rounds do, or a request whose estimate dipped stays without drafts
+                # for many steps at one observation each.
+                est.age(max(len(acc) - round(probed), 0))
             if total:  # weighed by the rounds probed (under lazy feeding one per step), not the step's rounds
                 self.estimate.observe_probe(sum(p[0] for p in total) / sum(p[1] for p in total), max(p[1] for p in total))
             return

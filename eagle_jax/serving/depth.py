@@ -6,7 +6,8 @@ modelled from the other depths and row counts) and the live acceptance of the re
 Every request keeps its own acceptance estimate, started from the server's (all traffic so far, weighing
 a few rounds: ``AcceptanceEstimate.for_new_prompt``) and updated from its own rounds; a step's expected
 tokens at depth K are the sum over its requests of ``expected_tokens(K)``. Steps without drafts keep feeding the drafter and observe its first draft
-(engine ``probe_acceptance``), so a batch of requests the drafter cannot follow decodes plainly and
+(engine ``probe_acceptance``; lazily fed, in their first round only, and their other rounds fade the
+requests' evidence toward the prior), so a batch of requests the drafter cannot follow decodes plainly and
 speculation returns as soon as the requests change. Nothing is explored per row count but one step
 without drafts; the deepest chain runs once per process, every depth chosen is measured as it runs, and
 a depth modelled or measured over few rounds at these rows, but expected close to the best, runs (``autospec.EXPLORE_CLOSE``).

@@ -707,3 +707,20 @@ def test_a_depth_below_the_shallowest_chain_is_priced_from_the_probe_round():
     m.update(5, 1, 2.0, 1)  # the line through 3 and 5 would price K=1 at 1.6
     assert m.cost(1, 1) == pytest.approx(1.0 + 0.8 / 3)
     assert m.cost(4, 1) == pytest.approx(1.9) and m.cost(7, 1) == pytest.approx(2.2)  # between and past them: the chains' line
+
+
+def test_a_depth_measured_at_another_span_is_read_there_not_drawn_through_one_chain_here():
+    """A line through the probe round and one shallow chain at a span overprices deep chains (verifying
+    1 + K positions is not linear in K), so a depth measured at another span is read there, scaled by how
+    the two spans compare, and one measured nowhere is read off the span where most chains ran."""
+    costs = autospec.SpanCosts()
+    far = costs.model(256)
+    for depth, seconds in ((None, 4.0), (1, 4.6), (3, 5.4), (7, 6.4)):
+        far.update(depth, 1, seconds, 1)
+    here = costs.model(128)
+    here.update(None, 1, 2.0, 1)  # half the far span's costs
+    here.update(1, 1, 2.3, 1)
+    at = costs.at(128)
+    assert at.cost(7, 1) == pytest.approx(3.2)  # not 2.0 + 7 x 0.3 = 4.1 off the line through the probe and K=1
+    assert at.cost(3, 1) == pytest.approx(2.7) and at.cost(1, 1) == pytest.approx(2.3)
+    assert at.cost(5, 1) == pytest.approx(0.5 * 5.9)  # measured nowhere: the line where three chains ran

@@ -259,10 +259,10 @@ class CostModel:
 class SpanCosts:
     """Seconds per round by cache span: a ``CostModel`` (by rows and depth) per span, since a round's
     attention reads the whole span (a ``generate`` call's cache, the slots a server step covers) and its
-    cost grows with it. Where a span's rows have not shown a depth's cost, it is read at the nearest
+    cost grows with it. Where a span's rows have not measured a depth's cost, it is read at the nearest
     span whose rows have (the shorter first: optimism corrects itself, as the depth then runs and is
     measured), scaled by how the two spans' costs compare where both were measured; failing that,
-    modelled across row counts. One per model pair, sampling mode and device (``cost_model``).
+    modelled at these rows (a line in K), then across row counts. One per model pair, sampling mode and device (``cost_model``).
 
     It also keeps, per batch size, what ``generate``'s calls showed in hindsight (``record_hindsight``)."""
 
@@ -311,12 +311,17 @@ class SpanCosts:
 
     def cost(self, depth: int, rows: int, span: int) -> float | None:
         """Seconds per round at ``depth`` over ``rows`` rows reading ``span`` cache slots; None: nothing to go on."""
-        near = sorted(self.by_span, key=lambda s: (abs(math.log2(s / span)), s))
-        reads = (CostModel.at_rows, CostModel.cost)  # these rows at any span before other rows at this one
-        if depth == PLAIN:  # plain decoding measured anywhere before the probe round standing in for it here
-            reads = (lambda m, d, r: m.seconds.get((r, d)), *reads)
-        for read in reads:
-            for s in near:
+        distance = lambda s: (abs(math.log2(s / span)), s)  # noqa: E731  (the shorter of two as near)
+        chains = lambda s: sum(r == rows and d != PLAIN for r, d in self.by_span[s].seconds)  # noqa: E731
+        # Measured at any span before modelled at one (plain decoding measured anywhere before the probe round
+        # standing in for it), and modelled where most chains ran at these rows: a line through the probe round
+        # and one chain priced a chain of 7 at 1.8x what the next span, which ran three, measured, so it never
+        # ran there to correct it. Then these rows at any span before other rows at this one.
+        reads = ((lambda m, d, r: m.seconds.get((r, d)), distance),
+                 (CostModel.at_rows, lambda s: (-chains(s), *distance(s))),
+                 (CostModel.cost, distance))
+        for read, order in reads:
+            for s in sorted(self.by_span, key=order):
                 if (c := read(self.by_span[s], depth, rows)) is not None:
                     return c if s == span else c * self._ratio(span, s)
         return None

@@ -26,6 +26,9 @@ call's time per token against plain decoding's on the same call (goal <= 1.3). G
 equal to plain decoding's. The plot shows the depth auto ran (mean over its rounds) call by call.
 ``--repeats N`` runs each order N times with other generation seeds and pools the rates: at T=1 every
 configuration draws other tokens, so one run's best fixed configuration is partly the luckiest.
+``--control K=1`` runs that fixed configuration a second time in each call, as one more system (``control``):
+its rate against the best fixed one (which may be its own twin) is what the measurement alone does to a
+configuration as good as the best, the floor under what auto can show against the best in hindsight.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 
 QUESTION_SETS = ("mt_bench", "gsm8k", "sum")
+CONTROL = "control"  # a fixed configuration measured twice (``--control``)
 
 
 def collect_prompts(tokenizer, per_set: int, max_prompt: int) -> list[dict]:
@@ -136,9 +140,12 @@ def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperatu
 def summarise(rows: list[dict], names: list[str]) -> dict:
     """Rates over every call of every repeat of one order (a row's ``repeat``: which sequence it belongs
     to; one sequence when absent). Repeats of a sampled sequence draw other tokens, so each
-    configuration's rate is a mean over draws, and the best in hindsight is not merely the luckiest."""
-    rate = {n: sum(r[n][1] for r in rows) / sum(r[n][0] for r in rows) for n in ["auto", *names]}
+    configuration's rate is a mean over draws, and the best in hindsight is not merely the luckiest.
+    ``names``: the fixed configurations; a ``control`` in the rows is rated apart, never the best."""
+    names = [n for n in names if n != CONTROL]
+    rate = {n: sum(r[n][1] for r in rows) / sum(r[n][0] for r in rows) for n in ["auto", *names, *([CONTROL] if CONTROL in rows[0] else [])]}
     best = max(names, key=rate.get)
+    control = {"control_vs_best": rate[CONTROL] / rate[best]} if CONTROL in rate else {}
     firsts = [r for i, r in enumerate(rows) if i == 0 or r.get("repeat", 0) != rows[i - 1].get("repeat", 0)]
     repeats = sorted({r.get("repeat", 0) for r in rows})
     depths = np.mean([[r["auto_depth"] for r in rows if r.get("repeat", 0) == i] for i in repeats], axis=0)
@@ -146,7 +153,7 @@ def summarise(rows: list[dict], names: list[str]) -> dict:
             # per token: sampled calls may stop at EOS after different numbers of tokens
             "first_call_vs_plain": max((r["auto"][0] / r["auto"][1]) / (r["plain"][0] / r["plain"][1]) for r in firsts),
             "equal_to_plain": all(r.get("equal_to_plain", True) for r in rows), "depths": [float(d) for d in depths],
-            "repeats": len(repeats)}
+            "repeats": len(repeats), **control}
 
 
 def main(argv=None) -> dict:
@@ -165,13 +172,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
                     help="sequences per order (generation seeds seed, seed+1, ...; a fresh autospec each): rates pool them")
+    ap.add_argument("--control", help="a fixed configuration (plain, K=1, ...) measured a second time in each call, as the control")
     ap.add_argument("--out", default="bench/results/autospec.json")
     ap.add_argument("--plot", default="bench/figures/autospec.png")
     ap.add_argument("--report-only", action="store_true", help="re-summarise --out's runs (table and plot), measure nothing")
     args = ap.parse_args(argv)
     if args.report_only:
         results = json.loads(Path(args.out).read_text())
-        names = ["plain", *(f"K={k}" for k in results["config"]["ks"])]
+        names = ["plain", *(f"K={k}" for k in results["config"]["ks"]), CONTROL]
         for run in results["runs"]:
             run.update(summarise(run["calls"], names))
         report(results, Path(args.plot))
@@ -191,6 +199,10 @@ def main(argv=None) -> dict:
         print(f"{dtype}: {len(prompts)} prompts ({', '.join(sorted({p['set'] for p in prompts}))}); AL at K={max(args.ks)}: "
               f"min {min(al):.2f}, median {np.median(al):.2f}, max {max(al):.2f}", flush=True)
         fixed = {"plain": (None, None), **{f"K={k}": (drafter, SpecConfig(num_speculative_tokens=k)) for k in args.ks}}
+        if args.control:
+            if args.control not in fixed:
+                raise SystemExit(f"--control {args.control!r}: not one of the fixed configurations {', '.join(fixed)}")
+            fixed[CONTROL] = fixed[args.control]
         for temp in args.temps:
             for batch in args.batch:
                 seqs = orders(prompts, al, args.orders, args.seed)
@@ -210,6 +222,7 @@ def main(argv=None) -> dict:
                     results["runs"].append(run)
                     print(f"{dtype} T={temp:g} B={batch:2d} {name:13s}: auto {s['tok_s']['auto']:7.1f} tok/s, "
                           f"{s['vs_best']:.2f}x best fixed ({s['best_fixed']} {s['tok_s'][s['best_fixed']]:.1f}), "
+                          + (f"control {s['control_vs_best']:.2f}x, " if CONTROL in s["tok_s"] else "") +
                           f"{s['vs_plain']:.2f}x plain; first call {s['first_call_vs_plain']:.2f}x plain's time; "
                           f"depths {' '.join(f'{d:.1f}' for d in s['depths'])}" + ("" if s["equal_to_plain"] else "  OUTPUT DIFFERS"),
                           flush=True)
@@ -222,13 +235,16 @@ def main(argv=None) -> dict:
 
 def report(results: dict, plot: Path) -> None:
     runs = results["runs"]
-    header = ["dtype", "T", "batch", "orders x repeats", "auto / best fixed (min, median)", "auto / plain (min)", "first call / plain (max)", "best fixed"]
+    controlled = all("control_vs_best" in r for r in runs)
+    header = ["dtype", "T", "batch", "orders x repeats", "auto / best fixed (min, median)", "auto / plain (min)", "first call / plain (max)", "best fixed",
+              *(["control / best fixed (min, median)"] if controlled else [])]
     rows = []
     for key in sorted({(r["dtype"], r["temperature"], r["batch"]) for r in runs}):
         rs = [r for r in runs if (r["dtype"], r["temperature"], r["batch"]) == key]
-        vb = [r["vs_best"] for r in rs]
+        vb, cb = [r["vs_best"] for r in rs], [r.get("control_vs_best", 0.0) for r in rs]
         rows.append([key[0], f"{key[1]:g}", key[2], f"{len(rs)} x {rs[0].get('repeats', 1)}", f"{min(vb):.2f}, {np.median(vb):.2f}", f"{min(r['vs_plain'] for r in rs):.2f}",
-                     f"{max(r['first_call_vs_plain'] for r in rs):.2f}", ", ".join(sorted({r["best_fixed"] for r in rs}))])
+                     f"{max(r['first_call_vs_plain'] for r in rs):.2f}", ", ".join(sorted({r["best_fixed"] for r in rs})),
+                     *([f"{min(cb):.2f}, {np.median(cb):.2f}"] if controlled else [])])
     print_table(header, rows)
     plt = pyplot()
     first = runs[0]

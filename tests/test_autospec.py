@@ -9,6 +9,8 @@ checked in test_engine.py (SAMPLING_CASES "adaptive-*").
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -257,6 +259,29 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
     model.update(chain, 1, costs.at(run.plan.cache_len).cost(chain, 1) * autospec.SETTLED_ROUNDS, autospec.SETTLED_ROUNDS)
     assert run._next(True, [(32, fair)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
     assert run._next(True, [(32, hard)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
+
+
+def test_plain_decoding_is_first_measured_on_a_calls_last_rounds(monkeypatch, pair):
+    """While plain decoding's cost is unknown and it may win, a call whose best choice is a chain runs the chain
+    until its last few tokens and measures plain decoding on them, where dropping the drafter costs nothing;
+    measured in the middle, plain decoding would take the rest of the call."""
+    autospec.reset()
+    costs = autospec.SpanCosts()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    model = costs.model(run.plan.cache_len)
+    model.update(None, 1, 1.0, 1)  # probe rounds 1.0 s, K=3 1.5 s: K=1 ~1.17 s, emitting ~1.3 tokens
+    model.update(3, 1, 1.5, 1)
+    fair = autospec.AcceptanceEstimate()
+    fair.observe_probe(0.3, 50)
+    tail = run._explore_rounds(costs.at(run.plan.cache_len), autospec.PLAIN)
+    depth, n = run._next(True, [(32, fair)], observed=autospec.PROBE_ROUNDS)
+    assert depth == 1 and n == autospec.CHUNK_ROUNDS  # a look at the chain, far from the end
+    depth, n = run._next(True, [(tail + 4, fair)], observed=autospec.PROBE_ROUNDS)
+    assert depth == 1 and n == math.ceil(4 / fair.expected_tokens(1))  # stops short of the tail
+    assert run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
+    model.update(autospec.PLAIN, 1, 1.0, 1)  # measured: no tail, the chain to the end
+    assert run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS)[0] == 1
 
 
 def test_a_calls_costs_are_read_at_its_cache_span(monkeypatch, pair):

@@ -156,12 +156,31 @@ class AutoRun:
         rows = autospec.toward_the_batch(self._as_chosen(rows, observed))
         times = autospec.finish_times(costs, batch, rows)
         depth = autospec.keep_close(times, self.chunks[-1][0] if self.chunks else None)
-        may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]
-        if observed < autospec.PROBE_ROUNDS and (depth == autospec.PLAIN or may_win):
-            # Plain decoding ends the call's speculation, measured or chosen: only on this call's own evidence.
+        if depth == autospec.PLAIN and observed < autospec.PROBE_ROUNDS:
+            # Plain decoding chosen ends the call's speculation: only on this call's own evidence.
             return None, autospec.PROBE_ROUNDS
-        if may_win:
+        if depth == autospec.PLAIN and not plain_known:
             return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # measured (the rest of this call decodes plainly)
+        # Plain decoding not measured yet, but it may win: it is measured on the call's last rounds (``tail``), where
+        # dropping the drafter costs nothing. Measured where the call had its say, it took the rest of the call,
+        # 1.25x what a chain of 1 would have (float32, batch 1, T=1).
+        may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]
+        depth, n = self._spend(costs, rows, times, depth, observed)
+        if may_win and depth != autospec.PLAIN:
+            tail = self._explore_rounds(costs, autospec.PLAIN)
+            per_round = (lambda est: 1.0) if depth is None else (lambda est: est.expected_tokens(depth))
+            # rounds until the slowest row is down to its last ``tail`` tokens (the batch runs until every row is done)
+            before = math.ceil(max((left - tail) / per_round(est) for left, est in rows))
+            if before < min(n, autospec.EXPLORE_ROUNDS):
+                return autospec.PLAIN, tail  # a chunk that short would cost its overhead for little: the tail starts here
+            n = min(n, before)
+        return depth, n
+
+    def _spend(self, costs: autospec.AtSpan, rows: list[tuple[int, autospec.AcceptanceEstimate]], times: dict[int, float],
+               depth: int, observed: int) -> tuple[int | None, int]:
+        """(depth, rounds) of the next chunk once ``depth`` is the choice on ``times`` (depth -> expected seconds to
+        finish the call): a close chain tried, a probe, a depth being measured, or the choice's rounds."""
+        batch = self.plan.batch
         if depth == autospec.PLAIN and not any(d not in (None, autospec.PLAIN) for d, _ in self.chunks):
             best = min((d for d in times if d != autospec.PLAIN), key=times.get, default=None)
             if best is not None and times[best] <= autospec.SPEC_WORTH_TRYING * times[autospec.PLAIN]:

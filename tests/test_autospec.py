@@ -274,7 +274,7 @@ def test_plain_decoding_is_first_measured_on_a_calls_last_rounds(monkeypatch, pa
     model.update(3, 1, 1.5, 1)
     fair = autospec.AcceptanceEstimate()
     fair.observe_probe(0.3, 50)
-    tail = run._explore_rounds(costs.at(run.plan.cache_len), autospec.PLAIN)
+    tail = autospec.PLAIN_TAIL_ROUNDS
     depth, n = run._next(True, [(32, fair)], observed=autospec.PROBE_ROUNDS)
     assert depth == 1 and n == autospec.CHUNK_ROUNDS  # a look at the chain, far from the end
     depth, n = run._next(True, [(tail + 4, fair)], observed=autospec.PROBE_ROUNDS)

@@ -167,7 +167,7 @@ class AutoRun:
         may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]
         depth, n = self._spend(costs, rows, times, depth, observed)
         if may_win and depth != autospec.PLAIN:
-            tail = self._explore_rounds(costs, autospec.PLAIN)
+            tail = min(autospec.PLAIN_TAIL_ROUNDS, self.most_rounds or autospec.PLAIN_TAIL_ROUNDS)
             per_round = (lambda est: 1.0) if depth is None else (lambda est: est.expected_tokens(depth))
             # rounds until the slowest row is down to its last ``tail`` tokens (the batch runs until every row is done)
             before = math.ceil(max((left - tail) / per_round(est) for left, est in rows))

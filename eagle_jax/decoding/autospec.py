@@ -31,8 +31,9 @@ accept drafts outside the band where its depth pays (``watch``, engine ``departe
 costs a few rounds, not the process: the choice is made again wherever what the current prompts do
 says it may change. Plain decoding proper (the drafter not
 fed, so no way back within the call) runs only after a fresh probe of ``PROBE_ROUNDS`` rounds has
-confirmed that speculation does not pay; each call starts with the drafter fed, so a later call
-speculates again as soon as its own prompts allow.
+confirmed that speculation does not pay, or, to be measured where it may win, on a call's last few
+rounds, where the call no longer needs the drafter; each call starts with the drafter fed, so a later
+call speculates again as soon as its own prompts allow.
 
 The opt-in adaptive chains calibrate their costs apart (``decoding/adaptive_costs.py``).
 """
@@ -92,9 +93,14 @@ REPROBE_ROUNDS = 192  # about one call in four of ~64 tokens probes: the drafter
 # batch 1 on a CPU: a call that probed took ~6% longer than plain decoding, one call in two or three), probing
 # costs less the longer that holds, and a change of workload is still met within REPROBE_BACKOFF x REPROBE_ROUNDS.
 REPROBE_BACKOFF = 4
-# Plain decoding proper is measured (it ends a call's speculation) only where it may win: its cost is
-# estimated by the probe rounds' (plain + a drafter step) until then, which flatters speculation.
+# Plain decoding proper is measured only where it may win, on a call's last rounds (it ends a call's
+# speculation): its cost is estimated by the probe rounds' (plain + a drafter step) until then, which
+# flatters speculation.
 PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth
+# ... on this many last rounds, in one chunk: a short chunk's rounds are its time less the fitted overhead, and
+# 4-round ones priced plain decoding below its long chunks' cost (float32 batch 4 T=1: plain decoding settled
+# from the start where a chain of 1 was 12% faster).
+PLAIN_TAIL_ROUNDS = 16
 # Likewise a call stops speculating for good only after its own rows ran a chain, where one was within this
 # factor of plain decoding: a probe sees the first draft only, and the deeper positions' estimate carries
 # the prompts before (a hard prompt's), so a close call is settled by a chunk of the best chain.

@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.report_only:
         results = json.loads(Path(args.out).read_text())
-        names = ["plain", *(f"K={k}" for k in results["config"]["ks"]), CONTROL]
+        names = ["plain", *(f"K={k}" for k in results["config"]["ks"])]
         for run in results["runs"]:
             run.update(summarise(run["calls"], names, results["config"].get("control")))
         report(results, Path(args.plot))

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-ms", type=float, default=None, help="(default: eagle-jax-serve's)")
     ap.add_argument("--schedule", default=None,
                     help="depth schedule of the schedule rows (default: the bundled profile's without --target, no rows with it)")
-    ap.add_argument("--systems", nargs="*", default=None, help="the systems to run, by name (default: all)")
+    ap.add_argument("--systems", nargs="*", default=None, help="the systems to run, by name, in this order (default: all)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-at-batch-C comparison")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                     help="each concurrency is measured at each (requests seeded; outputs compared with none's only at 0)")
@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
         unknown = set(args.systems) - {name for name, _, _ in systems}
         if unknown:
             raise SystemExit(f"--systems: unknown {sorted(unknown)}; known: {[name for name, _, _ in systems]}")
-        systems = [s for s in systems if s[0] in args.systems]
+        by_name = {s[0]: s for s in systems}
+        systems = [by_name[name] for name in dict.fromkeys(args.systems)]
 
     config = vars(args) | {"slots": settings["slots"], "rounds_per_step": settings["rounds_per_step"], "step_ms": settings["step_ms"],
                            "schedule": schedule_text, "eos": list(eos), "server": settings | {"dtype": dtype}, "prompts": prompt_source}

@@ -245,20 +245,46 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
     costs.last_call[1] = [hard]
     assert run._next(True, [(32, easy)], observed=0) == (None, autospec.PROBE_ROUNDS)  # the last call's rows: probe first
     assert run._next(True, [(32, easy)], observed=autospec.PROBE_ROUNDS)[0] in (3, 7)  # its own rows speculate
-    assert run._next(True, [(32, hard)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, autospec.EXPLORE_ROUNDS)
+    assert run._next(True, [(32, hard)], observed=autospec.PROBE_ROUNDS) == (None, autospec.PROBE_ROUNDS)  # prompts differ: more
+    assert run._next(True, [(32, hard)], observed=autospec.PLAIN_OWN_ROUNDS) == (autospec.PLAIN, autospec.EXPLORE_ROUNDS)
     # Plain decoding measured, a prompt as hard as the last: the call's own rows run a chain first where
     # one is within SPEC_WORTH_TRYING of plain decoding, then stop speculating.
     model.update(autospec.PLAIN, 1, 1.0, 1)
     fair = autospec.AcceptanceEstimate()
     fair.observe_probe(0.2, 50)  # K=1 emits ~1.2 tokens per 1.3 s round: close to plain's 1 per 1.0 s
-    assert run._next(True, [(32, fair)], observed=autospec.PROBE_ROUNDS)[1] == autospec.EXPLORE_ROUNDS
-    run.chunks.append((run._next(True, [(32, fair)], observed=autospec.PROBE_ROUNDS)[0], autospec.EXPLORE_ROUNDS))
+    assert run._next(True, [(32, fair)], observed=autospec.PLAIN_OWN_ROUNDS)[1] == autospec.EXPLORE_ROUNDS
+    run.chunks.append((run._next(True, [(32, fair)], observed=autospec.PLAIN_OWN_ROUNDS)[0], autospec.EXPLORE_ROUNDS))
     chain = run.chunks[-1][0]
     assert chain not in (None, autospec.PLAIN)
     # measured as modelled, over enough rounds to settle its cost (else, this close, it would run again)
     model.update(chain, 1, costs.at(run.plan.cache_len).cost(chain, 1) * autospec.SETTLED_ROUNDS, autospec.SETTLED_ROUNDS)
     assert run._next(True, [(32, fair)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
     assert run._next(True, [(32, hard)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
+
+
+def test_plain_decoding_waits_for_enough_of_a_calls_own_rounds_where_prompts_differ(monkeypatch, pair):
+    """Plain decoding ends a call's speculation. Where prompts differ, a new prompt's first probe rounds after a
+    hard one are too few to end it on: the call probes again, and decodes plainly only if PLAIN_OWN_ROUNDS of its
+    own still say so. Where prompts are alike (they carry the pair's evidence), or no chain could beat plain
+    decoding even with every draft accepted, PROBE_ROUNDS suffice."""
+    autospec.reset()
+    costs = autospec.SpanCosts()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    settle = lambda table: [costs.model(run.plan.cache_len).update(d, 1, c * autospec.SETTLED_ROUNDS, autospec.SETTLED_ROUNDS)  # noqa: E731
+                            for d, c in table.items()]
+    settle({None: 1.1, autospec.PLAIN: 1.0, 1: 1.6, 3: 2.0})  # no chain within SPEC_WORTH_TRYING of plain decoding here
+    hard = autospec.AcceptanceEstimate()
+    hard.observe_probe(0.05, 50)
+    run.chunks.append((None, autospec.PROBE_ROUNDS))
+    assert run._next(True, [(32, hard)], observed=autospec.PROBE_ROUNDS) == (None, autospec.PROBE_ROUNDS)
+    assert run._next(True, [(32, hard)], observed=autospec.PLAIN_OWN_ROUNDS)[0] == autospec.PLAIN
+    run.carry = 2 * autospec.CARRY_ROUNDS  # prompts seen to be alike
+    assert run._next(True, [(32, hard)], observed=autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
+    run.carry = 0.0
+    costs.by_span.clear()
+    settle({None: 1.1, autospec.PLAIN: 1.0, 1: 2.5, 3: 4.5})  # no chain could pay, every draft accepted
+    assert run._next(True, [(32, hard)], observed=autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
 
 
 def test_plain_decoding_is_first_measured_on_a_calls_last_rounds(monkeypatch, pair):

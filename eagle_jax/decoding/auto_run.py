@@ -156,7 +156,7 @@ class AutoRun:
         rows = autospec.toward_the_batch(self._as_chosen(rows, observed))
         times = autospec.finish_times(costs, batch, rows)
         depth = autospec.keep_close(times, self.chunks[-1][0] if self.chunks else None)
-        if depth == autospec.PLAIN and observed < autospec.PROBE_ROUNDS:
+        if depth == autospec.PLAIN and observed < self._evidence_for_plain(costs):
             # Plain decoding chosen ends the call's speculation: only on this call's own evidence.
             return None, autospec.PROBE_ROUNDS
         if depth == autospec.PLAIN and not plain_known:
@@ -175,6 +175,14 @@ class AutoRun:
                 return autospec.PLAIN, tail  # a chunk that short would cost its overhead for little: the tail starts here
             n = min(n, before)
         return depth, n
+
+    def _evidence_for_plain(self, costs: autospec.AtSpan) -> int:
+        """Rounds of this call's own acceptance that plain decoding is chosen on: ``PROBE_ROUNDS`` where prompts are
+        alike or no chain could beat plain decoding with every draft accepted, else ``PLAIN_OWN_ROUNDS``."""
+        batch = self.plan.batch
+        plain = costs.cost(autospec.PLAIN, batch)
+        could = plain is not None and any((c := costs.cost(d, batch)) is not None and c < (1 + d) * plain for d in autospec.DEPTHS)
+        return autospec.PLAIN_OWN_ROUNDS if could and not prompts_alike(self.carry) else autospec.PROBE_ROUNDS
 
     def _spend(self, costs: autospec.AtSpan, rows: list[tuple[int, autospec.AcceptanceEstimate]], times: dict[int, float],
                depth: int, observed: int) -> tuple[int | None, int]:

@@ -75,6 +75,11 @@ PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance 
 # decide (in a batch the slowest row sets the end, and the pair's pooled estimate hides it), for the price
 # of a drafter step on a few rounds instead of a chunk of drafts the batch cannot use.
 PROBE_FIRST_BELOW = 0.8
+# Plain decoding, which ends a call's speculation, is chosen after PROBE_ROUNDS of the call's own rounds where
+# prompts are alike (they carry the pair's evidence) or no chain could beat it even with every draft accepted;
+# else after this many: after a hard prompt, a new prompt's first 4 rounds left a call decoding plainly that a
+# chain of 5 ran 1.7x faster (bfloat16, batch 1, greedy). A probe round emits a token, as a plain one does.
+PLAIN_OWN_ROUNDS = 8
 # A call skips the drafter altogether (its prefill and the probe) and decodes plainly from its start
 # where plain decoding was fastest in hindsight (by PLAIN_MARGIN, the drafter's prefill counted;
 # REPROBE_ROUNDS keeps a near tie from locking speculation out) on the last calls at its batch size, together at least PLAIN_EVIDENCE_ROWS prompts

@@ -605,6 +605,40 @@ def test_cost_model_needs_one_depth_and_one_probe_per_row_count():
     assert m.cost(autospec.PLAIN, 4) == 2.0 and not m.measured(autospec.PLAIN, 4)  # plain: the probe's until it runs
 
 
+def test_a_probe_round_costs_no_more_than_a_chain_and_a_contradicted_one_is_measured_again(monkeypatch, pair):
+    """A probe round does no more work than a chain round: it is read as at most the cheapest chain's cost, and a
+    generate call's probe measured on one chunk that costs more than PROBE_CONTRADICTED times a chain's is
+    measured again, once: one slow probe chunk, the base of the line in K, priced deeper chains below
+    shallower ones and plain decoding above them all, and was never run again to correct it."""
+    m = autospec.CostModel()
+    m.update(None, 1, 0.060, 1)  # a slow probe chunk: 60 ms a round, a chain of 7 34 ms
+    m.update(7, 1, 0.034, 1)
+    costs = [m.cost(d, 1) for d in (autospec.PLAIN, *autospec.DEPTHS)]
+    assert costs == sorted(costs) and costs[0] == pytest.approx(0.034)
+    assert m.forget_contradicted_probe(1) and not m.probed(1)
+    m.update(None, 1, 0.050, 1)  # as slow again: read as the chain's, not measured a third time
+    assert not m.forget_contradicted_probe(1) and m.cost(autospec.PLAIN, 1) == pytest.approx(0.034)
+
+    # In a call: the chunk after the first chain's probes again where the first probe chunk was slow.
+    autospec.reset()
+    span_costs = autospec.SpanCosts()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: span_costs)
+    observe, slowed = span_costs.observe_chunk, []
+
+    def slow_first_probe(span, depth, rows, rounds, seconds, first):
+        if depth is None and not slowed:
+            slowed.append(seconds)
+            seconds *= 100.0
+        observe(span, depth, rows, rounds, seconds, first)
+
+    monkeypatch.setattr(span_costs, "observe_chunk", slow_first_probe)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 40, _AUTO_KW)
+    run.warm()
+    run.result(None)
+    assert run.chunks[:3] == [(None, autospec.PROBE_ROUNDS), (max(autospec.DEPTHS), autospec.EXPLORE_ROUNDS), (None, autospec.PROBE_ROUNDS)]
+    autospec.reset()
+
+
 def test_draft_confidence_is_the_top2_share():
     logits = np.log(np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]], np.float32))
     np.testing.assert_allclose(np.asarray(draft_confidence(logits)), [0.5 / 0.8, 0.8 / 0.9], rtol=1e-6)

@@ -127,6 +127,13 @@ SETTLED_ROUNDS = 8  # two exploring chunks, or one chunk of the chosen depth
 # (see CostModel): the lower one of two (optimism corrects itself), a spike's never.
 COST_WINDOW = 8
 MIN_ROUNDS_SHARE = 0.2  # a measurement's rounds are at least this share of its time, whatever overhead is fitted
+# A probe round (one target position, one drafter step) does no more work than a chain round, so its cost is
+# read as at most the cheapest chain's at the same rows. A generate call's probe measured on one chunk that
+# costs more than this factor times a chain's is measured again, once per row count (``SpanCosts.observe_chunk``):
+# one slow probe chunk (60 ms a round against a chain of 7's 34 ms, SmolLM2 at T=1, batch 1), as the base of the
+# line in K, priced deeper chains below shallower ones and plain decoding above them all, and a chain of 7 ran
+# every later call at 0.7x plain decoding's speed (the probe never ran again to correct it).
+PROBE_CONTRADICTED = 1.25
 
 
 def weighted_median(values: Iterable[tuple[float, float]]) -> float:
@@ -174,6 +181,7 @@ class CostModel:
       T=1 a chain of 1 and one of 3 are within a few percent, and the lowest of a rarely run depth's
       few chunks priced it ~9% below what it ran at, against a cost of the running depth read from
       many; it won the race and ran, call after call;
+    - the probe round: at most the cheapest chain measured at these rows (``PROBE_CONTRADICTED``);
     - a depth not measured at these rows: a round is one target forward over 1 + K positions and K
       drafter steps, so its cost is linear in K: between the depths measured at these rows, from the
       probe round (K = 0) on, and extrapolated past the deepest;
@@ -185,7 +193,9 @@ class CostModel:
     Only one depth needs exploring per pair (the deepest: it measures the drafter's step cost)."""
 
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
-    probe: dict[int, float] = field(default_factory=dict)
+    probe: dict[int, float] = field(default_factory=dict)  # as read: at most the cheapest chain's at the rows
+    probe_measured: dict[int, float] = field(default_factory=dict)  # as measured
+    reprobed: set[int] = field(default_factory=set)  # rows whose contradicted probe was measured again
     rounds: dict[tuple[int, int], int] = field(default_factory=dict)  # rounds measured per (rows, depth)
     # the last COST_WINDOW measurements (seconds, rounds, first chunk after a prefill) per (rows, depth), depth None = probe
     window: dict[tuple[int, int | None], deque] = field(default_factory=dict)
@@ -212,9 +222,27 @@ class CostModel:
         fixed = self.overhead or (lambda _rows, _depth, _first: 0.0)
         per = [(max(s - fixed(rows, depth, first), MIN_ROUNDS_SHARE * s) / n, n) for s, n, first in self.window[rows, depth]]
         if depth is None:
-            self.probe[rows] = weighted_median(per)
+            self.probe_measured[rows] = weighted_median(per)
         else:
             self.seconds[rows, depth] = weighted_median(per)
+        if rows in self.probe_measured:  # ``PROBE_CONTRADICTED``
+            self.probe[rows] = min([self.probe_measured[rows], *self._chains(rows).values()])
+
+    def _chains(self, rows: int) -> dict[int, float]:
+        """The chains measured at ``rows``: depth -> seconds per round."""
+        return {d: s for (r, d), s in self.seconds.items() if r == rows and d != PLAIN}
+
+    def forget_contradicted_probe(self, rows: int) -> bool:
+        """Forgets the probe's cost at ``rows`` where it rests on one measurement that costs more than
+        ``PROBE_CONTRADICTED`` times a chain measured there, once per row count (the next chunk probes again);
+        returns whether it did."""
+        chains = self._chains(rows)
+        window = self.window.get((rows, None), ())
+        if rows in self.reprobed or len(window) != 1 or not chains or self.probe_measured[rows] <= PROBE_CONTRADICTED * min(chains.values()):
+            return False
+        self.reprobed.add(rows)
+        del self.window[rows, None], self.probe_measured[rows], self.probe[rows]
+        return True
 
     def measured(self, depth: int, rows: int) -> bool:
         return (rows, depth) in self.seconds
@@ -230,11 +258,11 @@ class CostModel:
     def _slope(self, rows: int) -> float | None:
         """Seconds per draft over the probe round, from the deepest chain measured at ``rows``."""
         base = self._base(rows)
-        measured = [d for r, d in self.seconds if r == rows and d != PLAIN]
+        measured = self._chains(rows)
         if base is None or not measured:
             return None
         d = max(measured)
-        return max((self.seconds[rows, d] - base) / d, 0.0)
+        return max((measured[d] - base) / d, 0.0)
 
     def at_rows(self, depth: int, rows: int) -> float | None:
         """Seconds per round at ``depth`` from what ran at exactly ``rows`` rows: measured, or linear in K
@@ -247,7 +275,7 @@ class CostModel:
         base = self.probe.get(rows)
         if depth == PLAIN or base is None:
             return base
-        here = {d: s for (r, d), s in self.seconds.items() if r == rows and d != PLAIN}
+        here = self._chains(rows)
         if len(here) >= 2 and depth > min(here):
             return max(_along(here, depth, extrapolate=True), self.seconds.get((rows, PLAIN), 0.0))
         # Below the shallowest chain measured: from the probe round on. The line through two deeper chains
@@ -298,6 +326,7 @@ class SpanCosts:
         self.model(span).update(depth, rows, seconds, rounds, first)
         for m in self.by_span.values():
             m.reprice()
+            m.forget_contradicted_probe(rows)
 
     def probed(self, rows: int) -> bool:
         """Whether a probe round's cost at ``rows`` was measured at some span."""

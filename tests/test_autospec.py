@@ -635,7 +635,7 @@ def test_a_probe_round_costs_no_more_than_a_chain_and_a_contradicted_one_is_meas
     run = AutoRun(pair[0], pair[1], PROMPTS[:1], 40, _AUTO_KW)
     run.warm()
     run.result(None)
-    assert run.chunks[:3] == [(None, autospec.PROBE_ROUNDS), (max(autospec.DEPTHS), autospec.EXPLORE_ROUNDS), (None, autospec.PROBE_ROUNDS)]
+    assert [d for d, _ in run.chunks[:3]] == [None, max(autospec.DEPTHS), None] and run.chunks[2][1] == autospec.PROBE_ROUNDS
     autospec.reset()
 
 

@@ -129,7 +129,7 @@ COST_WINDOW = 8
 MIN_ROUNDS_SHARE = 0.2  # a measurement's rounds are at least this share of its time, whatever overhead is fitted
 # A probe round (one target position, one drafter step) does no more work than a chain round, so its cost is
 # read as at most the cheapest chain's at the same rows. A generate call's probe measured on one chunk that
-# costs more than this factor times a chain's is measured again, once per row count (``SpanCosts.observe_chunk``):
+# costs more than this factor times a chain's is measured again, once per row count and span (``SpanCosts.observe_chunk``):
 # one slow probe chunk (60 ms a round against a chain of 7's 34 ms, SmolLM2 at T=1, batch 1), as the base of the
 # line in K, priced deeper chains below shallower ones and plain decoding above them all, and a chain of 7 ran
 # every later call at 0.7x plain decoding's speed (the probe never ran again to correct it).

@@ -22,6 +22,7 @@ from eagle_jax.decoding.engine import WATCH_MIN_ROUNDS, RoundCosts, draft_confid
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.auto_run import AutoRun
+from autospec_tables import FixedCosts
 from engine_models import markov_drafter, markov_pair, markov_target
 
 PROMPTS = [list(np.random.default_rng(7).integers(0, 32, n)) for n in (4, 11, 19)]
@@ -78,29 +79,6 @@ def test_costly_drafter_steps_stop_drafting(monkeypatch, pair, plain):
     out = run_with(monkeypatch, pair, costs([1.0, 1.0, 1.0, 1.0], draft_s=100.0))
     assert out.tokens == plain.tokens
     assert max(a for row in out.accepted for a in row) == 1
-
-
-class FixedCosts(autospec.SpanCosts):
-    """Costs that do not learn from the clock: per-round seconds by depth (0 = plain), at any rows and span."""
-
-    def __init__(self, seconds):
-        super().__init__()
-        self.fixed = dict(seconds)
-
-    def model(self, span):
-        return autospec.CostModel()  # measurements go nowhere
-
-    def measured(self, depth, rows):
-        return depth in self.fixed
-
-    def settled(self, depth, rows):
-        return depth in self.fixed
-
-    def probed(self, rows):
-        return True
-
-    def cost(self, depth, rows, span):
-        return self.fixed.get(depth)
 
 
 @pytest.fixture
@@ -416,54 +394,6 @@ def test_a_call_explores_one_close_depth(monkeypatch, pair):
     assert run._next(True, rows, observed=8) == (3, autospec.EXPLORE_ROUNDS)
 
 
-def test_hindsight_counts_the_drafters_prefill():
-    """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting what speculating
-    paid besides (the drafter's share of the prefill, the probe round's cost over plain decoding's; the probe
-    rounds' excess; chunks' overheads) makes plain decoding the better start, so such calls go on to skip the
-    drafter, and probe less often the longer plain decoding stays fastest."""
-    costs = autospec.SpanCosts()
-    model = costs.model(256)
-    model.update(autospec.PLAIN, 4, 1.0, 10)  # 0.1 s per round
-    model.update(None, 4, 1.2, 10)  # probe rounds: 0.12 s (a sixth of it the drafter)
-    est = autospec.AcceptanceEstimate()
-    est.observe_probe(0.3, 1000)  # a chain of 1 emits 1.3 tokens per round, and its slowest of 4 rows ...
-    model.update(1, 4, 10 * 3.2 / autospec.slowest_rounds([(32, est)] * 4, 1), 10)  # ... ends in plain's 32 x 0.1 s
-    costs.record_hindsight(256, [(32, est)] * 4)
-    assert costs.plain_rows[4] == 0
-    # what the call paid besides: 4 probe rounds' excess over plain ones (0.08 s), or a second chunk's overhead (0.1 s)
-    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(None, 4), (1, 28)])
-    assert costs.plain_rows[4] == 4
-    costs.overhead.set_dispatch(0.1)
-    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])
-    assert costs.plain_rows[4] == 8
-    costs.overhead.set_dispatch(0.0)
-    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])
-    assert costs.plain_rows[4] == 0
-    costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
-    assert costs.plain_rows[4] == 4
-    # PLAIN_EVIDENCE_ROWS prompts settle plain decoding; PROMPTS_TO_CARRY where the prompts were seen to be alike,
-    # from two calls at least (one call's rows may be alike by how they were grouped)
-    assert autospec.PROMPTS_TO_CARRY == 4 < autospec.PLAIN_EVIDENCE_ROWS
-    assert not costs.plain_settled(4) and not costs.plain_settled(4, alike=True)
-    costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
-    assert costs.plain_settled(4, alike=True) and costs.plain_settled(4)
-    # each further call in a row that finds plain decoding fastest doubles the rounds before the next probe, up to a cap
-    assert costs.reprobe_rounds(4) == autospec.REPROBE_ROUNDS
-    backoff = []
-    for _ in range(4):
-        costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
-        backoff.append(costs.reprobe_rounds(4) // autospec.REPROBE_ROUNDS)
-    assert backoff == [2, 4, 4, 4] and autospec.REPROBE_BACKOFF == 4
-    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])  # speculation was as fast: probes as often as at first
-    assert costs.plain_rows[4] == 0 and costs.reprobe_rounds(4) == autospec.REPROBE_ROUNDS
-    model.update(autospec.PLAIN, 2, 1.0, 10)  # batch 2: two calls are the 4 alike prompts, 8 otherwise
-    model.update(None, 2, 1.2, 10)
-    model.update(1, 2, 1.3, 10)
-    for calls in range(1, 5):
-        costs.record_hindsight(256, [(32, est)] * 2, prefill_s=2.0)
-        assert costs.plain_settled(2, alike=True) == (calls >= 2) and costs.plain_settled(2) == (calls >= 4)
-
-
 def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed_costs, pair):
     """Where drafts cost more than any acceptance repays (a large batch), once plain decoding was fastest
     in hindsight on PLAIN_EVIDENCE_ROWS prompts, a call decodes plainly from its start without the
@@ -480,129 +410,6 @@ def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed
     assert runs[1].stats["chunks"] == [(autospec.PLAIN, 31)]
     # chosen after a probe, plain decoding proper (no way back within the call) runs the rest in one chunk
     assert runs[0].stats["chunks"] == [(None, autospec.PROBE_ROUNDS), (autospec.PLAIN, 27)]
-
-
-def test_a_close_race_keeps_the_running_depth():
-    """A depth within WATCH_TOLERANCE of the fastest goes on running: the noise of the estimates would otherwise
-    switch between near-equal chains every chunk, each switch a host round trip and a look."""
-    times = {autospec.PLAIN: 1.0, 1: 0.80, 3: 0.81}
-    assert autospec.keep_close(times, 3) == 3 and autospec.keep_close(times, 1) == 1
-    assert autospec.keep_close(times, None) == 1 and autospec.keep_close({**times, 3: 0.83}, 3) == 1
-
-
-def test_acceptance_estimate_and_choice():
-    """Per-position conditional acceptance from accepted counts; a prior for positions never reached;
-    rounds without drafts observe the first draft; aging returns toward the prior."""
-    est = autospec.AcceptanceEstimate(5)
-    assert est.expected_tokens(0) == 1.0 and est.expected_tokens(3) == pytest.approx(1 + 0.6 + 0.36 + 0.216)
-    est.observe([[3]] * 200, 3)  # every chain of 3 accepted: p -> 1 for positions 0..2
-    # ~33 rounds of memory against the prior's 3
-    assert est.p[:3] == pytest.approx(1.0, abs=0.04) and est.expected_tokens(3) == pytest.approx(4.0, abs=0.15)
-    est.observe([[0]] * 200, 3)  # then none accepted: p[0] -> 0
-    assert est.p[0] < 0.06
-    table = FixedCosts({0: 1.0, 1: 1.1, 3: 1.3, 5: 1.6, 7: 1.9})
-    assert autospec.choose_depth(table.at(0), 1, est.expected_tokens) == autospec.PLAIN
-    est.observe_probe(0.9, 100)
-    assert est.p[0] == pytest.approx(0.9, abs=0.08) and autospec.choose_depth(table.at(0), 1, est.expected_tokens) != autospec.PLAIN
-    est.observe([[0]] * 200, 3)
-    est.age(300)
-    assert est.p[0] == pytest.approx(autospec.PRIOR, abs=0.01)
-    # A batch ends with its slowest row: one row the drafter cannot follow makes plain decoding fastest.
-    good, bad = autospec.AcceptanceEstimate(), autospec.AcceptanceEstimate()
-    good.observe([[7]] * 100, 7)
-    bad.observe([[0]] * 100, 7)
-
-    def fastest(rows):
-        times = autospec.finish_times(table.at(0), len(rows), rows)
-        return min(times, key=times.get)
-
-    assert fastest([(50, good)]) == 7 and fastest([(50, good), (50, bad)]) == autospec.PLAIN
-    assert adaptive_costs.widths_for(6) == (1, 2, 4, 7) and adaptive_costs.widths_for(1) == (1, 2)
-
-
-def _finished_prompts(pair: autospec.AcceptanceEstimate, rates, rounds: int = 48) -> None:
-    """Prompts whose rows each ran ``rounds`` chain rounds at a first-draft rate of ``rates[i]``, ended."""
-    for rate in rates:
-        row = pair.for_new_prompt()
-        hits = int(round(rate * rounds))
-        row.observe([[1]] * hits + [[0]] * (rounds - hits), 1)
-        pair.observe([[1]] * hits + [[0]] * (rounds - hits), 1)
-        pair.finish_prompt(row)
-
-
-def test_a_new_prompt_carries_as_much_of_the_pairs_evidence_as_the_prompts_likeness_warrants():
-    """``carry_rounds``: prompts whose first-draft rates differ no more than their rounds' sampling explains
-    (T=1 here: 0.44-0.58 over ~60 rounds each) make a new prompt start from the pair's whole evidence, so
-    that its first lucky rounds do not pick a chain; prompts that differ (greedy: hard ones, loops) keep the
-    CARRY_ROUNDS / CARRY_DEEP_ROUNDS caps; too few prompts tell nothing."""
-    alike = autospec.AcceptanceEstimate()
-    _finished_prompts(alike, [0.5] * (autospec.PROMPTS_TO_CARRY - 1))
-    assert alike.carry_rounds() == 0.0  # too few prompts yet
-    rng = np.random.default_rng(0)
-    _finished_prompts(alike, rng.binomial(48, 0.55, 24) / 48)  # one rate, binomial noise only
-    carry = alike.carry_rounds()
-    assert 50 < carry < 1e3  # read one standard error of the spread high: alike, but only 27 prompts seen
-    new = alike.for_new_prompt()
-    assert new.trials[1:] == pytest.approx(alike.trials[1:]) and new.own.tolist() == [0.0, 0.0]
-    hits, trials = np.array(alike.prompts).sum(0)  # the first draft: the finished prompts' pooled rate, undecayed
-    assert new.trials[0] == pytest.approx(carry) and new.p[0] == pytest.approx((hits / trials * carry + 3 * autospec.PRIOR) / (carry + 3))
-    new.observe([[1]] * 4, 1)  # four lucky rounds
-    assert new.p[0] < 0.65 and new.own.tolist() == [4.0, 4.0]
-    differ = autospec.AcceptanceEstimate()
-    _finished_prompts(differ, [0.1, 0.95, 0.3, 0.9, 0.2, 0.99])
-    assert differ.carry_rounds() < autospec.CARRY_DEEP_ROUNDS
-    assert differ.for_new_prompt().trials[0] == pytest.approx(autospec.CARRY_ROUNDS)
-    short = differ.for_new_prompt()
-    short.observe([[1]] * (autospec.PROMPT_MIN_ROUNDS - 1), 1)
-    differ.finish_prompt(short)  # too few rounds of its own to tell its rate
-    assert len(differ.prompts) == 6
-
-
-def test_a_new_prompt_weighs_its_own_probe_against_the_pairs_history():
-    """A new prompt starts from the pair's rates with at most CARRY_ROUNDS rounds of their evidence for the
-    first draft (CARRY_DEEP_ROUNDS for deeper ones): after many rounds the drafter could not follow, a
-    prompt it follows shows so within one probe chunk, and its deeper drafts follow its first."""
-    pair = autospec.AcceptanceEstimate()
-    pair.observe([[0]] * 200, 7)  # a long hard prompt
-    new = pair.for_new_prompt()
-    assert new.trials.max() == pytest.approx(autospec.CARRY_ROUNDS) and new.hits == pytest.approx(pair.hits * new.trials.max() / pair.trials.max())
-    deep = autospec.AcceptanceEstimate()
-    deep.observe([[1]] * 200, 3)  # first drafts accepted, second ones never
-    fresh = deep.for_new_prompt()
-    assert fresh.trials[:2] == pytest.approx([autospec.CARRY_ROUNDS, autospec.CARRY_DEEP_ROUNDS])
-    fresh.observe_probe(0.9, autospec.PROBE_ROUNDS)
-    assert fresh.p[1] > 0.4 > deep.p[1] + 0.3  # the second draft follows this prompt's first more than the history
-    assert new.p[0] < 0.25  # the rates kept, blended with the prior's PRIOR_ROUNDS
-    table = FixedCosts({0: 1.0, 1: 1.3, 3: 1.6, 5: 2.0, 7: 2.4})
-    for est in (pair, new):
-        est.observe_probe(1.0, autospec.PROBE_ROUNDS)
-    assert autospec.choose_depth(table.at(0), 1, pair.expected_tokens) == autospec.PLAIN
-    assert autospec.choose_depth(table.at(0), 1, new.expected_tokens) != autospec.PLAIN
-
-
-def test_cost_model_needs_one_depth_and_one_probe_per_row_count():
-    """Costs never run are modelled: linear in K through the probe round and the depths measured at these
-    rows, else the probe here plus the per-draft slope of the nearest row counts."""
-    m = autospec.CostModel()
-    assert m.cost(5, 1) is None and autospec.unexplored(m, 1) == [max(autospec.DEPTHS)]
-    m.update(None, 1, 2.0, 2)  # probe rounds: 1.0 s each at one row
-    m.update(5, 1, 2.0, 1)
-    assert autospec.unexplored(m, 1) == [] and autospec.unexplored(m, 4) == []
-    assert [m.cost(d, 1) for d in (0, 1, 3, 5, 7)] == pytest.approx([1.0, 1.2, 1.6, 2.0, 2.4])
-    m.update(None, 4, 2.0, 1)  # a new batch size: its probe, and the slope of one row (0.2 s per draft)
-    assert [m.cost(d, 4) for d in (0, 3, 7)] == pytest.approx([2.0, 2.6, 3.4])
-    m.update(3, 4, 3.0, 1)
-    assert [m.cost(d, 4) for d in (1, 3, 5)] == pytest.approx([2 + 1 / 3, 3.0, 2 + 5 / 3])
-    # between measured row counts: probe and slope both interpolated (rows 2: 4/3 s + 0.244 s per draft)
-    assert m.cost(5, 2) == pytest.approx(4 / 3 + 5 * (0.2 + (1 / 3 - 0.2) / 3))
-    m.update(3, 4, 9.0, 1)  # one slow measurement does not make a depth dear ...
-    assert m.cost(3, 4) == pytest.approx(3.0)
-    m.update(3, 4, 8.0, 2)  # ... a machine that slowed down does, within a few: the median by rounds
-    assert m.cost(3, 4) == pytest.approx(4.0)
-    for _ in range(autospec.COST_WINDOW):  # and only the last COST_WINDOW measurements count
-        m.update(3, 4, 2.5, 1)
-    assert m.cost(3, 4) == pytest.approx(2.5)
-    assert m.cost(autospec.PLAIN, 4) == 2.0 and not m.measured(autospec.PLAIN, 4)  # plain: the probe's until it runs
 
 
 def test_a_probe_round_costs_no_more_than_a_chain_and_a_contradicted_one_is_measured_again(monkeypatch, pair):
@@ -657,25 +464,6 @@ def test_stream_with_adaptive(monkeypatch, pair, plain):
     assert [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))] == plain.tokens
 
 
-def test_a_batchs_slowest_row_is_read_with_the_batchs_pooled_evidence():
-    """The slowest row sets a batch's end. Four rows that accept alike, one of which drew a low rate in its
-    first rounds: read alone, that row makes plain decoding look fastest; with ROW_POOL_ROUNDS of the
-    batch's pooled evidence, K=1 is (as it is for the rows' common rate). One row is left as it is."""
-
-    def est(rate: float, rounds: int) -> autospec.AcceptanceEstimate:
-        e = autospec.AcceptanceEstimate()
-        e.observe([[1]] * round(rate * rounds) + [[0]] * (rounds - round(rate * rounds)), 1)
-        return e
-
-    costs = FixedCosts({0: 1.0, 1: 1.3}).at(0)
-    rows = [(64, est(0.55, 8))] * 3 + [(64, est(0.125, 8))]  # the last row: 1 of 8 accepted
-    alone = autospec.finish_times(costs, 4, rows, depths=(1,))
-    pooled = autospec.finish_times(costs, 4, autospec.toward_the_batch(rows), depths=(1,))
-    assert min(alone, key=alone.get) == autospec.PLAIN and min(pooled, key=pooled.get) == 1
-    one = [(64, est(0.125, 8))]
-    assert autospec.toward_the_batch(one)[0][1] is one[0][1]
-
-
 def test_a_chunks_watch_is_the_band_of_acceptance_where_its_choice_pays(fixed_costs):
     """``watch``: the drafts accepted per round within which a chunk's depth stays within WATCH_TOLERANCE
     of the best choice. With K=1 costing 1.1 plain rounds, it pays down to ~0.08 drafts a round (1.1 / 1.02
@@ -706,106 +494,25 @@ def test_a_watched_chunk_ends_once_its_rows_leave_the_band(pair):
         assert int(st.rounds) == rounds and n >= rounds and list(np.asarray(st.out[0, :n])) == plain[:n]
 
 
-def test_a_chunks_overhead_is_fitted_per_batch_size_and_reprices_earlier_chunks():
-    """A chunk costs a fixed part per batch size (dispatch, host sync, each execution's one-time work), more for the
-    first chunk after a prefill (by depth: a chain of 1's paid ~40 ms at bfloat16 batch 12 where a probe's paid
-    ~3), plus its rounds. Fitted jointly over the batch size's chunks (robust to a busy moment's chunk), the parts
-    come out of every round cost, re-derived for chunks measured before they were known; one depth's first extra
-    does not come off another's (the probe's chunks are all first ones: a shared extra priced it at a quarter of
-    a plain round)."""
-    costs = autospec.SpanCosts()
-    costs.overhead.set_dispatch(0.001)
-    fixed, per = {12: 0.020, 1: 0.0015}, {None: 0.016, 1: 0.018, 3: 0.025}
-    first = {12: {None: 0.003, 1: 0.040, 3: 0.010}, 1: {None: 0.0, 1: 0.0, 3: 0.0}}
-
-    def chunk(rows, depth, n, is_first, busy=0.0):
-        scale = 1.0 if rows == 12 else 0.25
-        t = fixed[rows] + (first[rows][depth] if is_first else 0.0) + n * per[depth] * scale + busy
-        costs.observe_chunk(256, depth, rows, n, t, is_first)
-
-    chunk(12, None, 4, True)  # the probe, before anything else is known: the dispatch alone comes off
-    assert costs.model(256).probe[12] == pytest.approx((0.020 + 0.003 + 4 * 0.016 - 0.001) / 4)
-    for depth, lengths in ((1, (8, 38)), (3, (8, 30)), (1, (8, 38)), (3, (8, 30))):
-        chunk(12, depth, lengths[0], True)
-        chunk(12, depth, lengths[1], False)
-    chunk(12, 1, 4, False)
-    chunk(12, 3, 4, False)
-    chunk(12, 1, 16, False, busy=0.2)  # a busy moment: its chunk barely moves the fit
-    chunk(1, 1, 8, True)  # another batch size keeps its own parts
-    chunk(1, 1, 40, False)
-    assert costs.overhead.seconds(12) == pytest.approx(0.020, abs=2e-3)
-    assert costs.overhead.seconds(12, first=True, key=(256, 1)) == pytest.approx(0.060, abs=5e-3)  # the prior pulls a little
-    assert costs.overhead.seconds(12, first=True, key=(256, 3)) == pytest.approx(0.030, abs=3e-3)
-    assert costs.overhead.seconds(1) < 0.005 and costs.overhead.seconds(2) == 0.001  # nothing ran at 2 rows: the dispatch
-    model = costs.model(256)
-    assert model.probe[12] == pytest.approx(0.016, rel=0.06)  # its own small first extra stays in its rounds
-    assert model.seconds[12, 1] == pytest.approx(0.018, rel=0.05) and model.seconds[12, 3] == pytest.approx(0.025, rel=0.05)
-    assert model.seconds[1, 1] == pytest.approx(0.0045, rel=0.1)
 
 
-def test_a_cold_calls_chunks_fit_the_overhead_from_the_one_depth_that_ran_twice():
-    """A call's first chunks run one depth each (the probe, the depths explored), each fitted exactly by its own
-    cost per round: only plain decoding's two chunks (4 rounds measured, then the rest) tell the fixed part. Their
-    residuals decide it; the others' zero residuals must not make the fit read every residual as an outlier."""
-    costs = autospec.SpanCosts()
-    costs.overhead.set_dispatch(0.001)
-    per = {None: 0.0145, 7: 0.038, 5: 0.033, 1: 0.0175, autospec.PLAIN: 0.0135}
-    for depth, n in ((None, 4), (7, 4), (5, 4), (1, 4), (autospec.PLAIN, 4), (autospec.PLAIN, 33)):
-        costs.observe_chunk(256, depth, 12, n, 0.021 + n * per[depth], first=depth is None)
-    assert costs.overhead.seconds(12) == pytest.approx(0.021, abs=2.5e-3)  # the prior (the dispatch) pulls a little
-    model = costs.model(256)
-    assert model.seconds[12, 1] == pytest.approx(0.0175, rel=0.05) and model.seconds[12, 7] == pytest.approx(0.038, rel=0.03)
-    assert model.seconds[12, autospec.PLAIN] == pytest.approx(0.0135, rel=0.03)
-
-
-def test_a_batch_ends_with_its_slowest_rows_rounds():
-    """A call of 12 rows ends when its slowest row is done: the expected maximum of the rows' rounds, which the
-    rounds' spread puts well past the mean (the more, the deeper the chain), as simulated rounds show."""
-    est = autospec.AcceptanceEstimate()
-    est.observe_probe(0.0, 0)
-    rng = np.random.default_rng(0)
-    for depth in (1, 3, 7):
-        rows = [(64, est)] * 12
-        mean = 64 / est.expected_tokens(depth)
-        assert autospec.slowest_rounds(rows[:1], depth) == pytest.approx(mean)
-        chances = np.cumprod(est.p[:depth])  # P(at least k drafts accepted)
-        sims = []
-        for _ in range(400):
-            made = np.zeros(12)
-            rounds = 0
-            while (made < 64).any():
-                u = rng.random(12)
-                made += 1 + (u[:, None] < chances[None]).sum(axis=1)
-                rounds += 1
-            sims.append(rounds)
-        assert autospec.slowest_rounds(rows, depth) == pytest.approx(np.mean(sims), rel=0.05)
-        assert autospec.slowest_rounds(rows, depth) > mean + 2
-    assert autospec.slowest_rounds([(64, est)] * 12, autospec.PLAIN) == 64
-
-
-def test_a_depth_below_the_shallowest_chain_is_priced_from_the_probe_round():
-    """Verification's cost can be concave in K (a CPU: 1 -> 3 drafts costs more than 3 -> 5): a shallow depth read off
-    the line through two deeper chains would be priced far above its cost and never run to correct it."""
-    m = autospec.CostModel()
-    m.update(None, 1, 1.0, 1)
-    m.update(3, 1, 1.8, 1)
-    m.update(5, 1, 2.0, 1)  # the line through 3 and 5 would price K=1 at 1.6
-    assert m.cost(1, 1) == pytest.approx(1.0 + 0.8 / 3)
-    assert m.cost(4, 1) == pytest.approx(1.9) and m.cost(7, 1) == pytest.approx(2.2)  # between and past them: the chains' line
-
-
-def test_a_depth_measured_at_another_span_is_read_there_not_drawn_through_one_chain_here():
-    """A line through the probe round and one shallow chain at a span overprices deep chains (verifying
-    1 + K positions is not linear in K), so a depth measured at another span is read there, scaled by how
-    the two spans compare, and one measured nowhere is read off the span where most chains ran."""
-    costs = autospec.SpanCosts()
-    far = costs.model(256)
-    for depth, seconds in ((None, 4.0), (1, 4.6), (3, 5.4), (7, 6.4)):
-        far.update(depth, 1, seconds, 1)
-    here = costs.model(128)
-    here.update(None, 1, 2.0, 1)  # half the far span's costs
-    here.update(1, 1, 2.3, 1)
-    at = costs.at(128)
-    assert at.cost(7, 1) == pytest.approx(3.2)  # not 2.0 + 7 x 0.3 = 4.1 off the line through the probe and K=1
-    assert at.cost(3, 1) == pytest.approx(2.7) and at.cost(1, 1) == pytest.approx(2.3)
-    assert at.cost(5, 1) == pytest.approx(0.5 * 5.9)  # measured nowhere: the line where three chains ran
+def test_a_chain_of_one_looks_deeper_once_where_its_deeper_drafts_are_an_earlier_prompts(fixed_costs):
+    """The pair's history: first drafts accepted, second ones never. A prompt the drafter follows all the way
+    chooses a chain of 1 on that history; its deeper drafts, which a chain of 1 never observes, would keep the
+    earlier prompt's rates (a chain of 1 ran 38 rounds where a chain of 5 was 1.54x faster). It looks deeper
+    first, finds them accepted and never runs a chain of 1 (before: 8 rounds of it, then a chain of 3, 31 rounds in
+    all); the output is plain decoding's."""
+    target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1)
+    sure, _ = markov_drafter(target, succ, seed=0, disagree=0.0)
+    easy = [[25, 25]]
+    expect = eagle_jax.generate(target, None, easy, max_new_tokens=96, eos_token_id=[]).tokens
+    fixed_costs.fixed.update({3: 1.7, 5: 2.3, 7: 2.9})  # deep chains dear: a chain of 1 chosen on that history
+    eagle_jax.generate(target, sure, easy, max_new_tokens=8, eos_token_id=[])  # the pair's key
+    (key,) = autospec._ESTIMATES
+    history = autospec.acceptance_estimate(key)
+    history.__init__()
+    history.observe([[1]] * 200, autospec.DEEPEST)
+    fixed_costs.last_call.clear()
+    out = eagle_jax.generate(target, sure, easy, max_new_tokens=96, eos_token_id=[])
+    depths = [d for d, _ in out.stats["chunks"]]
+    assert out.tokens == expect and min(depths) > 1 and out.rounds < 31, out.stats["chunks"]

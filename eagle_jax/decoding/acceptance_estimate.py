@@ -86,6 +86,14 @@ class AcceptanceEstimate:
             new.hits[0] = new.trials[0] * hits / trials
         return new
 
+    def seen_through(self, depth: int) -> "AcceptanceEstimate":
+        """A copy that forgets what it holds on the drafts past the first ``depth``: each of them reads as the last
+        one kept (``p``'s fallback), i.e. what a chain of ``depth`` drafts may hope of deeper ones it cannot observe."""
+        new = self.copy()
+        new.trials[depth:] = 0.0
+        new.hits[depth:] = 0.0
+        return new
+
     def finish_prompt(self, row: "AcceptanceEstimate") -> None:
         """A prompt whose estimate ``row`` started from ``for_new_prompt`` ended: its own first-draft
         evidence joins the spread ``carry_rounds`` reads."""

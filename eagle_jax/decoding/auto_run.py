@@ -204,6 +204,12 @@ class AutoRun:
             return rival, self._explore_rounds(costs, rival)
         if depth == autospec.PLAIN:  # plain decoding proper cannot be left within the call: no look, no boundary
             return depth, self.most_rounds or self.plan.max_rounds
+        # A deeper chain that would win were its deeper drafts accepted as the chosen ones are runs a look, once a
+        # call, while none of this call's chunks ran that deep: where prompts differ, the deeper drafts' estimate is
+        # some earlier prompt's. Where they were seen alike, it holds for this one too.
+        seen = max((d for d, _ in self.chunks if d is not None), default=autospec.PLAIN)
+        if seen <= depth and not prompts_alike(self.carry) and (deeper := autospec.deeper_unseen(costs, batch, rows, depth)):
+            return deeper, self._explore_rounds(costs, deeper)
         # A depth chosen anew runs CHUNK_ROUNDS: a look at these rows' own acceptance there, read by the
         # estimates' point values (a prompt's first rounds say most about it). Chosen again, it takes the rounds
         # the call is expected to need and half as many again (the loop stops once every row is done), up to

@@ -1,0 +1,162 @@
+"""What ``spec="auto"`` learns of the machine (decoding/autospec.py ``CostModel``, ``SpanCosts``;
+decoding/chunk_overhead.py): round costs by depth, rows and cache span, a chunk's overhead, and what calls showed
+in hindsight."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle_jax.decoding import autospec
+
+
+def test_hindsight_counts_the_drafters_prefill():
+    """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting what speculating
+    paid besides (the drafter's share of the prefill, the probe round's cost over plain decoding's; the probe
+    rounds' excess; chunks' overheads) makes plain decoding the better start, so such calls go on to skip the
+    drafter, and probe less often the longer plain decoding stays fastest."""
+    costs = autospec.SpanCosts()
+    model = costs.model(256)
+    model.update(autospec.PLAIN, 4, 1.0, 10)  # 0.1 s per round
+    model.update(None, 4, 1.2, 10)  # probe rounds: 0.12 s (a sixth of it the drafter)
+    est = autospec.AcceptanceEstimate()
+    est.observe_probe(0.3, 1000)  # a chain of 1 emits 1.3 tokens per round, and its slowest of 4 rows ...
+    model.update(1, 4, 10 * 3.2 / autospec.slowest_rounds([(32, est)] * 4, 1), 10)  # ... ends in plain's 32 x 0.1 s
+    costs.record_hindsight(256, [(32, est)] * 4)
+    assert costs.plain_rows[4] == 0
+    # what the call paid besides: 4 probe rounds' excess over plain ones (0.08 s), or a second chunk's overhead (0.1 s)
+    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(None, 4), (1, 28)])
+    assert costs.plain_rows[4] == 4
+    costs.overhead.set_dispatch(0.1)
+    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])
+    assert costs.plain_rows[4] == 8
+    costs.overhead.set_dispatch(0.0)
+    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])
+    assert costs.plain_rows[4] == 0
+    costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
+    assert costs.plain_rows[4] == 4
+    # PLAIN_EVIDENCE_ROWS prompts settle plain decoding; PROMPTS_TO_CARRY where the prompts were seen to be alike,
+    # from two calls at least (one call's rows may be alike by how they were grouped)
+    assert autospec.PROMPTS_TO_CARRY == 4 < autospec.PLAIN_EVIDENCE_ROWS
+    assert not costs.plain_settled(4) and not costs.plain_settled(4, alike=True)
+    costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
+    assert costs.plain_settled(4, alike=True) and costs.plain_settled(4)
+    # each further call in a row that finds plain decoding fastest doubles the rounds before the next probe, up to a cap
+    assert costs.reprobe_rounds(4) == autospec.REPROBE_ROUNDS
+    backoff = []
+    for _ in range(4):
+        costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
+        backoff.append(costs.reprobe_rounds(4) // autospec.REPROBE_ROUNDS)
+    assert backoff == [2, 4, 4, 4] and autospec.REPROBE_BACKOFF == 4
+    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])  # speculation was as fast: probes as often as at first
+    assert costs.plain_rows[4] == 0 and costs.reprobe_rounds(4) == autospec.REPROBE_ROUNDS
+    model.update(autospec.PLAIN, 2, 1.0, 10)  # batch 2: two calls are the 4 alike prompts, 8 otherwise
+    model.update(None, 2, 1.2, 10)
+    model.update(1, 2, 1.3, 10)
+    for calls in range(1, 5):
+        costs.record_hindsight(256, [(32, est)] * 2, prefill_s=2.0)
+        assert costs.plain_settled(2, alike=True) == (calls >= 2) and costs.plain_settled(2) == (calls >= 4)
+
+
+def test_cost_model_needs_one_depth_and_one_probe_per_row_count():
+    """Costs never run are modelled: linear in K through the probe round and the depths measured at these
+    rows, else the probe here plus the per-draft slope of the nearest row counts."""
+    m = autospec.CostModel()
+    assert m.cost(5, 1) is None and autospec.unexplored(m, 1) == [max(autospec.DEPTHS)]
+    m.update(None, 1, 2.0, 2)  # probe rounds: 1.0 s each at one row
+    m.update(5, 1, 2.0, 1)
+    assert autospec.unexplored(m, 1) == [] and autospec.unexplored(m, 4) == []
+    assert [m.cost(d, 1) for d in (0, 1, 3, 5, 7)] == pytest.approx([1.0, 1.2, 1.6, 2.0, 2.4])
+    m.update(None, 4, 2.0, 1)  # a new batch size: its probe, and the slope of one row (0.2 s per draft)
+    assert [m.cost(d, 4) for d in (0, 3, 7)] == pytest.approx([2.0, 2.6, 3.4])
+    m.update(3, 4, 3.0, 1)
+    assert [m.cost(d, 4) for d in (1, 3, 5)] == pytest.approx([2 + 1 / 3, 3.0, 2 + 5 / 3])
+    # between measured row counts: probe and slope both interpolated (rows 2: 4/3 s + 0.244 s per draft)
+    assert m.cost(5, 2) == pytest.approx(4 / 3 + 5 * (0.2 + (1 / 3 - 0.2) / 3))
+    m.update(3, 4, 9.0, 1)  # one slow measurement does not make a depth dear ...
+    assert m.cost(3, 4) == pytest.approx(3.0)
+    m.update(3, 4, 8.0, 2)  # ... a machine that slowed down does, within a few: the median by rounds
+    assert m.cost(3, 4) == pytest.approx(4.0)
+    for _ in range(autospec.COST_WINDOW):  # and only the last COST_WINDOW measurements count
+        m.update(3, 4, 2.5, 1)
+    assert m.cost(3, 4) == pytest.approx(2.5)
+    assert m.cost(autospec.PLAIN, 4) == 2.0 and not m.measured(autospec.PLAIN, 4)  # plain: the probe's until it runs
+
+
+def test_a_chunks_overhead_is_fitted_per_batch_size_and_reprices_earlier_chunks():
+    """A chunk costs a fixed part per batch size (dispatch, host sync, each execution's one-time work), more for the
+    first chunk after a prefill (by depth: a chain of 1's paid ~40 ms at bfloat16 batch 12 where a probe's paid
+    ~3), plus its rounds. Fitted jointly over the batch size's chunks (robust to a busy moment's chunk), the parts
+    come out of every round cost, re-derived for chunks measured before they were known; one depth's first extra
+    does not come off another's (the probe's chunks are all first ones: a shared extra priced it at a quarter of
+    a plain round)."""
+    costs = autospec.SpanCosts()
+    costs.overhead.set_dispatch(0.001)
+    fixed, per = {12: 0.020, 1: 0.0015}, {None: 0.016, 1: 0.018, 3: 0.025}
+    first = {12: {None: 0.003, 1: 0.040, 3: 0.010}, 1: {None: 0.0, 1: 0.0, 3: 0.0}}
+
+    def chunk(rows, depth, n, is_first, busy=0.0):
+        scale = 1.0 if rows == 12 else 0.25
+        t = fixed[rows] + (first[rows][depth] if is_first else 0.0) + n * per[depth] * scale + busy
+        costs.observe_chunk(256, depth, rows, n, t, is_first)
+
+    chunk(12, None, 4, True)  # the probe, before anything else is known: the dispatch alone comes off
+    assert costs.model(256).probe[12] == pytest.approx((0.020 + 0.003 + 4 * 0.016 - 0.001) / 4)
+    for depth, lengths in ((1, (8, 38)), (3, (8, 30)), (1, (8, 38)), (3, (8, 30))):
+        chunk(12, depth, lengths[0], True)
+        chunk(12, depth, lengths[1], False)
+    chunk(12, 1, 4, False)
+    chunk(12, 3, 4, False)
+    chunk(12, 1, 16, False, busy=0.2)  # a busy moment: its chunk barely moves the fit
+    chunk(1, 1, 8, True)  # another batch size keeps its own parts
+    chunk(1, 1, 40, False)
+    assert costs.overhead.seconds(12) == pytest.approx(0.020, abs=2e-3)
+    assert costs.overhead.seconds(12, first=True, key=(256, 1)) == pytest.approx(0.060, abs=5e-3)  # the prior pulls a little
+    assert costs.overhead.seconds(12, first=True, key=(256, 3)) == pytest.approx(0.030, abs=3e-3)
+    assert costs.overhead.seconds(1) < 0.005 and costs.overhead.seconds(2) == 0.001  # nothing ran at 2 rows: the dispatch
+    model = costs.model(256)
+    assert model.probe[12] == pytest.approx(0.016, rel=0.06)  # its own small first extra stays in its rounds
+    assert model.seconds[12, 1] == pytest.approx(0.018, rel=0.05) and model.seconds[12, 3] == pytest.approx(0.025, rel=0.05)
+    assert model.seconds[1, 1] == pytest.approx(0.0045, rel=0.1)
+
+
+def test_a_cold_calls_chunks_fit_the_overhead_from_the_one_depth_that_ran_twice():
+    """A call's first chunks run one depth each (the probe, the depths explored), each fitted exactly by its own
+    cost per round: only plain decoding's two chunks (4 rounds measured, then the rest) tell the fixed part. Their
+    residuals decide it; the others' zero residuals must not make the fit read every residual as an outlier."""
+    costs = autospec.SpanCosts()
+    costs.overhead.set_dispatch(0.001)
+    per = {None: 0.0145, 7: 0.038, 5: 0.033, 1: 0.0175, autospec.PLAIN: 0.0135}
+    for depth, n in ((None, 4), (7, 4), (5, 4), (1, 4), (autospec.PLAIN, 4), (autospec.PLAIN, 33)):
+        costs.observe_chunk(256, depth, 12, n, 0.021 + n * per[depth], first=depth is None)
+    assert costs.overhead.seconds(12) == pytest.approx(0.021, abs=2.5e-3)  # the prior (the dispatch) pulls a little
+    model = costs.model(256)
+    assert model.seconds[12, 1] == pytest.approx(0.0175, rel=0.05) and model.seconds[12, 7] == pytest.approx(0.038, rel=0.03)
+    assert model.seconds[12, autospec.PLAIN] == pytest.approx(0.0135, rel=0.03)
+
+
+def test_a_depth_below_the_shallowest_chain_is_priced_from_the_probe_round():
+    """Verification's cost can be concave in K (a CPU: 1 -> 3 drafts costs more than 3 -> 5): a shallow depth read off
+    the line through two deeper chains would be priced far above its cost and never run to correct it."""
+    m = autospec.CostModel()
+    m.update(None, 1, 1.0, 1)
+    m.update(3, 1, 1.8, 1)
+    m.update(5, 1, 2.0, 1)  # the line through 3 and 5 would price K=1 at 1.6
+    assert m.cost(1, 1) == pytest.approx(1.0 + 0.8 / 3)
+    assert m.cost(4, 1) == pytest.approx(1.9) and m.cost(7, 1) == pytest.approx(2.2)  # between and past them: the chains' line
+
+
+def test_a_depth_measured_at_another_span_is_read_there_not_drawn_through_one_chain_here():
+    """A line through the probe round and one shallow chain at a span overprices deep chains (verifying
+    1 + K positions is not linear in K), so a depth measured at another span is read there, scaled by how
+    the two spans compare, and one measured nowhere is read off the span where most chains ran."""
+    costs = autospec.SpanCosts()
+    far = costs.model(256)
+    for depth, seconds in ((None, 4.0), (1, 4.6), (3, 5.4), (7, 6.4)):
+        far.update(depth, 1, seconds, 1)
+    here = costs.model(128)
+    here.update(None, 1, 2.0, 1)  # half the far span's costs
+    here.update(1, 1, 2.3, 1)
+    at = costs.at(128)
+    assert at.cost(7, 1) == pytest.approx(3.2)  # not 2.0 + 7 x 0.3 = 4.1 off the line through the probe and K=1
+    assert at.cost(3, 1) == pytest.approx(2.7) and at.cost(1, 1) == pytest.approx(2.3)
+    assert at.cost(5, 1) == pytest.approx(0.5 * 5.9)  # measured nowhere: the line where three chains ran

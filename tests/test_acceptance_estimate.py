@@ -172,3 +172,24 @@ def test_a_chain_hopes_its_deeper_drafts_do_as_its_own():
     hard.observe_probe(0.2, 16)
     assert autospec.deeper_unseen(table, 1, [(96, hard)], 1) is None
     assert autospec.deeper_unseen(table, 1, [(96, row)], autospec.DEEPEST) is None
+
+
+def test_deeper_drafts_fade_only_in_a_prompts_own_estimate_where_prompts_differ():
+    """A drafter whose second and third drafts are accepted whenever its first is (the first half the time). While
+    a chain of 1 runs, the pair's estimate keeps what the deeper drafts did, so a chain of 3 stays its choice where it
+    pays; faded, they fell back to the first draft's rate and a chain of 1 ran on, call after call (T=1). A prompt's
+    own estimate lets them fade where prompts differ (an earlier prompt's deeper rates say little about it), and
+    keeps them where prompts were seen alike."""
+    table = FixedCosts({0: 1.0, 1: 1.1, 3: 1.5}).at(0)
+    chain_of_3 = [[3], [0]] * 20
+    chain_of_1 = [[1], [0]] * 10
+    pair = autospec.AcceptanceEstimate()
+    pair.observe(chain_of_3, 3)
+    pair.prompts.extend([(24.0, 48.0)] * autospec.PROMPTS_TO_CARRY)  # finished prompts alike: half their first drafts
+    differ, alike = pair.for_new_prompt(carry=0.0), pair.for_new_prompt()
+    pair.observe(chain_of_1, 1)
+    assert pair.p[1:3].min() > 0.8
+    assert autospec.choose_depth(table, 1, pair.expected_tokens, depths=(1, 3)) == 3
+    for row, kept in ((differ, False), (alike, True)):
+        row.observe(chain_of_1, 1)
+        assert (row.p[1] > 0.8) == kept, row.p

@@ -29,7 +29,9 @@ anew runs ``CHUNK_ROUNDS`` (a look; none where prompts are alike); chosen again,
 call is expected to need (up to ``MAX_CHUNK_ROUNDS``) and ends early in the compiled loop once its rows
 accept drafts outside the band where its depth pays (``watch``, engine ``departed``). One bad prompt therefore
 costs a few rounds, not the process: the choice is made again wherever what the current prompts do
-says it may change. Plain decoding proper (the drafter not fed, so no way back within the call) runs
+says it may change. A chain observes only its own drafts, so where prompts differ a deeper chain that would win
+were its deeper drafts accepted as the chain's deepest runs a few rounds first, once a call (``deeper_unseen``): the
+deeper drafts' estimate is otherwise some earlier prompt's. Plain decoding proper (the drafter not fed, so no way back within the call) runs
 only after a fresh probe (``PROBE_ROUNDS`` rounds, or ``PLAIN_OWN_ROUNDS`` where prompts differ) has
 confirmed that speculation does not pay, or, to be measured where it may win, on a call's last few
 rounds, where the call no longer needs the drafter; each call starts with the drafter fed, so a later

@@ -205,8 +205,8 @@ class AutoRun:
         if depth == autospec.PLAIN:  # plain decoding proper cannot be left within the call: no look, no boundary
             return depth, self.most_rounds or self.plan.max_rounds
         # A deeper chain that would win were its deeper drafts accepted as the chosen ones are runs a look, once a
-        # call, while none of this call's chunks ran that deep: where prompts differ, the deeper drafts' estimate is
-        # some earlier prompt's. Where they were seen alike, it holds for this one too.
+        # call, while none of this call's chunks ran deeper than the choice: where prompts differ, the deeper drafts'
+        # estimate is some earlier prompt's. Where they were seen alike, it holds for this one too.
         seen = max((d for d, _ in self.chunks if d is not None), default=autospec.PLAIN)
         if seen <= depth and not prompts_alike(self.carry) and (deeper := autospec.deeper_unseen(costs, batch, rows, depth)):
             return deeper, self._explore_rounds(costs, deeper)

@@ -225,19 +225,32 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
     assert run._next(True, [(32, easy)], observed=autospec.PROBE_ROUNDS)[0] in (3, 7)  # its own rows speculate
     assert run._next(True, [(32, hard)], observed=autospec.PROBE_ROUNDS) == (None, autospec.PROBE_ROUNDS)  # prompts differ: more
     assert run._next(True, [(32, hard)], observed=autospec.PLAIN_OWN_ROUNDS) == (autospec.PLAIN, autospec.EXPLORE_ROUNDS)
-    # Plain decoding measured, a prompt as hard as the last: the call's own rows run a chain first where
-    # one is within SPEC_WORTH_TRYING of plain decoding, then stop speculating.
-    model.update(autospec.PLAIN, 1, 1.0, 1)
+
+
+def test_a_call_runs_a_chain_before_it_stops_speculating_only_where_deeper_drafts_could_make_one_pay(monkeypatch, pair):
+    """Plain decoding chosen on a call's probe rounds (which see the first draft) ends its speculation. Where a chain
+    would win were its deeper drafts accepted as often as the first (they read low: an earlier prompt's), the call's
+    rows run that chain first, then stop speculating if it did not pay; where no deeper rate could make a chain pay
+    (first drafts accepted ~20%), they stop at once, though a chain is within 1.3x of plain decoding."""
+    autospec.reset()
+    costs = autospec.SpanCosts()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    for d, c in {None: 1.1, autospec.PLAIN: 1.0, 1: 1.4, 3: 1.5, 5: 1.6, 7: 1.7}.items():
+        costs.model(run.plan.cache_len).update(d, 1, c * autospec.SETTLED_ROUNDS, autospec.SETTLED_ROUNDS)
+    run.chunks.append((None, autospec.PLAIN_OWN_ROUNDS))
+    promising = autospec.AcceptanceEstimate()  # its first draft accepted ~38%, the deeper ones 5% (an earlier prompt)
+    promising.trials, promising.hits = np.full(7, 50.0), np.array([19.0, *[2.5] * 6])
+    times = autospec.finish_times(costs.at(run.plan.cache_len), 1, [(32, promising)])
+    assert min(times, key=times.get) == autospec.PLAIN
+    chain, n = run._next(True, [(32, promising)], observed=autospec.PLAIN_OWN_ROUNDS)
+    assert chain == 3 and n == autospec.EXPLORE_ROUNDS  # ~1 + 0.39 + 0.15 + 0.06 tokens a round for 1.5 s: the best hope
+    run.chunks.append((chain, n))
+    assert run._next(True, [(32, promising)], observed=autospec.PLAIN_OWN_ROUNDS + n)[0] == autospec.PLAIN  # it did not pay
+    run.chunks.pop()
     fair = autospec.AcceptanceEstimate()
-    fair.observe_probe(0.2, 50)  # K=1 emits ~1.2 tokens per 1.3 s round: close to plain's 1 per 1.0 s
-    assert run._next(True, [(32, fair)], observed=autospec.PLAIN_OWN_ROUNDS)[1] == autospec.EXPLORE_ROUNDS
-    run.chunks.append((run._next(True, [(32, fair)], observed=autospec.PLAIN_OWN_ROUNDS)[0], autospec.EXPLORE_ROUNDS))
-    chain = run.chunks[-1][0]
-    assert chain not in (None, autospec.PLAIN)
-    # measured as modelled, over enough rounds to settle its cost (else, this close, it would run again)
-    model.update(chain, 1, costs.at(run.plan.cache_len).cost(chain, 1) * autospec.SETTLED_ROUNDS, autospec.SETTLED_ROUNDS)
-    assert run._next(True, [(32, fair)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
-    assert run._next(True, [(32, hard)], observed=2 * autospec.PROBE_ROUNDS)[0] == autospec.PLAIN
+    fair.observe_probe(0.2, 50)  # a chain of 1: ~1.2 tokens for 1.4 s, within 1.3x of plain decoding's 1 for 1.0 s
+    assert run._next(True, [(32, fair)], observed=autospec.PLAIN_OWN_ROUNDS)[0] == autospec.PLAIN
 
 
 def test_plain_decoding_waits_for_enough_of_a_calls_own_rounds_where_prompts_differ(monkeypatch, pair):
@@ -251,7 +264,7 @@ def test_plain_decoding_waits_for_enough_of_a_calls_own_rounds_where_prompts_dif
     run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
     settle = lambda table: [costs.model(run.plan.cache_len).update(d, 1, c * autospec.SETTLED_ROUNDS, autospec.SETTLED_ROUNDS)  # noqa: E731
                             for d, c in table.items()]
-    settle({None: 1.1, autospec.PLAIN: 1.0, 1: 1.6, 3: 2.0})  # no chain within SPEC_WORTH_TRYING of plain decoding here
+    settle({None: 1.1, autospec.PLAIN: 1.0, 1: 1.6, 3: 2.0})  # no chain could pay at these probes' rate
     hard = autospec.AcceptanceEstimate()
     hard.observe_probe(0.05, 50)
     run.chunks.append((None, autospec.PROBE_ROUNDS))

@@ -190,9 +190,9 @@ class AutoRun:
         finish the call): a close chain tried, a probe, a depth being measured, or the choice's rounds."""
         batch = self.plan.batch
         if depth == autospec.PLAIN and not any(d not in (None, autospec.PLAIN) for d, _ in self.chunks):
-            best = min((d for d in times if d != autospec.PLAIN), key=times.get, default=None)
-            if best is not None and times[best] <= autospec.SPEC_WORTH_TRYING * times[autospec.PLAIN]:
-                return best, self._explore_rounds(costs, best)  # close: this call's rows run a chain before it stops speculating
+            # this call's rows run a chain before it stops speculating, where deeper drafts could make one pay
+            if (hoped := autospec.deeper_unseen(costs, batch, rows, depth)) is not None:
+                return hoped, self._explore_rounds(costs, hoped)
         if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
             return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
         # A close depth whose cost is not known well yet runs to be measured: one such depth per call (it may run

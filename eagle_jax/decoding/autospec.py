@@ -108,10 +108,11 @@ PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this fac
 # 4-round ones priced plain decoding below its long chunks' cost (float32 batch 4 T=1: plain decoding settled
 # from the start where a chain of 1 was 12% faster).
 PLAIN_TAIL_ROUNDS = 16
-# Likewise a call stops speculating for good only after its own rows ran a chain, where one was within this
-# factor of plain decoding: a probe sees the first draft only, and the deeper positions' estimate carries
-# the prompts before (a hard prompt's), so a close call is settled by a chunk of the best chain.
-SPEC_WORTH_TRYING = 1.3
+# Likewise a call stops speculating for good only after its own rows ran a chain, where one would win were its
+# drafts past the first accepted as often as the first (``deeper_unseen`` from plain decoding): a probe sees the
+# first draft only, and the deeper positions' estimate carries the prompts before (a hard prompt's). A fixed
+# margin over plain decoding instead (a chain within 1.3x) tried chains where no deeper rate could make them
+# pay (SmolLM2, first drafts accepted 10-25%: a chain of 3 for 4-13 rounds in most calls, 0.89-0.95x plain).
 # A batch ends with its slowest row, priced from that row's own estimate; after a few rounds each such
 # estimate is noisy, and the slowest of several noisy estimates is lower than the slowest row turns out to
 # be (at T=1, batch 4, where rows accept alike, that priced K=1 below plain decoding though it was 5-7%
@@ -545,14 +546,15 @@ def close_unsettled(times: dict[int, float], settled: Callable[[int], bool]) -> 
 
 
 def deeper_unseen(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]], depth: int) -> int | None:
-    """A chain deeper than ``depth`` (the choice on ``rows``: tokens left, estimate) that would finish the call sooner, by
-    more than ``WATCH_TOLERANCE``, were the drafts past ``depth`` accepted as often as the deepest one ``depth`` reaches
-    (``AcceptanceEstimate.seen_through``), or None. A chain of ``depth`` observes only its own drafts, so the deeper
-    ones keep what earlier prompts did: after a hard prompt, a chain of 1 chosen on the next one's probe ran 38 rounds
-    where a chain of 5 was 1.54x faster on it (float32, batch 1, greedy)."""
-    if depth in (None, PLAIN) or depth >= max(DEPTHS):
+    """A chain deeper than ``depth`` (the choice on ``rows``: tokens left, estimate; ``PLAIN`` chosen on probe rounds, which
+    see the first draft) that would finish the call sooner, by more than ``WATCH_TOLERANCE``, were the drafts past the
+    deepest one ``depth`` observes accepted as often as that one (``AcceptanceEstimate.seen_through``), or None. A chain
+    of ``depth`` observes only its own drafts, so the deeper ones keep what earlier prompts did: after a hard prompt, a
+    chain of 1 chosen on the next one's probe ran 38 rounds where a chain of 5 was 1.54x faster on it (float32, batch 1,
+    greedy)."""
+    if depth is None or depth >= max(DEPTHS):
         return None
-    times = finish_times(costs, batch, [(n, est.seen_through(depth)) for n, est in rows])
+    times = finish_times(costs, batch, [(n, est.seen_through(max(depth, 1))) for n, est in rows])
     best = keep_close(times, depth) if depth in times else None
     return best if best is not None and best > depth else None
 

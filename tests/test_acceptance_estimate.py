@@ -66,7 +66,7 @@ def test_a_new_prompt_carries_as_much_of_the_pairs_evidence_as_the_prompts_liken
     new = alike.for_new_prompt()
     assert new.trials[1:] == pytest.approx(alike.trials[1:]) and new.own.tolist() == [0.0, 0.0]
     hits, trials = np.array(alike.prompts).sum(0)  # the first draft: the finished prompts' pooled rate, undecayed
-    assert new.trials[0] == pytest.approx(carry) and new.p[0] == pytest.approx((hits / trials * carry + 3 * autospec.PRIOR) / (carry + 3))
+    assert new.trials[0] == pytest.approx(carry) and new.p[0] == pytest.approx(hits / trials) == new.prior
     new.observe([[1]] * 4, 1)  # four lucky rounds
     assert new.p[0] < 0.65 and new.own.tolist() == [4.0, 4.0]
     differ = autospec.AcceptanceEstimate()
@@ -77,6 +77,23 @@ def test_a_new_prompt_carries_as_much_of_the_pairs_evidence_as_the_prompts_liken
     short.observe([[1]] * (autospec.PROMPT_MIN_ROUNDS - 1), 1)
     differ.finish_prompt(short)  # too few rounds of its own to tell its rate
     assert len(differ.prompts) == 6
+
+
+def test_a_new_prompt_falls_back_to_the_finished_prompts_rate_not_the_prior():
+    """A weak drafter (first drafts accepted ~12%, prompts differing): a new prompt carries CARRY_ROUNDS of the pair's
+    evidence, and its first draft falls back to the finished prompts' pooled rate, not to PRIOR, once
+    PROMPTS_TO_CARRY of them finished; so four probe rounds at its own rate read it, not ~0.2."""
+    weak = autospec.AcceptanceEstimate()
+    assert weak.for_new_prompt().prior == autospec.PRIOR  # nothing finished yet
+    _finished_prompts(weak, [0.02, 0.3, 0.04, 0.25, 0.06, 0.05])
+    assert weak.carry_rounds() <= autospec.CARRY_ROUNDS  # prompts differ
+    new = weak.for_new_prompt()
+    assert new.trials[0] == pytest.approx(autospec.CARRY_ROUNDS) and new.prior == pytest.approx(0.12, abs=0.01)
+    new.observe_probe(0.12, autospec.PROBE_ROUNDS)
+    as_before = new.copy()
+    as_before.prior = autospec.PRIOR
+    assert new.p[0] < 0.13 and as_before.p[0] > 0.18  # PRIOR's 3 rounds at 0.6 outweigh the carried and the own
+    assert new.p[3] == pytest.approx(new.p[0], abs=0.06)  # the deeper drafts still follow the first
 
 
 def test_a_new_prompt_weighs_its_own_probe_against_the_pairs_history():

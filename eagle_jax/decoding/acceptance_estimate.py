@@ -38,7 +38,11 @@ PROMPTS_TO_CARRY = 4  # prompts seen before the spread is read
 # its own (T=1: a chain of 1 reached ~1.5 tokens a round and one of 3 ~1.9, so the deeper drafts are accepted more
 # often than the first), and a chain of 1 ran call after call where a chain of 3 was ~10% faster.
 KEEP_UNTRIED = 0.85
-PRIOR = 0.6  # acceptance of a draft assumed before any is observed
+PRIOR = 0.6  # acceptance of a draft assumed before any is observed ...
+# ... until PROMPTS_TO_CARRY prompts finished: a new prompt's first draft then falls back to their pooled rate
+# (the empirical-Bayes prior's mean), not to PRIOR. With a weak drafter (SmolLM2's: first drafts accepted
+# 10-15%), PRIOR's 3 rounds at 0.6 outweighed the 6 rounds a prompt carries, and 4 probe rounds read ~0.2:
+# a chain of 1 looked a tie with plain decoding, and a chain of 3 was explored and run in most calls.
 PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
 
 
@@ -53,7 +57,7 @@ class AcceptanceEstimate:
 
     Decayed sums over rounds of trials (rounds whose chain reached draft i) and hits (rounds that
     accepted it); each round weighs 1 however many rows it ran, and the past weighs ``KEEP`` per
-    round. ``p[0]`` falls back to ``PRIOR`` and ``p[i]`` to ``p[i-1]`` with ``PRIOR_ROUNDS`` of weight,
+    round. ``p[0]`` falls back to ``prior`` and ``p[i]`` to ``p[i-1]`` with ``PRIOR_ROUNDS`` of weight,
     so a position never tried is assumed as good as the one before it."""
 
     def __init__(self, max_depth: int = DEEPEST):
@@ -65,12 +69,13 @@ class AcceptanceEstimate:
         # the past's weight per round at positions a round did not reach: a pair's estimate keeps what its deeper
         # drafts did (a new prompt carries little of it where prompts differ); a prompt's own, ``for_new_prompt``'s
         self.untried_keep = KEEP
+        self.prior = PRIOR  # the first draft's rate before evidence: ``PRIOR``, or the finished prompts' (``for_new_prompt``)
 
     def copy(self) -> "AcceptanceEstimate":
         new = AcceptanceEstimate(len(self.trials))
         new.trials, new.hits, new.unobserved, new.own = self.trials.copy(), self.hits.copy(), self.unobserved, self.own.copy()
         new.prompts = deque(self.prompts, maxlen=PROMPT_MEMORY)
-        new.untried_keep = self.untried_keep
+        new.untried_keep, new.prior = self.untried_keep, self.prior
         return new
 
     def for_new_prompt(self, carry: float | None = None) -> "AcceptanceEstimate":
@@ -78,7 +83,8 @@ class AcceptanceEstimate:
         of evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one; or, where the prompts
         before were seen to be alike (``carry_rounds`` above those caps), ``carry_rounds`` for every position,
         the first draft's at the finished prompts' pooled rate (their rounds undecayed: the decayed
-        estimate holds ~30 rounds, whose noise alone swung a chain of 3 in and out of favour at T=1).
+        estimate holds ~30 rounds, whose noise alone swung a chain of 3 in and out of favour at T=1). Once
+        ``PROMPTS_TO_CARRY`` prompts finished, the first draft falls back to their pooled rate (``prior``).
         ``carry``: ``carry_rounds()`` when the caller has it already (a call reads it once for all its rows)."""
         new = AcceptanceEstimate(len(self.trials))
         new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
@@ -90,10 +96,12 @@ class AcceptanceEstimate:
         scale = np.minimum(1.0, cap / np.maximum(new.trials, 1e-12))
         new.trials *= scale
         new.hits *= scale
-        if prompts_alike(carry):
+        if len(self.prompts) >= PROMPTS_TO_CARRY:
             hits, trials = np.array(self.prompts).sum(0)
-            new.trials[0] = min(carry, trials)
-            new.hits[0] = new.trials[0] * hits / trials
+            new.prior = float(hits / trials)
+            if prompts_alike(carry):
+                new.trials[0] = min(carry, trials)
+                new.hits[0] = new.trials[0] * new.prior
         return new
 
     def seen_through(self, depth: int) -> "AcceptanceEstimate":
@@ -185,7 +193,7 @@ class AcceptanceEstimate:
 
     @property
     def p(self) -> np.ndarray:
-        out, prev = np.empty(len(self.trials)), PRIOR
+        out, prev = np.empty(len(self.trials)), self.prior
         for i in range(len(out)):
             prev = out[i] = (self.hits[i] + PRIOR_ROUNDS * prev) / (self.trials[i] + PRIOR_ROUNDS)
         return out

@@ -65,8 +65,8 @@ def test_a_new_prompt_carries_as_much_of_the_pairs_evidence_as_the_prompts_liken
     assert 50 < carry < 1e3  # read one standard error of the spread high: alike, but only 27 prompts seen
     new = alike.for_new_prompt()
     assert new.trials[1:] == pytest.approx(alike.trials[1:]) and new.own.tolist() == [0.0, 0.0]
-    hits, trials = np.array(alike.prompts).sum(0)  # the first draft: the finished prompts' pooled rate, undecayed
-    assert new.trials[0] == pytest.approx(carry) and new.p[0] == pytest.approx(hits / trials) == new.prior
+    hits, trials = np.array(alike.prompts).T  # the first draft: the finished prompts' mean rate, undecayed
+    assert new.trials[0] == pytest.approx(carry) and new.p[0] == pytest.approx(np.mean(hits / trials)) == new.prior
     new.observe([[1]] * 4, 1)  # four lucky rounds
     assert new.p[0] < 0.65 and new.own.tolist() == [4.0, 4.0]
     differ = autospec.AcceptanceEstimate()
@@ -81,10 +81,13 @@ def test_a_new_prompt_carries_as_much_of_the_pairs_evidence_as_the_prompts_liken
 
 def test_a_new_prompt_falls_back_to_the_finished_prompts_rate_not_the_prior():
     """A weak drafter (first drafts accepted ~12%, prompts differing): a new prompt carries CARRY_ROUNDS of the pair's
-    evidence, and its first draft falls back to the finished prompts' pooled rate, not to PRIOR, once
-    PROMPTS_TO_CARRY of them finished; so four probe rounds at its own rate read it, not ~0.2."""
+    evidence, and its first draft falls back to the finished prompts' mean rate, not to PRIOR, once one
+    finished; so four probe rounds at its own rate read it, not ~0.2."""
     weak = autospec.AcceptanceEstimate()
     assert weak.for_new_prompt().prior == autospec.PRIOR  # nothing finished yet
+    _finished_prompts(weak, [0.1])
+    assert weak.for_new_prompt().prior == pytest.approx(0.1, abs=0.01)
+    weak = autospec.AcceptanceEstimate()
     _finished_prompts(weak, [0.02, 0.3, 0.04, 0.25, 0.06, 0.05])
     assert weak.carry_rounds() <= autospec.CARRY_ROUNDS  # prompts differ
     new = weak.for_new_prompt()

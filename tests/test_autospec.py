@@ -161,6 +161,7 @@ def test_a_batch_starts_from_its_last_calls_rows_and_a_choice_made_again_runs_th
     target, succ = markov_target(vocab=32, hidden=64, seed=0, eps=0.1)
     drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.0, draft_vocab=list(range(0, 32, 2)))
     mixed = [[1, 1], [25, 25]]
+    fixed_costs.fixed[1] = 1.05  # a chain of 1 cheaper still: the pooled estimate picks it by far
     runs = [eagle_jax.generate(target, drafter, mixed, max_new_tokens=32, eos_token_id=[])]
     (key,) = autospec._ESTIMATES
     pooled = autospec.finish_times(fixed_costs.at(0), 2, [(32, autospec.acceptance_estimate(key).for_new_prompt())])

@@ -39,10 +39,10 @@ PROMPTS_TO_CARRY = 4  # prompts seen before the spread is read
 # often than the first), and a chain of 1 ran call after call where a chain of 3 was ~10% faster.
 KEEP_UNTRIED = 0.85
 PRIOR = 0.6  # acceptance of a draft assumed before any is observed ...
-# ... until PROMPTS_TO_CARRY prompts finished: a new prompt's first draft then falls back to their pooled rate
-# (the empirical-Bayes prior's mean), not to PRIOR. With a weak drafter (SmolLM2's: first drafts accepted
-# 10-15%), PRIOR's 3 rounds at 0.6 outweighed the 6 rounds a prompt carries, and 4 probe rounds read ~0.2:
-# a chain of 1 looked a tie with plain decoding, and a chain of 3 was explored and run in most calls.
+# ... until a prompt finished: a new prompt's first draft then falls back to the mean of the finished prompts'
+# rates (the empirical-Bayes prior's mean), not to PRIOR. With a weak drafter (SmolLM2's: first drafts accepted
+# 10-15%), PRIOR's 3 rounds at 0.6 outweighed the 6 rounds a prompt carries, and 4 probe rounds read ~0.2-0.3:
+# a chain of 3 looked 4% faster than plain decoding, and ran in most calls at 0.8-0.9x its speed.
 PRIOR_ROUNDS = 3.0  # the prior's weight, in rounds
 
 
@@ -82,9 +82,9 @@ class AcceptanceEstimate:
         """A copy to start a new prompt's estimate from: the same rates, with at most ``CARRY_ROUNDS`` rounds
         of evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one; or, where the prompts
         before were seen to be alike (``carry_rounds`` above those caps), ``carry_rounds`` for every position,
-        the first draft's at the finished prompts' pooled rate (their rounds undecayed: the decayed
-        estimate holds ~30 rounds, whose noise alone swung a chain of 3 in and out of favour at T=1). Once
-        ``PROMPTS_TO_CARRY`` prompts finished, the first draft falls back to their pooled rate (``prior``).
+        the first draft's at the finished prompts' mean rate (their rounds undecayed: the decayed
+        estimate holds ~30 rounds, whose noise alone swung a chain of 3 in and out of favour at T=1). Once a
+        prompt finished, the first draft falls back to that rate (``prior``).
         ``carry``: ``carry_rounds()`` when the caller has it already (a call reads it once for all its rows)."""
         new = AcceptanceEstimate(len(self.trials))
         new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
@@ -96,11 +96,11 @@ class AcceptanceEstimate:
         scale = np.minimum(1.0, cap / np.maximum(new.trials, 1e-12))
         new.trials *= scale
         new.hits *= scale
-        if len(self.prompts) >= PROMPTS_TO_CARRY:
-            hits, trials = np.array(self.prompts).sum(0)
-            new.prior = float(hits / trials)
+        if self.prompts:
+            hits, trials = np.array(self.prompts).T
+            new.prior = float(np.mean(hits / trials))  # each prompt one say: a hard one's many rounds not more
             if prompts_alike(carry):
-                new.trials[0] = min(carry, trials)
+                new.trials[0] = min(carry, trials.sum())
                 new.hits[0] = new.trials[0] * new.prior
         return new
 

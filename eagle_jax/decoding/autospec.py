@@ -33,7 +33,8 @@ says it may change. A chain observes only its own drafts, so where prompts diffe
 were its deeper drafts accepted as the chain's deepest runs a few rounds first, once a call (``deeper_unseen``): the
 deeper drafts' estimate is otherwise some earlier prompt's. Plain decoding proper (the drafter not fed, so no way back within the call) runs
 only after a fresh probe (``PROBE_ROUNDS`` rounds, or ``PLAIN_OWN_ROUNDS`` where prompts differ) has
-confirmed that speculation does not pay, or, to be measured where it may win, on a call's last few
+confirmed that speculation does not pay, and the chain that would pay were its drafts past the first accepted
+as often as the first (the probe sees the first only) has run a few rounds, if there is one; or, to be measured where it may win, on a call's last few
 rounds, where the call no longer needs the drafter; each call starts with the drafter fed, so a later
 call speculates again as soon as its own prompts allow.
 

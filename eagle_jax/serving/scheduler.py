@@ -348,13 +348,16 @@ class Scheduler:
         out = self.engine.step(spec, greedy, span, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if short else self._rounds(kind))
         self._stale.clear()
         now = time.perf_counter()
-        if not short:
+        # A short step's time is mostly what every step costs once (dispatch, the drafter's outputs, the probe): as a
+        # per-round cost it would make the depth it ran look dear, so only full steps teach costs, and only those
+        # that ran their own program, not for the first time (``StepOutput.timed``): without precompiling, a
+        # chain's first step cost 2-3x its later ones, and the chooser never ran it again to correct that.
+        timed = out.timed and not short
+        if timed:
             self._time_rounds(kind, out.seconds, max((len(out.accepted[s]) for s in active), default=0))
         if auto:
             probe = out.probe
-            # A short step's time is mostly what every step costs once (dispatch, the drafter's outputs, the
-            # probe): as a per-round cost it would make the depth it ran look dear, so only full steps teach costs.
-            self.schedule.observe(spec, rows, span, greedy, None if short else out.seconds, [
+            self.schedule.observe(spec, rows, span, greedy, out.seconds if timed else None, [
                 (self._slots[s].estimate, out.accepted[s], None if probe is None else (float(probe[s, 0]), float(probe[s, 1])))
                 for s in active
             ])

@@ -26,7 +26,13 @@ total = all tokens / the run's wall time; TTFT and inter-token latency percentil
 (guidellm's metrics, measured the same way), and TTFT's median past each user's first request (arrivals
 at a busy server one at a time, not the opening burst of C prompts at once). The servers precompile their programs before they report
 ready, as ``eagle-jax-serve`` does; the first pass at each concurrency on a fresh server is reported as
-"cold", then passes run until one compiles nothing new, and the next is measured ("warm").
+"cold", then passes run until one compiles nothing new, and the next is measured ("warm"). One server
+runs at a time, each system's levels back to back; with ``--repeats N`` every system's server runs at once
+and each level is measured N times per system, the systems taking turns pass by pass (each repeat starting
+one system later), so that the machine's drift over minutes touches every system alike: measured one after
+another, one system's per-user tok/s moved 10-20% between runs here, more than the differences compared.
+A row is then the mean over its passes (``passes`` holds each), and the report adds auto over the best of
+the drafter's fixed systems at each level.
 
 The same request sequence is then run through ``eagle_jax.generate`` in batches of C (no server, one
 program per batch; chat prompts rendered with the tokenizer's chat template, as the server renders
@@ -163,11 +169,8 @@ def _row_key(c: int, temperature: float, temperatures: list[float]) -> str:
     return str(c) if len(temperatures) == 1 else f"{c}@T={temperature:g}"
 
 
-def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float, prompts: list[dict], endpoint: Endpoint, args, target, eos,
-             baseline_texts: dict) -> dict:
-    """One system at one concurrency and temperature: the cold first pass, warm-up passes until nothing
-    new compiles, then the measured pass."""
-    per_user = assign(prompts, c, max(args.requests, c))
+def _warm(srv, svc, per_user: list[list[dict]], temperature: float, endpoint: Endpoint, args) -> tuple[dict, float]:
+    """A fresh level's cold first pass, then warm-up passes until nothing new compiles: (the cold pass, seconds)."""
     engine = svc.scheduler.engine
     t0 = time.perf_counter()
     cold = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature, endpoint))
@@ -177,27 +180,59 @@ def _measure(srv, svc, name: str, schedule, drafter, c: int, temperature: float,
         if len(engine.compile_events) == before:
             break
         asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature, endpoint))
-    warm_s = time.perf_counter() - t0
+    return cold, time.perf_counter() - t0
+
+
+def _pass(srv, svc, schedule, per_user: list[list[dict]], temperature: float, endpoint: Endpoint, args) -> dict:
+    """One measured pass: ``closed_loop``'s figures, the compiles during it and the steps it ran per depth."""
+    engine = svc.scheduler.engine
     compiles_before = len(engine.compile_events)
     steps_before = svc.metrics.steps_per_depth()
     r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature, endpoint))
-    r["warmup_s"] = warm_s
     r["compiles_while_measured"] = len(engine.compile_events) - compiles_before
     # Which depths the measured pass ran (auto's choices): engine steps per drafts per round.
     r["steps_by_depth"] = {d: n - steps_before.get(d, 0) for d, n in sorted(svc.metrics.steps_per_depth().items())
                            if n > steps_before.get(d, 0)}
     if hasattr(schedule, "snapshot"):  # auto: the costs and acceptance its choices came from
         r["auto_state"] = schedule.snapshot()
-    r["cold"] = {k: cold[k] for k in ("per_user_tok_s", "total_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
     r["texts_sha"] = hashlib.sha256(json.dumps(r.pop("texts")).encode()).hexdigest()
+    return r
+
+
+def pooled(passes: list[dict]) -> dict:
+    """Measured passes of one system at one level as one row: tokens/s the mean over the passes (each pass's in
+    ``passes``), latencies the median, steps by depth and compiles summed, the texts the first pass's and whether
+    every pass returned them (``texts_equal``)."""
+    if len(passes) == 1:
+        return passes[0] | {"texts_equal": True}
+    row = dict(passes[-1])  # auto's last state among the rest
+    for key in ("per_user_tok_s", "per_user_tok_s_min", "total_tok_s"):
+        row[key] = float(np.mean([p[key] for p in passes]))
+    for key in ("ttft_p50", "ttft_p90", "ttft_p99", "ttft_steady_p50", "itl_p50", "itl_p90", "itl_p99"):
+        values = [p[key] for p in passes if p[key] is not None]
+        row[key] = float(np.median(values)) if values else None
+    row["tokens"], row["wall_s"] = sum(p["tokens"] for p in passes), sum(p["wall_s"] for p in passes)
+    row["compiles_while_measured"] = sum(p["compiles_while_measured"] for p in passes)
+    depths = {d for p in passes for d in p["steps_by_depth"]}
+    row["steps_by_depth"] = {d: sum(p["steps_by_depth"].get(d, 0) for p in passes) for d in sorted(depths)}
+    row["texts_sha"], row["texts_equal"] = passes[0]["texts_sha"], len({p["texts_sha"] for p in passes}) == 1
+    row["passes"] = [{k: p[k] for k in ("per_user_tok_s", "total_tok_s", "steps_by_depth")} for p in passes]
+    return row
+
+
+def _report_row(name: str, schedule, drafter, c: int, temperature: float, r: dict, per_user, args, target, eos, baseline_texts: dict) -> dict:
+    """Checks a level's pooled row against ``none``'s texts, adds generate's figure and prints it."""
     key = _row_key(c, temperature, args.temperatures)
     if name == "none":
         baseline_texts[key] = r["texts_sha"]
-    r["same_text_as_none"] = r["texts_sha"] == baseline_texts.get(key) if temperature == 0 and key in baseline_texts else None
+    r["same_text_as_none"] = (r["texts_equal"] and r["texts_sha"] == baseline_texts.get(key)) if temperature == 0 and key in baseline_texts else None
     if not args.no_generate and temperature == 0 and len(getattr(schedule, "rules", ())) == 1:
         r["generate_per_user_tok_s"] = generate_per_user(target, drafter, schedule.rules[0][1], per_user, args.max_new, eos)
         r["server_vs_generate"] = r["per_user_tok_s"] / r["generate_per_user_tok_s"]
-    print(f"{name:20s} C={c:2d} T={temperature:g}: per-user {r['per_user_tok_s']:7.1f} tok/s (cold {cold['per_user_tok_s']:7.1f}), "
+    cold = r["cold"]
+    spread = (f" (passes {min(p['per_user_tok_s'] for p in r['passes']):.1f}-{max(p['per_user_tok_s'] for p in r['passes']):.1f})"
+              if "passes" in r else "")
+    print(f"{name:20s} C={c:2d} T={temperature:g}: per-user {r['per_user_tok_s']:7.1f} tok/s{spread} (cold {cold['per_user_tok_s']:7.1f}), "
           f"total {r['total_tok_s']:7.1f}, TTFT p50/p99 {r['ttft_p50'] * 1e3:6.0f}/{r['ttft_p99'] * 1e3:6.0f} ms "
           + (f"(past the opening burst p50 {r['ttft_steady_p50'] * 1e3:.0f}), " if r.get("ttft_steady_p50") is not None else ", ")
           + f"ITL p50/p99 {(r['itl_p50'] or 0) * 1e3:5.1f}/{(r['itl_p99'] or 0) * 1e3:5.1f} ms"
@@ -239,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="each concurrency is measured at each (requests seeded; outputs compared with none's only at 0)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="the servers' per-step prefill budget (default: the server's)")
     ap.add_argument("--no-prefix-cache", action="store_true", help="serve without prefix caching")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measured passes per system and level; above 1 every system's server runs at once and their passes "
+                         "alternate, so the machine's drift touches all alike (rows: the mean over the passes)")
     ap.add_argument("--out", default="bench/results/serve.json")
     ap.add_argument("--resume", action="store_true", help="keep the systems --out already holds (same configuration) and measure the rest")
     args = ap.parse_args(argv)
@@ -308,28 +346,46 @@ def main(argv: list[str] | None = None) -> None:
     baseline_texts = {}
     if "none" in results["systems"]:
         baseline_texts = {key: row["texts_sha"] for key, row in results["systems"]["none"]["by_concurrency"].items() if "texts_sha" in row}
+    todo = []
     for name, drafter, schedule in systems:
         if name in results["systems"]:
             print(f"{name}: measured before (--resume)")
-            continue
-        svc = make_service(target, drafter, tokenizer, schedule, eos, **settings, model_name="target", precompile=True)
+        else:
+            todo.append((name, drafter, schedule))
+    # One server at a time, or (--repeats) every system's at once, their measured passes taken in turn.
+    for group in ([todo] if args.repeats > 1 else [[s] for s in todo]):
+        services = []
+        for name, drafter, schedule in group:
+            svc = make_service(target, drafter, tokenizer, schedule, eos, **settings, model_name="target", precompile=True)
+            services.append((svc, Server(svc).start()))
         freeze_startup_heap()  # as eagle-jax-serve does before it listens
-        srv = Server(svc).start()
-        rows = {}
+        rows = {name: {} for name, _, _ in group}
         try:
             for c in args.concurrency:
+                per_user = assign(prompts, c, max(args.requests, c))
                 for temperature in args.temperatures:
-                    rows[_row_key(c, temperature, args.temperatures)] = _measure(srv, svc, name, schedule, drafter, c, temperature, prompts,
-                                                                                 endpoint, args, target, eos, baseline_texts)
+                    warmed = [_warm(srv, svc, per_user, temperature, endpoint, args) for svc, srv in services]
+                    passes = [[] for _ in group]
+                    for rep in range(args.repeats):
+                        for i in [(rep + j) % len(group) for j in range(len(group))]:  # each repeat starts one system later
+                            (svc, srv), (_, _, schedule) = services[i], group[i]
+                            passes[i].append(_pass(srv, svc, schedule, per_user, temperature, endpoint, args))
+                    for (name, drafter, schedule), (cold, warm_s), ps in zip(group, warmed, passes):
+                        row = pooled(ps) | {"warmup_s": warm_s,
+                                            "cold": {k: cold[k] for k in ("per_user_tok_s", "total_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}}
+                        rows[name][_row_key(c, temperature, args.temperatures)] = _report_row(
+                            name, schedule, drafter, c, temperature, row, per_user, args, target, eos, baseline_texts)
         finally:
-            srv.stop()
-        results["systems"][name] = {"schedule": schedule.describe(), "by_concurrency": rows,
-                                    "compile_s": sum(s for _, s in svc.scheduler.engine.compile_events)}
+            for _, srv in services:
+                srv.stop()
+        for (name, _, schedule), (svc, _) in zip(group, services):
+            results["systems"][name] = {"schedule": schedule.describe(), "by_concurrency": rows[name],
+                                        "compile_s": sum(s for _, s in svc.scheduler.engine.compile_events)}
         write_json(args.out, results)
         # A precompiled engine's programs hold ~400 memory maps each: free them before the next server's
         # (one process runs every system; Linux allows 65530 maps by default).
-        del svc, srv
-        gc.unfreeze()  # frozen, this service's cycles would never be collected
+        del services, svc, srv
+        gc.unfreeze()  # frozen, these services' cycles would never be collected
         gc.collect()
 
     pair = served_name(target_dir) if args.target else "Bundled pair"
@@ -357,6 +413,19 @@ def report(results: dict, concurrency: list[int], temperatures: list[float], plo
             best.append(f"{n.split()[-1]}: {s['by_concurrency'][c]['per_user_tok_s'] / base[c]['per_user_tok_s']:.2f}x")
         rows.append(best + [""] * len(levels))
     print_table(header, rows)
+    # auto against the best of the drafter's fixed systems (fixed depths and schedules), level by level
+    autos = [n for n in systems if n.endswith(" auto")]
+    others = [n for n in systems if n != "none" and not n.endswith(" auto")]
+    if autos and others:
+        vs = []
+        for name in autos:
+            line = [name]
+            for c in levels:
+                best = max(others, key=lambda n: systems[n]["by_concurrency"][c]["per_user_tok_s"])
+                line.append(f"{systems[name]['by_concurrency'][c]['per_user_tok_s'] / systems[best]['by_concurrency'][c]['per_user_tok_s']:.3f}"
+                            f" ({best.split(' ', 1)[-1]})")
+            vs.append(line)
+        print_table(["per-user tok/s over the best fixed system's"] + [f"C={c}" for c in levels], vs)
     lat = []
     for name, s in systems.items():
         for c in levels:

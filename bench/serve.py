@@ -205,7 +205,7 @@ def pooled(passes: list[dict]) -> dict:
     every pass returned them (``texts_equal``)."""
     if len(passes) == 1:
         return passes[0] | {"texts_equal": True}
-    row = dict(passes[-1])  # auto's last state among the rest
+    row = dict(passes[-1])  # the fields not pooled below (auto's costs and acceptance) as the last pass left them
     for key in ("per_user_tok_s", "per_user_tok_s_min", "total_tok_s"):
         row[key] = float(np.mean([p[key] for p in passes]))
     for key in ("ttft_p50", "ttft_p90", "ttft_p99", "ttft_steady_p50", "itl_p50", "itl_p90", "itl_p99"):

@@ -1,0 +1,29 @@
+"""bench.autospec's summary: the best fixed configuration read with its choice apart from its measurement."""
+
+import pytest
+
+from bench.autospec import held_out_best, summarise
+
+
+def _call(repeat: int, rates: dict[str, float], tokens: int = 100) -> dict:
+    """One call's row: each system's (seconds, tokens) at the given tokens per second."""
+    return {"repeat": repeat, "auto_depth": 1.0, **{n: (tokens / r, tokens) for n, r in rates.items()}}
+
+
+def test_the_best_fixed_is_chosen_on_the_other_repeats_and_rated_on_each():
+    # K=3 is lucky on repeat 0 (120 tok/s) and unlucky on repeat 1 (95): pooled it beats K=1 (100 on both),
+    # but the repeat that picks it is not the one that rates it.
+    rows = [_call(0, {"auto": 100, "plain": 50, "K=1": 100, "K=3": 120}), _call(1, {"auto": 100, "plain": 50, "K=1": 100, "K=3": 95})]
+    names = ["plain", "K=1", "K=3"]
+    pooled_k3 = 200 / (100 / 120 + 100 / 95)
+    assert held_out_best(rows, names) == pytest.approx(200 / (100 / 100 + 100 / 95))  # K=1 on repeat 0, K=3 on repeat 1
+    s = summarise(rows, names)
+    assert s["best_fixed"] == "K=3" and s["vs_best"] == pytest.approx(100 / pooled_k3)
+    assert s["vs_best_held_out"] == pytest.approx(100 / held_out_best(rows, names))
+    assert s["vs_best_held_out"] > 1.0 > s["vs_best"]
+
+
+def test_one_repeat_has_no_held_out_reading():
+    rows = [_call(0, {"auto": 100, "plain": 50, "K=1": 110}), _call(0, {"auto": 90, "plain": 50, "K=1": 100})]
+    s = summarise(rows, ["plain", "K=1"])
+    assert "vs_best_held_out" not in s and s["best_fixed"] == "K=1"

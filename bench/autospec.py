@@ -248,18 +248,22 @@ def main(argv=None) -> dict:
                     run = {"dtype": dtype, "temperature": temp, "batch": batch, "order": name, **s, "calls": rows,
                            "seconds": time.perf_counter() - t0}
                     results["runs"].append(run)
-                    print(f"{dtype} T={temp:g} B={batch:2d} {name:13s}: auto {s['tok_s']['auto']:7.1f} tok/s, "
-                          f"{s['vs_best']:.2f}x best fixed ({s['best_fixed']} {s['tok_s'][s['best_fixed']]:.1f}), "
-                          + (f"{s['vs_best_held_out']:.2f}x it chosen on the other repeats, " if "vs_best_held_out" in s else "") +
-                          + (f"control {s['control_vs_twin']:.2f}x its twin, {s['control_vs_best']:.2f}x best, " if CONTROL in s["tok_s"] else "") +
-                          f"{s['vs_plain']:.2f}x plain; first call {s['first_call_vs_plain']:.2f}x plain's time; "
-                          f"depths {' '.join(f'{d:.1f}' for d in s['depths'])}" + ("" if s["equal_to_plain"] else "  OUTPUT DIFFERS"),
-                          flush=True)
+                    print(summary_line(dtype, temp, batch, name, s), flush=True)
                     write_json(args.out, results | {"models": source})
         gc.unfreeze()  # this dtype's models may go
     report(results, Path(args.plot))
     write_json(args.out, results | {"models": source})
     return results
+
+
+def summary_line(dtype: str, temp: float, batch: int, order: str, s: dict) -> str:
+    """One order's summary (``summarise``), as the run prints it."""
+    held_out = f"{s['vs_best_held_out']:.2f}x it chosen on the other repeats, " if "vs_best_held_out" in s else ""
+    control = f"control {s['control_vs_twin']:.2f}x its twin, {s['control_vs_best']:.2f}x best, " if CONTROL in s["tok_s"] else ""
+    return (f"{dtype} T={temp:g} B={batch:2d} {order:13s}: auto {s['tok_s']['auto']:7.1f} tok/s, "
+            f"{s['vs_best']:.2f}x best fixed ({s['best_fixed']} {s['tok_s'][s['best_fixed']]:.1f}), {held_out}{control}"
+            f"{s['vs_plain']:.2f}x plain; first call {s['first_call_vs_plain']:.2f}x plain's time; "
+            f"depths {' '.join(f'{d:.1f}' for d in s['depths'])}" + ("" if s["equal_to_plain"] else "  OUTPUT DIFFERS"))
 
 
 def report(results: dict, plot: Path) -> None:

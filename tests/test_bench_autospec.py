@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.autospec import held_out_best, summarise
+from bench.autospec import CONTROL, held_out_best, summarise, summary_line
 
 
 def _call(repeat: int, rates: dict[str, float], tokens: int = 100) -> dict:
@@ -27,3 +27,10 @@ def test_one_repeat_has_no_held_out_reading():
     rows = [_call(0, {"auto": 100, "plain": 50, "K=1": 110}), _call(0, {"auto": 90, "plain": 50, "K=1": 100})]
     s = summarise(rows, ["plain", "K=1"])
     assert "vs_best_held_out" not in s and s["best_fixed"] == "K=1"
+
+
+def test_the_printed_line_names_the_held_out_reading_and_the_control():
+    rows = [_call(i, {"auto": 100, "plain": 50, "K=1": 100, CONTROL: 98}) | {"equal_to_plain": True} for i in (0, 1)]
+    line = summary_line("float32", 0.0, 1, "random 1", summarise(rows, ["plain", "K=1", CONTROL], "K=1"))
+    assert "1.00x it chosen on the other repeats" in line and "control 0.98x its twin" in line and "OUTPUT DIFFERS" not in line
+    assert "chosen on the other repeats" not in summary_line("float32", 0.0, 1, "random 1", summarise(rows[:1], ["plain", "K=1"]))

@@ -176,7 +176,10 @@ def summarise(rows: list[dict], names: list[str], twin: str | None = None) -> di
     firsts = [r for i, r in enumerate(rows) if i == 0 or r.get("repeat", 0) != rows[i - 1].get("repeat", 0)]
     repeats = sorted({r.get("repeat", 0) for r in rows})
     depths = np.mean([[r["auto_depth"] for r in rows if r.get("repeat", 0) == i] for i in repeats], axis=0)
-    held_out = {"vs_best_held_out": rate["auto"] / held_out_best(rows, names)} if len(repeats) > 1 else {}
+    held_out = {}
+    if len(repeats) > 1:
+        reference = held_out_best(rows, names)
+        held_out = {"vs_best_held_out": rate["auto"] / reference, **({"control_vs_best_held_out": rate[CONTROL] / reference} if control else {})}
     return {"tok_s": rate, "best_fixed": best, "vs_best": rate["auto"] / rate[best], **held_out, "vs_plain": rate["auto"] / rate["plain"],
             # per token: sampled calls may stop at EOS after different numbers of tokens
             "first_call_vs_plain": max((r["auto"][0] / r["auto"][1]) / (r["plain"][0] / r["plain"][1]) for r in firsts),
@@ -273,16 +276,18 @@ def report(results: dict, plot: Path) -> None:
     header = ["dtype", "T", "batch", "orders x repeats", "auto / best fixed (min, median)",
               *(["auto / best fixed chosen on the other repeats (min, median)"] if held_out else []),
               "auto / plain (min)", "first call / plain (max)", "best fixed",
-              *(["control / its twin (min, max)", "control / best fixed (min, median)"] if controlled else [])]
+              *(["control / its twin (min, max)", "control / best fixed (min, median)"] if controlled else []),
+              *(["control / best fixed chosen on the other repeats (min, median)"] if controlled and held_out else [])]
     rows = []
     for key in sorted({(r["dtype"], r["temperature"], r["batch"]) for r in runs}):
         rs = [r for r in runs if (r["dtype"], r["temperature"], r["batch"]) == key]
         vb, cb, ct = [r["vs_best"] for r in rs], [r.get("control_vs_best", 0.0) for r in rs], [r.get("control_vs_twin", 0.0) for r in rs]
-        ho = [r.get("vs_best_held_out", 0.0) for r in rs]
+        ho, ch = [r.get("vs_best_held_out", 0.0) for r in rs], [r.get("control_vs_best_held_out", 0.0) for r in rs]
         rows.append([key[0], f"{key[1]:g}", key[2], f"{len(rs)} x {rs[0].get('repeats', 1)}", f"{min(vb):.2f}, {np.median(vb):.2f}",
                      *([f"{min(ho):.2f}, {np.median(ho):.2f}"] if held_out else []), f"{min(r['vs_plain'] for r in rs):.2f}",
                      f"{max(r['first_call_vs_plain'] for r in rs):.2f}", ", ".join(sorted({r["best_fixed"] for r in rs})),
-                     *([f"{min(ct):.2f}, {max(ct):.2f}", f"{min(cb):.2f}, {np.median(cb):.2f}"] if controlled else [])])
+                     *([f"{min(ct):.2f}, {max(ct):.2f}", f"{min(cb):.2f}, {np.median(cb):.2f}"] if controlled else []),
+                     *([f"{min(ch):.2f}, {np.median(ch):.2f}"] if controlled and held_out else [])])
     print_table(header, rows)
     plt = pyplot()
     first = runs[0]

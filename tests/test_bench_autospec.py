@@ -33,4 +33,5 @@ def test_the_printed_line_names_the_held_out_reading_and_the_control():
     rows = [_call(i, {"auto": 100, "plain": 50, "K=1": 100, CONTROL: 98}) | {"equal_to_plain": True} for i in (0, 1)]
     line = summary_line("float32", 0.0, 1, "random 1", summarise(rows, ["plain", "K=1", CONTROL], "K=1"))
     assert "1.00x it chosen on the other repeats" in line and "control 0.98x its twin" in line and "OUTPUT DIFFERS" not in line
+    assert summarise(rows, ["plain", "K=1", CONTROL], "K=1")["control_vs_best_held_out"] == pytest.approx(0.98)
     assert "chosen on the other repeats" not in summary_line("float32", 0.0, 1, "random 1", summarise(rows[:1], ["plain", "K=1"], "K=1"))

@@ -156,7 +156,8 @@ def held_out_best(rows: list[dict], names: list[str]) -> float:
     tokens = seconds = 0.0
     for i in repeats:
         mine = [r for r in rows if r.get("repeat", 0) == i]
-        pick = max(names, key=lambda n: _rate([r for r in rows if r.get("repeat", 0) != i], n))
+        others = [r for r in rows if r.get("repeat", 0) != i]
+        pick = max(names, key=lambda n: _rate(others, n))
         tokens += sum(r[pick][1] for r in mine)
         seconds += sum(r[pick][0] for r in mine)
     return tokens / seconds

@@ -4,6 +4,8 @@ in hindsight."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from eagle_jax.decoding import autospec
@@ -160,3 +162,34 @@ def test_a_depth_measured_at_another_span_is_read_there_not_drawn_through_one_ch
     assert at.cost(7, 1) == pytest.approx(3.2)  # not 2.0 + 7 x 0.3 = 4.1 off the line through the probe and K=1
     assert at.cost(3, 1) == pytest.approx(2.7) and at.cost(1, 1) == pytest.approx(2.3)
     assert at.cost(5, 1) == pytest.approx(0.5 * 5.9)  # measured nowhere: the line where three chains ran
+
+
+def test_depths_measured_at_different_spans_compare_as_measured_side_by_side():
+    """Each call's span is new, and a busy machine moves a round's cost more between calls than between spans:
+    a depth measured on a quick call must not look cheap beside one measured on a slow call. Every depth is read
+    at one span's level, through how the depths compared where they ran side by side (float32, T=1, batch 1: read
+    each at the nearest span where it ran, a chain of 5 looked cheaper than one of 3 at a new span and ran that
+    call at 0.86x a chain of 3's speed)."""
+    costs = autospec.SpanCosts()
+    quick, slow = costs.model(153), costs.model(201)
+    for depth, ms in ((None, 6.3), (3, 7.75), (5, 8.84), (7, 10.95)):
+        quick.update(depth, 1, ms * 8, 8)
+    for depth, ms in ((1, 7.63), (3, 10.05)):
+        slow.update(depth, 1, ms * 8, 8)
+    at = costs.at(233)  # nearest the slow call's span: its level
+    assert at.cost(3, 1) == pytest.approx(10.05)
+    assert at.cost(5, 1) == pytest.approx(8.84 * 10.05 / 7.75)  # not 8.84: dearer than a chain of 3, as it was beside it
+    assert costs.at(153).cost(1, 1) == pytest.approx(7.63 * 7.75 / 10.05)  # and the other way
+    assert costs.at(153).cost(5, 1) == 8.84  # measured at the span: as measured
+
+
+def test_span_levels_fit_one_table_and_leave_unrelated_spans_unscaled():
+    """``span_levels`` recovers cost = depth level x span level where the measurements share depths, weighs a
+    measurement by its rounds, and does not scale spans that share no measurement with the rest."""
+    cells = [(d, s, c * f, 8.0) for s, f in ((100, 1.0), (200, 1.5), (300, 2.0)) for d, c in ((1, 2.0), (3, 3.0)) if (s, d) != (300, 3)]
+    depth, span = autospec.span_levels(cells)
+    assert math.exp(depth[3] + span[300]) == pytest.approx(6.0)
+    noisy = autospec.span_levels([*cells, (1, 100, 2.4, 1.0)])  # a one-round reading barely moves an eight-round one
+    assert math.exp(noisy[0][1] + noisy[1][100]) == pytest.approx(2.0, rel=0.05)
+    apart = autospec.span_levels([*cells, (5, 400, 7.0, 8.0)])  # shares nothing: read as measured, unscaled
+    assert apart[1][400] == pytest.approx(0.0) and math.exp(apart[0][5]) == pytest.approx(7.0)

@@ -8,9 +8,9 @@ apart, because they change at different speeds:
 - ``SpanCosts``: seconds per round of each depth (0 = plain decoding, K = a chain of K drafts) at
   each number of rows and cache span (a round's attention reads the whole span: a ``generate``
   call's cache, the slots a server step covers), per model pair, sampling mode and device; measured
-  from the rounds that ran, and modelled where they did not (``CostModel``, one per span: linear in
-  K at these rows, else the same depth at the nearest row counts; a span without a depth's cost
-  reads it at the nearest span, scaled), so a new batch size, span or depth costs no exploration
+  from the rounds that ran, and modelled where they did not (``decoding/cost_model.py``: ``CostModel``,
+  one per span, linear in K at these rows, else the same depth at the nearest row counts; a span
+  without a depth's cost reads it through one table of every span's, ``span_levels``), so a new batch size, span or depth costs no exploration
   beyond one probe: only the deepest chain runs once (``EXPLORE_ROUNDS`` rounds of real work)
   before any choice, to measure what a drafter step costs, and a depth modelled or measured over few
   rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's time apart from its
@@ -44,8 +44,6 @@ The opt-in adaptive chains calibrate their costs apart (``decoding/adaptive_cost
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -62,10 +60,16 @@ from eagle_jax.decoding.acceptance_estimate import (  # noqa: F401  (read as aut
     AcceptanceEstimate,
 )
 from eagle_jax.decoding.chunk_overhead import ChunkOverhead
+from eagle_jax.decoding.cost_model import (  # noqa: F401  (read as autospec.X by auto_run, the server and the tests)
+    COST_WINDOW,
+    PLAIN,
+    PROBE_CONTRADICTED,
+    CostModel,
+    span_levels,
+)
 
 
 DEPTHS = (1, 3, 5, DEEPEST)  # chains auto chooses among, besides plain decoding (0)
-PLAIN = 0
 CHUNK_ROUNDS = 8  # a generate chunk at a depth chosen anew (one host sync each) ...
 MAX_CHUNK_ROUNDS = 64  # ... and the longest at a depth chosen again (ending sooner where its rows depart: ``watch``)
 # A chunk's rows depart from its estimate where another depth would finish the call sooner by more than this
@@ -127,185 +131,17 @@ ROW_POOL_ROUNDS = 8.0
 # by one short chunk that a busy moment made dear (the depth would then never run again to correct it).
 EXPLORE_CLOSE = 1.1
 SETTLED_ROUNDS = 8  # two exploring chunks, or one chunk of the chosen depth
-# A depth's cost per round is the median of its last COST_WINDOW measurements, weighted by their rounds
-# (see CostModel): the lower one of two (optimism corrects itself), a spike's never.
-COST_WINDOW = 8
-MIN_ROUNDS_SHARE = 0.2  # a measurement's rounds are at least this share of its time, whatever overhead is fitted
-# A probe round (one target position, one drafter step) does no more work than a chain round, so its cost is
-# read as at most the cheapest chain's at the same rows. A generate call's probe measured on one chunk that
-# costs more than this factor times a chain's is measured again, once per row count and span (``SpanCosts.observe_chunk``):
-# one slow probe chunk (60 ms a round against a chain of 7's 34 ms, SmolLM2 at T=1, batch 1), as the base of the
-# line in K, priced deeper chains below shallower ones and plain decoding above them all, and a chain of 7 ran
-# every later call at 0.7x plain decoding's speed (the probe never ran again to correct it).
-PROBE_CONTRADICTED = 1.25
-
-
-def weighted_median(values: Iterable[tuple[float, float]]) -> float:
-    """The lower weighted median of (value, weight) pairs: the least value with at least half the weight at
-    or below it."""
-    ordered = sorted(values)
-    half, run = sum(w for _, w in ordered) / 2, 0.0
-    for v, w in ordered:
-        run += w
-        if run >= half:
-            return v
-    return ordered[-1][0]
-
-
-def _along(points: dict[int, float], x: int, extrapolate: bool = False) -> float | None:
-    """``points`` (x -> seconds) read at ``x``: exact, linear between the nearest points around it, else
-    the nearest point's value, or (``extrapolate``) the line through the two nearest."""
-    if not points:
-        return None
-    if x in points:
-        return points[x]
-    xs = sorted(points)
-    lo = max((p for p in xs if p < x), default=None)
-    hi = min((p for p in xs if p > x), default=None)
-    if lo is not None and hi is not None:
-        return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
-    near = [p for p in xs if p < x][-2:] if hi is None else [p for p in xs if p > x][:2]
-    if not extrapolate or len(near) < 2:
-        return points[lo if hi is None else hi]
-    a, b = near
-    return max(points[a] + (points[b] - points[a]) * (x - a) / (b - a), 1e-9)
-
-
-@dataclass
-class CostModel:
-    """Seconds per round by (rows, depth): ``PLAIN`` = 0 is plain decoding, ``probe`` a round without
-    drafts that feeds the drafter (its cost stands in for plain decoding's until plain decoding has
-    run). One model serves every batch size of a pair (``rows``: a ``generate`` call's batch, the
-    rows a server step computes), so that a new batch size or depth need not be explored:
-
-    - measured: the median of the last ``COST_WINDOW`` measurements, weighted by their rounds, the
-      lower one of two (a measurement is its rounds plus whatever else the machine did meanwhile: one
-      slow chunk cannot make a depth look dear, as it might never run again to correct it, while a
-      machine that really slowed down raises its costs within a few chunks). Not the lowest seen: at
-      T=1 a chain of 1 and one of 3 are within a few percent, and the lowest of a rarely run depth's
-      few chunks priced it ~9% below what it ran at, against a cost of the running depth read from
-      many; it won the race and ran, call after call;
-    - the probe round: at most the cheapest chain measured at these rows (``PROBE_CONTRADICTED``);
-    - a depth not measured at these rows: a round is one target forward over 1 + K positions and K
-      drafter steps, so its cost is linear in K: between the depths measured at these rows, from the
-      probe round (K = 0) on, and extrapolated past the deepest;
-    - no depth measured at these rows: the probe's cost here (or at the nearest row counts) plus K
-      times the per-draft slope of the nearest row counts (linear between them, else the nearest:
-      rows above every measured count then look cheap, so the depth chosen there runs and is
-      measured; optimism corrects itself, pessimism would not).
-
-    Only one depth needs exploring per pair (the deepest: it measures the drafter's step cost)."""
-
-    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
-    probe: dict[int, float] = field(default_factory=dict)  # as read: at most the cheapest chain's at the rows
-    probe_measured: dict[int, float] = field(default_factory=dict)  # as measured
-    reprobed: set[int] = field(default_factory=set)  # rows whose contradicted probe was measured again
-    rounds: dict[tuple[int, int], int] = field(default_factory=dict)  # rounds measured per (rows, depth)
-    # the last COST_WINDOW measurements (seconds, rounds, first chunk after a prefill) per (rows, depth), depth None = probe
-    window: dict[tuple[int, int | None], deque] = field(default_factory=dict)
-    # seconds of a measurement that are not its rounds, by (rows, depth, first): a generate chunk's fixed part
-    # (``ChunkOverhead.seconds``, re-read by ``reprice`` as it is fitted); none for a server step
-    overhead: Callable[[int, int | None, bool], float] | None = None
-
-    def update(self, depth: int | None, rows: int, seconds: float, rounds: int, first: bool = False) -> None:
-        """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``; ``first``: in the
-        first chunk after a prefill."""
-        if rounds < 1 or seconds <= 0:
-            return
-        self.window.setdefault((rows, depth), deque(maxlen=COST_WINDOW)).append((seconds, rounds, first))
-        self._price(rows, depth)
-        if depth is not None:
-            self.rounds[rows, depth] = self.rounds.get((rows, depth), 0) + rounds
-
-    def reprice(self) -> None:
-        """Every cost derived anew from its measurements, with the overhead as it is now known."""
-        for rows, depth in self.window:
-            self._price(rows, depth)
-
-    def _price(self, rows: int, depth: int | None) -> None:
-        fixed = self.overhead or (lambda _rows, _depth, _first: 0.0)
-        per = [(max(s - fixed(rows, depth, first), MIN_ROUNDS_SHARE * s) / n, n) for s, n, first in self.window[rows, depth]]
-        if depth is None:
-            self.probe_measured[rows] = weighted_median(per)
-        else:
-            self.seconds[rows, depth] = weighted_median(per)
-        if rows in self.probe_measured:  # ``PROBE_CONTRADICTED``
-            self.probe[rows] = min([self.probe_measured[rows], *self._chains(rows).values()])
-
-    def _chains(self, rows: int) -> dict[int, float]:
-        """The chains measured at ``rows``: depth -> seconds per round."""
-        return {d: s for (r, d), s in self.seconds.items() if r == rows and d != PLAIN}
-
-    def forget_contradicted_probe(self, rows: int) -> bool:
-        """Forgets the probe's cost at ``rows`` where it rests on one measurement that costs more than
-        ``PROBE_CONTRADICTED`` times a chain measured there, once per row count (the next chunk probes again);
-        returns whether it did."""
-        chains = self._chains(rows)
-        window = self.window.get((rows, None), ())
-        if rows in self.reprobed or len(window) != 1 or not chains or self.probe_measured[rows] <= PROBE_CONTRADICTED * min(chains.values()):
-            return False
-        self.reprobed.add(rows)
-        del self.window[rows, None], self.probe_measured[rows], self.probe[rows]
-        return True
-
-    def measured(self, depth: int, rows: int) -> bool:
-        return (rows, depth) in self.seconds
-
-    def probed(self, rows: int) -> bool:
-        """Whether a probe round's cost at ``rows`` is measured (the base of the depths modelled there)."""
-        return rows in self.probe
-
-    def _base(self, rows: int) -> float | None:
-        """A round of no drafts that feeds the drafter, at ``rows`` (or the nearest row counts)."""
-        return _along(self.probe, rows)
-
-    def _slope(self, rows: int) -> float | None:
-        """Seconds per draft over the probe round, from the deepest chain measured at ``rows``."""
-        base = self._base(rows)
-        measured = self._chains(rows)
-        if base is None or not measured:
-            return None
-        d = max(measured)
-        return max((measured[d] - base) / d, 0.0)
-
-    def at_rows(self, depth: int, rows: int) -> float | None:
-        """Seconds per round at ``depth`` from what ran at exactly ``rows`` rows: measured, or linear in K
-        between the chains measured there (past the deepest, the line through the nearest two, never below a
-        plain round's cost), or below the shallowest, between the probe round and it; None where these
-        rows do not tell. The probe round is the line's base only while one chain ran: it is no chain
-        (it feeds and probes the drafter in full), so two chains' costs draw the line better."""
-        if (rows, depth) in self.seconds:
-            return self.seconds[rows, depth]
-        base = self.probe.get(rows)
-        if depth == PLAIN or base is None:
-            return base
-        here = self._chains(rows)
-        if len(here) >= 2 and depth > min(here):
-            return max(_along(here, depth, extrapolate=True), self.seconds.get((rows, PLAIN), 0.0))
-        # Below the shallowest chain measured: from the probe round on. The line through two deeper chains
-        # overprices a shallow one where verification's cost is concave in K (a CPU: K=1 read off chains of 3
-        # and 5 at ~1.25x its cost), and a depth priced too dear never runs to correct it.
-        return _along({0: base, **here}, depth, extrapolate=True) if here else None
-
-    def cost(self, depth: int, rows: int) -> float | None:
-        """Seconds per round at ``depth`` over ``rows`` rows, measured or modelled; None: nothing to go on."""
-        here = self.at_rows(depth, rows)
-        if here is not None:
-            return here
-        base = self._base(rows)
-        if depth == PLAIN or base is None:
-            return base
-        slopes = {r: s for r in {r for r, d in self.seconds if d != PLAIN} if (s := self._slope(r)) is not None}
-        return None if not slopes else base + _along(slopes, rows) * depth
 
 
 class SpanCosts:
     """Seconds per round by cache span: a ``CostModel`` (by rows and depth) per span, since a round's
     attention reads the whole span (a ``generate`` call's cache, the slots a server step covers) and its
-    cost grows with it. Where a span's rows have not measured a depth's cost, it is read at the nearest
-    span whose rows have (the shorter first: optimism corrects itself, as the depth then runs and is
-    measured), scaled by how the two spans' costs compare where both were measured; failing that,
-    modelled at these rows (a line in K), then across row counts. One per model pair, sampling mode and device (``cost_model``).
+    cost grows with it. A cost measured at the span is read as measured; one measured only at other spans
+    is read through one table of every span's measurements (``span_levels``: a level per depth and rows, a
+    level per span), at this span's level, or at the nearest measured span's (the shorter of two as near:
+    optimism corrects itself, as the depth then runs and is measured); failing that, modelled at these rows
+    (a line in K) where most chains ran, then across row counts, scaled to that level. One per model pair,
+    sampling mode and device (``cost_model``).
 
     It also keeps, per batch size, what ``generate``'s calls showed in hindsight (``record_hindsight``)."""
 
@@ -316,6 +152,7 @@ class SpanCosts:
         # per batch: the rows' own estimates at the end of the last call that observed acceptance. A call's
         # first choice reads them: its slowest row sets its end, and the pooled estimate hides the spread.
         self.last_call: dict[int, list[AcceptanceEstimate]] = {}
+        self._table: tuple[int, dict, dict] = (0, {}, {})  # (changes fitted, log level per (rows, depth), per span)
 
     def model(self, span: int) -> CostModel:
         if span not in self.by_span:
@@ -344,30 +181,35 @@ class SpanCosts:
         """Whether ``depth`` ran at least ``SETTLED_ROUNDS`` measured rounds at ``rows`` rows (over every span)."""
         return sum(m.rounds.get((rows, depth), 0) for m in self.by_span.values()) >= SETTLED_ROUNDS
 
-    def _ratio(self, span: int, other: int) -> float:
-        """Cost at ``span`` over cost at ``other``: the geometric mean over the costs both measured, else 1."""
-        a, b = self.by_span.get(span), self.by_span[other]
-        if a is None:
-            return 1.0
-        pairs = [(a.probe[r], b.probe[r]) for r in a.probe.keys() & b.probe.keys()]
-        pairs += [(a.seconds[k], b.seconds[k]) for k in a.seconds.keys() & b.seconds.keys()]
-        return math.exp(sum(math.log(x / y) for x, y in pairs) / len(pairs)) if pairs else 1.0
+    def _levels(self) -> tuple[dict, dict]:
+        """(log level per (rows, depth), per span) of ``span_levels`` over every span's measurements, fitted
+        anew only when a cost changed (from the last fit's span levels: a few sweeps)."""
+        changes = sum(m.changes for m in self.by_span.values())
+        if changes != self._table[0]:
+            cells = ((key, span, seconds, weight) for span, m in self.by_span.items() for key, seconds, weight in m.cells())
+            self._table = (changes, *span_levels(cells, self._table[2]))
+        return self._table[1], self._table[2]
 
     def cost(self, depth: int, rows: int, span: int) -> float | None:
         """Seconds per round at ``depth`` over ``rows`` rows reading ``span`` cache slots; None: nothing to go on."""
+        here = self.by_span.get(span)
+        if here is not None and (rows, depth) in here.seconds:
+            return here.seconds[rows, depth]
+        depth_level, span_level = self._levels()
+        if not span_level:
+            return None
         distance = lambda s: (abs(math.log2(s / span)), s)  # noqa: E731  (the shorter of two as near)
+        level = span_level[span] if span in span_level else span_level[min(span_level, key=distance)]
+        if (rows, depth) in depth_level:  # measured at other spans (plain decoding before the probe round standing in for it)
+            return math.exp(depth_level[rows, depth] + level)
+        # Modelled where most chains ran at these rows: a line through the probe round and one chain priced a chain
+        # of 7 at 1.8x what the next span, which ran three, measured, so it never ran there to correct it. Then these
+        # rows at any span before other rows at this one.
         chains = lambda s: sum(r == rows and d != PLAIN for r, d in self.by_span[s].seconds)  # noqa: E731
-        # Measured at any span before modelled at one (plain decoding measured anywhere before the probe round
-        # standing in for it), and modelled where most chains ran at these rows: a line through the probe round
-        # and one chain priced a chain of 7 at 1.8x what the next span, which ran three, measured, so it never
-        # ran there to correct it. Then these rows at any span before other rows at this one.
-        reads = ((lambda m, d, r: m.seconds.get((r, d)), distance),
-                 (CostModel.at_rows, lambda s: (-chains(s), *distance(s))),
-                 (CostModel.cost, distance))
-        for read, order in reads:
-            for s in sorted(self.by_span, key=order):
+        for read, order in ((CostModel.at_rows, lambda s: (-chains(s), *distance(s))), (CostModel.cost, distance)):
+            for s in sorted(span_level, key=order):
                 if (c := read(self.by_span[s], depth, rows)) is not None:
-                    return c if s == span else c * self._ratio(span, s)
+                    return c * math.exp(level - span_level[s])
         return None
 
     def at(self, span_of: int | Callable[[int], int]) -> "AtSpan":

@@ -1,6 +1,6 @@
-"""What ``spec="auto"`` learns of the machine (decoding/autospec.py ``CostModel``, ``SpanCosts``;
-decoding/chunk_overhead.py): round costs by depth, rows and cache span, a chunk's overhead, and what calls showed
-in hindsight."""
+"""What ``spec="auto"`` learns of the machine (decoding/cost_model.py ``CostModel``, ``span_levels``;
+decoding/autospec.py ``SpanCosts``; decoding/chunk_overhead.py): round costs by depth, rows and cache span,
+a chunk's overhead, and what calls showed in hindsight."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ apart, because they change at different speeds:
   call's cache, the slots a server step covers), per model pair, sampling mode and device; measured
   from the rounds that ran, and modelled where they did not (``decoding/cost_model.py``: ``CostModel``,
   one per span, linear in K at these rows, else the same depth at the nearest row counts; a span
-  without a depth's cost reads it through one table of every span's, ``span_levels``), so a new batch size, span or depth costs no exploration
-  beyond one probe: only the deepest chain runs once (``EXPLORE_ROUNDS`` rounds of real work)
+  without a depth's cost reads it through one table of every span's, ``span_levels``), so a new
+  batch size, span or depth costs no exploration beyond one probe: only the deepest chain runs once (``EXPLORE_ROUNDS`` rounds of real work)
   before any choice, to measure what a drafter step costs, and a depth modelled or measured over few
   rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's time apart from its
   rounds (dispatch, host sync, each execution's one-time work, more after a prefill) is fitted per batch size

@@ -135,6 +135,7 @@ def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperatu
             if name == "auto":
                 row["auto_depth"] = mean_depth(r.stats["chunks"])
                 row["auto_chunks"] = r.stats["chunks"]
+                row["auto_round_ms"] = r.stats["round_ms"]  # the costs its first choice read
         if temperature == 0:
             row["equal_to_plain"] = tokens["plain"] == tokens["auto"]
         rows.append(row)

@@ -96,7 +96,7 @@ def test_auto_output_is_plain_decodings(pair, plain):
     generate and generate_stream return plain decoding's tokens; the first call measures a round without drafts, then the deepest chain first."""
     autospec.reset()
     out = eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[])
-    assert out.tokens == plain.tokens and out.stats["spec"] == "auto"
+    assert out.tokens == plain.tokens and out.stats["spec"] == "auto" and out.stats["round_ms"] == {}  # nothing measured yet
     # probes (a program's first run is not timed: measured again), then the deepest chain
     ds = [d for d, _ in out.stats["chunks"]]
     assert ds[0] is None and next(d for d in ds if d is not None) == max(autospec.DEPTHS)
@@ -150,6 +150,7 @@ def test_a_hard_first_prompt_does_not_switch_speculation_off(fixed_costs):
     assert depths[0][-1] == autospec.PLAIN  # the hard prompt ends in plain decoding
     assert all(any(d not in (None, autospec.PLAIN) for d in ds) for ds in depths[1:])  # every later call speculates
     assert sum(d not in (None, autospec.PLAIN) for d in depths[-1]) >= len(depths[-1]) // 2
+    assert runs[-1].stats["round_ms"] == {0: 1e3, 1: 1.1e3, 3: 1.3e3, 5: 1.6e3, 7: 1.9e3}  # the costs its choice read
 
 
 def test_a_batch_starts_from_its_last_calls_rows_and_a_choice_made_again_runs_the_rest(fixed_costs):

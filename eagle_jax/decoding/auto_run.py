@@ -57,6 +57,7 @@ class AutoRun:
         self._programs: dict[tuple[int | None, bool], Any] = {}
         self.most_rounds = most_rounds  # the longest chunk: a stream's reader waits for each (None: any)
         self.carry = 0.0  # rounds of the pair's evidence each new prompt carries (``carry_rounds``), read at the start
+        self.start_costs: dict[int, float] = {}  # seconds per round by depth at this call's span and batch, as read at its start
 
     def _compiled(self, kind: str, plan: Plan, fed: bool, args: tuple, build, donate_argnums: tuple[int, ...] = ()):
         compiled, seconds = calls.PROGRAMS.get(kind, self.t_graph, None, plan, args, build, self._pairs[fed], donate_argnums, self._states[fed])
@@ -248,6 +249,8 @@ class AutoRun:
 
     def __iter__(self) -> Iterator[Any]:
         self.carry = self.estimate.carry_rounds()  # read once: the start's choice and every row's estimate
+        at = self.costs.at(self.plan.cache_len)
+        self.start_costs = {d: c for d in (autospec.PLAIN, *autospec.DEPTHS) if (c := at.cost(d, self.plan.batch)) is not None}
         fed = not self._plain_from_start()
         if not fed and self.most_rounds is None:
             yield from self._plain_program()
@@ -351,5 +354,6 @@ class AutoRun:
         for st in self:
             pass
         res = calls.result(st, self.plan, self.compile_s, self.run_s, tokenizer)
-        res.stats.update(spec="auto", chunks=list(self.chunks))
+        # what the call's first choice read: a report of why a depth ran (ms per round; none before any was measured)
+        res.stats.update(spec="auto", chunks=list(self.chunks), round_ms={d: round(1e3 * c, 3) for d, c in self.start_costs.items()})
         return res

@@ -90,7 +90,7 @@ class CostModel:
     # seconds of a measurement that are not its rounds, by (rows, depth, first): a generate chunk's fixed part
     # (``ChunkOverhead.seconds``, re-read by ``reprice`` as it is fitted); none for a server step
     overhead: Callable[[int, int | None, bool], float] | None = None
-    changes: int = 0  # counts every change of a cost read from it (``SpanCosts`` refits its table on a change)
+    changes: int = 0  # counts every change of a cost read from it (``SpanCosts`` refits its table after ``REFIT_CHANGES``)
 
     def update(self, depth: int | None, rows: int, seconds: float, rounds: int, first: bool = False) -> None:
         """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``; ``first``: in the

@@ -181,7 +181,9 @@ def summarise(rows: list[dict], names: list[str], twin: str | None = None) -> di
     held_out = {}
     if len(repeats) > 1:
         reference = held_out_best(rows, names)
-        held_out = {"vs_best_held_out": rate["auto"] / reference, **({"control_vs_best_held_out": rate[CONTROL] / reference} if control else {})}
+        held_out["vs_best_held_out"] = rate["auto"] / reference
+        if control:
+            held_out["control_vs_best_held_out"] = rate[CONTROL] / reference
     return {"tok_s": rate, "best_fixed": best, "vs_best": rate["auto"] / rate[best], **held_out, "vs_plain": rate["auto"] / rate["plain"],
             # per token: sampled calls may stop at EOS after different numbers of tokens
             "first_call_vs_plain": max((r["auto"][0] / r["auto"][1]) / (r["plain"][0] / r["plain"][1]) for r in firsts),

@@ -190,11 +190,12 @@ class SpanCosts:
         (16 spans, on a CPU), while a cost measured at the span read is read as measured, never from the table."""
         changes = sum(m.changes for m in self.by_span.values())
         kept = sum(len(m.window) for m in self.by_span.values())
-        fitted_changes, fitted_kept, _, levels = self._table
+        fitted_changes, fitted_kept, depth_level, span_level = self._table
         if kept != fitted_kept or changes - fitted_changes >= REFIT_CHANGES:
             cells = ((key, span, seconds, weight) for span, m in self.by_span.items() for key, seconds, weight in m.cells())
-            self._table = (changes, kept, *span_levels(cells, levels))
-        return self._table[2], self._table[3]
+            depth_level, span_level = span_levels(cells, span_level)
+            self._table = (changes, kept, depth_level, span_level)
+        return depth_level, span_level
 
     def cost(self, depth: int, rows: int, span: int) -> float | None:
         """Seconds per round at ``depth`` over ``rows`` rows reading ``span`` cache slots; None: nothing to go on."""

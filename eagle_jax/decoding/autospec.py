@@ -64,6 +64,7 @@ from eagle_jax.decoding.cost_model import (  # noqa: F401  (read as autospec.X b
     COST_WINDOW,
     PLAIN,
     PROBE_CONTRADICTED,
+    SETTLED_ROUNDS,
     CostModel,
     span_levels,
 )
@@ -130,16 +131,16 @@ ROW_POOL_ROUNDS = 8.0
 # settled by the clock, not by the line (verifying 1 + K positions is not linear in K on every device), nor
 # by one short chunk that a busy moment made dear (the depth would then never run again to correct it).
 EXPLORE_CLOSE = 1.1
-SETTLED_ROUNDS = 8  # two exploring chunks, or one chunk of the chosen depth
 REFIT_CHANGES = 16  # cost changes after which ``SpanCosts`` fits its table of every span's costs anew
 
 
 class SpanCosts:
     """Seconds per round by cache span: a ``CostModel`` (by rows and depth) per span, since a round's
     attention reads the whole span (a ``generate`` call's cache, the slots a server step covers) and its
-    cost grows with it. A cost measured at the span is read as measured; one measured only at other spans
-    is read through one table of every span's measurements (``span_levels``: a level per depth and rows, a
-    level per span), at this span's level, or at the nearest measured span's (the shorter of two as near:
+    cost grows with it. A cost measured at the span over ``SETTLED_ROUNDS`` rounds or more is read as measured;
+    one measured over fewer, or only at other spans, is read through one table of every span's measurements
+    (``span_levels``: a level per depth and rows, a level per span, each measurement weighed by its rounds), at
+    this span's level, or at the nearest measured span's (the shorter of two as near:
     optimism corrects itself, as the depth then runs and is measured); failing that, modelled at these rows
     (a line in K) where most chains ran, then across row counts, scaled to that level. One per model pair,
     sampling mode and device (``cost_model``).
@@ -185,11 +186,13 @@ class SpanCosts:
 
     def _levels(self) -> tuple[dict, dict]:
         """(log level per (rows, depth), per span) of ``span_levels`` over every span's measurements, fitted anew
-        (from the last fit's span levels: a few sweeps) where a measurement was added or dropped, or after
+        (from the last fit's span levels: a few sweeps) where a measurement was added or dropped or a cost read from the
+        table (under ``SETTLED_ROUNDS`` rounds at its span) was measured again, or after
         ``REFIT_CHANGES`` changes of a cost: a server step changes one, and a fit on every step cost ~0.1 ms
-        (16 spans, on a CPU), while a cost measured at the span read is read as measured, never from the table."""
+        (16 spans, on a CPU), while a cost measured at the span read over ``SETTLED_ROUNDS`` rounds is read as measured,
+        never from the table."""
         changes = sum(m.changes for m in self.by_span.values())
-        kept = sum(len(m.window) for m in self.by_span.values())
+        kept = sum(len(m.window) + m.thin_updates for m in self.by_span.values())
         fitted_changes, fitted_kept, depth_level, span_level = self._table
         if kept != fitted_kept or changes - fitted_changes >= REFIT_CHANGES:
             cells = ((key, span, seconds, weight) for span, m in self.by_span.items() for key, seconds, weight in m.cells())
@@ -200,7 +203,7 @@ class SpanCosts:
     def cost(self, depth: int, rows: int, span: int) -> float | None:
         """Seconds per round at ``depth`` over ``rows`` rows reading ``span`` cache slots; None: nothing to go on."""
         here = self.by_span.get(span)
-        if here is not None and (rows, depth) in here.seconds:
+        if here is not None and (rows, depth) in here.seconds and here.window_rounds(rows, depth) >= SETTLED_ROUNDS:
             return here.seconds[rows, depth]
         depth_level, span_level = self._levels()
         if not span_level:

@@ -14,6 +14,11 @@ PLAIN = 0  # the depth of plain decoding (no drafts)
 # A depth's cost per round is the median of its last COST_WINDOW measurements, weighted by their rounds
 # (see CostModel): the lower one of two (optimism corrects itself), a spike's never.
 COST_WINDOW = 8
+# A cost measured over fewer rounds than this at a span is read through ``span_levels``' table of every span,
+# which weighs it by its rounds against the same depth's other measurements (``SpanCosts.cost``): one short
+# chunk slowed by a busy moment (4 rounds of a chain of 3 at 1.3x its cost, float32 batch 4) would otherwise
+# price the depth out at that span, where it then never ran to correct it.
+SETTLED_ROUNDS = 8  # two exploring chunks, or one chunk of the chosen depth
 MIN_ROUNDS_SHARE = 0.2  # a measurement's rounds are at least this share of its time, whatever overhead is fitted
 # A probe round (one target position, one drafter step) does no more work than a chain round, so its cost is
 # read as at most the cheapest chain's at the same rows. A generate call's probe measured on one chunk that
@@ -91,12 +96,15 @@ class CostModel:
     # (``ChunkOverhead.seconds``, re-read by ``reprice`` as it is fitted); none for a server step
     overhead: Callable[[int, int | None, bool], float] | None = None
     changes: int = 0  # counts every change of a cost read from it (``SpanCosts`` refits its table after ``REFIT_CHANGES``)
+    thin_updates: int = 0  # measurements added to a cost of fewer than SETTLED_ROUNDS rounds (read from the table: refit at once)
 
     def update(self, depth: int | None, rows: int, seconds: float, rounds: int, first: bool = False) -> None:
         """``rounds`` rounds of ``rows`` rows at ``depth`` (None: probe rounds) took ``seconds``; ``first``: in the
         first chunk after a prefill."""
         if rounds < 1 or seconds <= 0:
             return
+        if self.window_rounds(rows, depth) < SETTLED_ROUNDS:
+            self.thin_updates += 1
         self.window.setdefault((rows, depth), deque(maxlen=COST_WINDOW)).append((seconds, rounds, first))
         self._price(rows, depth)
         if depth is not None:
@@ -141,7 +149,11 @@ class CostModel:
         for (rows, depth), window in self.window.items():
             seconds = self.probe_measured.get(rows) if depth is None else self.seconds.get((rows, depth))
             if seconds is not None:
-                yield (rows, depth), seconds, float(sum(n for _, n, _ in window))
+                yield (rows, depth), seconds, float(self.window_rounds(rows, depth))
+
+    def window_rounds(self, rows: int, depth: int | None) -> int:
+        """Rounds of the measurements that ``(rows, depth)``'s cost is read from (depth None: the probe round)."""
+        return sum(n for _, n, _ in self.window.get((rows, depth), ()))
 
     def measured(self, depth: int, rows: int) -> bool:
         return (rows, depth) in self.seconds

@@ -185,9 +185,9 @@ def test_depths_measured_at_different_spans_compare_as_measured_side_by_side():
 
 def test_a_short_slow_chunk_at_a_span_is_read_through_the_table_until_settled_there():
     """A cost measured at the span over fewer than SETTLED_ROUNDS rounds is read through the table, which weighs
-    it by its rounds against the depth's other measurements: 4 rounds of a chain of 3 at 1.3x its cost (float32,
-    batch 4, a busy moment) priced it above a chain of 5 at that span, where it then never ran to correct it.
-    Measured again there, the read follows at once; settled there, it is read as measured."""
+    it by its rounds against the depth's other measurements: read as measured, 4 rounds of a chain of 3 at 1.3x
+    its cost (a busy moment) priced it above a chain of 5 at that span, where it then would not run to correct
+    it. Measured again there, the read follows at once; settled there, it is read as measured."""
     costs = autospec.SpanCosts()
     for span, level in ((300, 1.0), (400, 1.1), (500, 1.2)):
         for depth, ms in ((3, 15.6), (5, 20.1)):
@@ -197,7 +197,7 @@ def test_a_short_slow_chunk_at_a_span_is_read_through_the_table_until_settled_th
     new.update(3, 4, 15.6 * 1.25 * 1.3 * 4, 4)  # one short chunk in a busy moment
     at = costs.at(600)
     assert at.cost(5, 4) == pytest.approx(20.1 * 1.25)  # settled at the span: as measured
-    assert at.cost(3, 4) < 0.9 * at.cost(5, 4)  # not 20.3 ms against 25.1: a chain of 3 stays the cheaper
+    assert at.cost(3, 4) < 0.9 * at.cost(5, 4)  # not 25.4 ms against 25.1: a chain of 3 stays the cheaper
     assert 15.6 * 1.25 <= at.cost(3, 4) < 1.1 * 15.6 * 1.25  # its 4 rounds weighed against the 48 elsewhere
     read = at.cost(3, 4)
     new.update(3, 4, 15.6 * 1.25 * 1.3 * 4, 4)  # slow again, now 8 rounds at the span: as measured, at once

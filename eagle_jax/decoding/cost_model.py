@@ -15,9 +15,9 @@ PLAIN = 0  # the depth of plain decoding (no drafts)
 # (see CostModel): the lower one of two (optimism corrects itself), a spike's never.
 COST_WINDOW = 8
 # A cost measured over fewer rounds than this at a span is read through ``span_levels``' table of every span,
-# which weighs it by its rounds against the same depth's other measurements (``SpanCosts.cost``): one short
-# chunk slowed by a busy moment (4 rounds of a chain of 3 at 1.3x its cost, float32 batch 4) would otherwise
-# price the depth out at that span, where it then never ran to correct it.
+# which weighs it by its rounds against the same depth's other measurements (``SpanCosts.cost``): read as
+# measured, one short chunk slowed by a busy moment (4 rounds at 1.3x) could price the depth above a deeper one
+# at that span, where it then would not run to correct it.
 SETTLED_ROUNDS = 8  # two exploring chunks, or one chunk of the chosen depth
 MIN_ROUNDS_SHARE = 0.2  # a measurement's rounds are at least this share of its time, whatever overhead is fitted
 # A probe round (one target position, one drafter step) does no more work than a chain round, so its cost is

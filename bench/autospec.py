@@ -12,7 +12,8 @@ orderings are random, except the first, which puts the prompts with the lowest a
 case where one measurement on the first prompt used to decide the whole process).
 
 For each (dtype, temperature, batch): every order starts from a fresh ``autospec`` (no costs, no
-acceptance known: the first call pays the measurement), the programs already compiled (compile time is
+acceptance known: the first call pays the measurement; with ``--warm-costs``, the costs an earlier process
+left on disk, ``decoding/cost_cache.py``, and no acceptance known), the programs already compiled (compile time is
 apart, and so is each program's first run: ``warm``; a call's time is its wall time less its compiles, the host
 work of setting it up and of auto's choices included). Python's cyclic garbage is collected before each call,
 untimed, with the heap of the models and programs frozen first (``gc.freeze``): a full collection of that heap
@@ -40,6 +41,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,7 +62,7 @@ from bench.common import (
     write_json,
 )
 from eagle_jax.config import SpecConfig
-from eagle_jax.decoding import autospec
+from eagle_jax.decoding import autospec, cost_cache
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 
@@ -208,6 +211,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=1,
                     help="sequences per order (generation seeds seed, seed+1, ...; a fresh autospec each): rates pool them")
     ap.add_argument("--control", help="a fixed configuration (plain, K=1, ...) measured a second time in each call, as the control")
+    ap.add_argument("--warm-costs", action="store_true",
+                    help="each sequence starts from the round costs earlier ones left on disk (a later process on this machine), "
+                         "one untimed sequence of auto's calls measuring them first; without it, every sequence measures them anew")
     ap.add_argument("--out", default="bench/results/autospec.json")
     ap.add_argument("--plot", default="bench/figures/autospec.png")
     ap.add_argument("--report-only", action="store_true", help="re-summarise --out's runs (table and plot), measure nothing")
@@ -222,6 +228,7 @@ def main(argv=None) -> dict:
         return results
 
     results = {"config": vars(args), "runs": []}
+    os.environ[cost_cache.ENV] = tempfile.mkdtemp(prefix="eagle_jax-bench-costs-") if args.warm_costs else "off"
     for dtype in args.dtypes:
         target, drafters, tokenizer, source, _ = load_models(args.target, [args.drafter], dtype)
         drafter = next(iter(drafters.values()))
@@ -243,6 +250,11 @@ def main(argv=None) -> dict:
                 seqs = orders(prompts, al, args.orders, args.seed)
                 warm(target, drafter, [c for _, order in seqs for c in calls_of(order, prompts, batch, args.calls)], fixed,
                      max_new=args.max_new, temperature=temp, eos=eos)
+                if args.warm_costs:  # what an earlier process left: its costs, measured on one sequence (the last order's)
+                    autospec.reset()
+                    for c in calls_of(seqs[-1][1], prompts, batch, args.calls):
+                        eagle_jax.generate(target, drafter, c, max_new_tokens=args.max_new, temperature=temp, eos_token_id=list(eos),
+                                           seed=args.seed)
                 gc.collect()
                 gc.freeze()  # the models and programs: collections while measuring walk only what the calls made
                 for name, order in seqs:

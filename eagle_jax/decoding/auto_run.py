@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import SpecConfig
-from eagle_jax.decoding import autospec, calls
+from eagle_jax.decoding import autospec, calls, cost_cache
 from eagle_jax.decoding.acceptance_estimate import prompts_alike
 from eagle_jax.decoding.calls import GenerationResult
 from eagle_jax.decoding.engine import Plan, one_shot_cache_len, run_rounds
@@ -54,6 +54,9 @@ class AutoRun:
         self._args = (prompt, lens, rs, jax.random.key(self._seed))
         # A program lookup would otherwise walk the models' states again (0.6-1.8 ms per program a call runs).
         self._states = {True: calls.signature((self.t_state, self.d_state)), False: calls.signature((self.t_state, None))}
+        if self.costs.cache_name is None:  # the first call to meet these costs: those an earlier process measured here
+            shapes = [(tuple(shape), str(dtype)) for shape, dtype, _ in self._states[True][1]]
+            self.costs.keep(lambda: cost_cache.key(target.config, drafter.config, shapes, greedy, self.plan.exact, kw["mesh"]))
         self._programs: dict[tuple[int | None, bool], Any] = {}
         self.most_rounds = most_rounds  # the longest chunk: a stream's reader waits for each (None: any)
         self.carry = 0.0  # rounds of the pair's evidence each new prompt carries (``carry_rounds``), read at the start
@@ -317,6 +320,7 @@ class AutoRun:
             self.estimate.finish_prompt(est)
         if observed:  # which depth would have finished this call soonest, had it been known from the start
             self.costs.record_hindsight(self.plan.cache_len, [(int(n), est) for n, est in zip(n_out, row_est)], prefill_s, self.chunks)
+        self.costs.kept()
 
     def _fuses(self, depth: int | None) -> bool:
         """Whether a call's first chunk runs in one program with its prefill (``_start_and_chunk``): a chain whose

@@ -16,7 +16,8 @@ apart, because they change at different speeds:
   rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's time apart from its
   rounds (dispatch, host sync, each execution's one-time work, more after a prefill) is fitted per batch size
   over its latest chunks (``decoding/chunk_overhead.py``) and left out of its rounds' costs, so short chunks
-  and long ones compare.
+  and long ones compare. Kept on disk (``decoding/cost_cache.py``), so what a process measured, a later one
+  on the same machine starts from.
 - ``AcceptanceEstimate`` (``decoding/acceptance_estimate.py``): the chance that draft i is accepted once drafts 0..i-1 were, from the
   accepted counts of every round that ran (decaying with ``KEEP`` per round, so it follows a change
   of workload), blended with a prior. Rounds that make no drafts still observe the first draft
@@ -49,7 +50,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 from scipy.special import ndtr
 
-from eagle_jax.decoding import adaptive_costs
+from eagle_jax.decoding import adaptive_costs, cost_cache
 from eagle_jax.decoding.acceptance_estimate import (  # noqa: F401  (read as autospec.X by auto_run and the tests)
     CARRY_DEEP_ROUNDS,
     CARRY_ROUNDS,
@@ -156,6 +157,33 @@ class SpanCosts:
         self.last_call: dict[int, list[AcceptanceEstimate]] = {}
         # (changes and measurements fitted, log level per (rows, depth), log level per span)
         self._table: tuple[int, int, dict, dict] = (0, 0, {}, {})
+        self.cache_name: str | None = None  # the file these costs are kept in (``keep``): "" none, None not asked yet
+
+    def keep(self, name: Callable[[], str]) -> None:
+        """Keeps these costs on disk under ``name()`` (``cost_cache``), starting from the ones kept there, unless the
+        cache is off; asked once, by the first call that meets these costs."""
+        self.cache_name = name() if cost_cache.directory() is not None else ""
+        data = cost_cache.load(self.cache_name) if self.cache_name and not self.by_span else None
+        if data is None:
+            return
+        try:
+            self.overhead.restore(data["overhead"])
+            for span, measured in data["spans"]:
+                self.model(int(span)).restore(measured)
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            kept = self.cache_name
+            self.__init__()  # measured anew: nothing of a file read halfway stays
+            self.cache_name = kept
+            cost_cache.unreadable(kept, err)
+
+    def kept(self) -> None:
+        """Writes these costs to their file (``keep``), now or at a later call's end or the process's exit."""
+        if self.cache_name:
+            cost_cache.save(self.cache_name, self)
+
+    def to_dict(self) -> dict:
+        """What was measured (every span's measurements, the chunks' overhead), not what the traffic did."""
+        return {"spans": [[span, m.to_dict()] for span, m in self.by_span.items()], "overhead": self.overhead.to_dict()}
 
     def model(self, span: int) -> CostModel:
         if span not in self.by_span:
@@ -434,7 +462,9 @@ def acceptance_estimate(key: Any) -> AcceptanceEstimate:
 
 
 def reset() -> None:
-    """Forgets every cost and estimate (tests, benchmarks)."""
+    """Forgets every cost and estimate (tests, benchmarks), as a new process would: costs kept on disk
+    (``cost_cache``) are written first, and found again by the next call."""
+    cost_cache.flush()
     _MODELS.clear()
     _ESTIMATES.clear()
     adaptive_costs.forget()

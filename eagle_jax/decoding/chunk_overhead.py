@@ -51,6 +51,22 @@ class ChunkOverhead:
         self._chunks.setdefault(rows, deque(maxlen=FIT_CHUNKS)).append((key, rounds, seconds, first))
         self._parts[rows] = self._fit(self._chunks[rows])
 
+    def to_dict(self) -> dict:
+        """The dispatch and the chunks the parts are fitted over (keys as lists), for ``restore``."""
+        return {"dispatch_s": self.dispatch_s,
+                "chunks": [[rows, [[list(k) if isinstance(k, tuple) else k, n, s, first] for k, n, s, first in chunks]]
+                           for rows, chunks in self._chunks.items()]}
+
+    def restore(self, data: dict) -> None:
+        """Takes ``to_dict``'s chunks as its own (one that has seen none) and fits its parts on them."""
+        self.dispatch_s = None if data["dispatch_s"] is None else float(data["dispatch_s"])
+        for rows, chunks in data["chunks"]:
+            kept = deque(((tuple(k) if isinstance(k, list) else k, int(n), float(s), bool(first)) for k, n, s, first in chunks),
+                         maxlen=FIT_CHUNKS)
+            self._chunks[int(rows)] = kept
+            if kept:
+                self._parts[int(rows)] = self._fit(kept)
+
     def seconds(self, rows: int, first: bool = False, key: Hashable = None) -> float:
         """The part of a chunk's time over ``rows`` rows that is not its rounds, for a chunk of ``key`` where
         ``first`` (the dispatch where no chunk ran at these rows: none of their rounds is priced yet)."""

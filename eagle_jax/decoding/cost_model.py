@@ -143,6 +143,20 @@ class CostModel:
         del self.window[rows, None], self.probe_measured[rows], self.probe[rows]
         return True
 
+    def to_dict(self) -> dict:
+        """What was measured here (the windows, the rounds, the probes measured again), for ``restore``."""
+        return {"window": [[rows, depth, [list(m) for m in w]] for (rows, depth), w in self.window.items()],
+                "rounds": [[rows, depth, n] for (rows, depth), n in self.rounds.items()], "reprobed": sorted(self.reprobed)}
+
+    def restore(self, data: dict) -> None:
+        """Takes ``to_dict``'s measurements as its own (a model that has measured nothing), every cost derived from them."""
+        for rows, depth, window in data["window"]:
+            self.window[int(rows), None if depth is None else int(depth)] = deque(
+                ((float(s), int(n), bool(first)) for s, n, first in window), maxlen=COST_WINDOW)
+        self.rounds.update({(int(rows), int(depth)): int(n) for rows, depth, n in data["rounds"]})
+        self.reprobed.update(int(r) for r in data["reprobed"])
+        self.reprice()
+
     def cells(self) -> Iterator[tuple[tuple[int, int | None], float, float]]:
         """What was measured here, for ``span_levels``: ((rows, depth), seconds per round, rounds in its window);
         depth None: the probe round, as measured."""

@@ -1,0 +1,126 @@
+"""``spec="auto"``'s round costs kept on disk (decoding/cost_cache.py): measured once per machine, found again by a
+later process (``autospec.reset`` stands in for a new process: it writes what is pending and forgets the rest)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import eagle_jax
+from eagle_jax.decoding import autospec, cost_cache
+from engine_models import markov_pair
+
+PROMPTS = [list(np.random.default_rng(7).integers(0, 32, n)) for n in (4, 11, 19)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return markov_pair()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """The cache in a directory of this test's own; nothing pending is left for the next test."""
+    monkeypatch.setenv(cost_cache.ENV, str(tmp_path / "costs"))
+    autospec.reset()
+    yield tmp_path / "costs"
+    autospec.reset()
+
+
+def auto(pair, **kw):
+    return eagle_jax.generate(pair[0], pair[1], PROMPTS, max_new_tokens=24, eos_token_id=[], **kw)
+
+
+def measured_costs() -> autospec.SpanCosts:
+    costs = autospec.SpanCosts()
+    costs.overhead.set_dispatch(0.001)
+    for span, scale in ((128, 1.0), (512, 1.3)):
+        for rows in (1, 4):
+            costs.observe_chunk(span, None, rows, 4, scale * rows * 0.040, first=True)
+            costs.observe_chunk(span, 7, rows, 4, scale * rows * 0.090, first=False)
+            costs.observe_chunk(span, 3, rows, 20, scale * rows * 0.300, first=False)
+            costs.observe_chunk(span, autospec.PLAIN, rows, 16, scale * rows * 0.150, first=False)
+    return costs
+
+
+def test_costs_read_back_as_measured(cache):
+    """Every cost a later process reads (measured, modelled, at a span measured or not, the chunks' overhead) is the
+    one the process that measured it read."""
+    costs = measured_costs()
+    costs.keep(lambda: "pair")
+    cost_cache.save("pair", costs, now=True)
+    assert json.loads((cache / "pair.json").read_text())["format"] == cost_cache.FORMAT
+    again = autospec.SpanCosts()
+    again.keep(lambda: "pair")
+    for rows in (1, 4, 2):
+        assert again.probed(rows) == costs.probed(rows)
+        assert again.overhead.seconds(rows) == pytest.approx(costs.overhead.seconds(rows))
+        for depth in (autospec.PLAIN, *autospec.DEPTHS):
+            assert again.settled(depth, rows) == costs.settled(depth, rows)
+            for span in (128, 300, 512):
+                assert again.cost(depth, rows, span) == pytest.approx(costs.cost(depth, rows, span), rel=1e-9)
+
+
+def test_a_later_process_starts_from_the_costs_an_earlier_one_measured(cache, pair):
+    """The first process's first call measures (a round without drafts, then the deepest chain) and knows no cost
+    at its start; a later process's first call knows every depth's cost from its start and measures nothing
+    first. Either way the output is plain decoding's."""
+    plain = eagle_jax.generate(pair[0], None, PROMPTS, max_new_tokens=24, eos_token_id=[])
+    first = auto(pair)
+    assert first.stats["round_ms"] == {} and first.stats["chunks"][0][0] is None
+    assert any(depth == max(autospec.DEPTHS) for depth, _ in first.stats["chunks"])
+    assert [p.suffix for p in cache.iterdir()] == [".json"]
+    autospec.reset()  # a new process
+    later = auto(pair)
+    assert set(later.stats["round_ms"]) == {autospec.PLAIN, *autospec.DEPTHS}
+    assert later.tokens == first.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"format": 1, "spans": [[128, {"window": [[1, 3]]}]], "overhead": {}}',
+                                  '{"format": 99}', "[1, 2]"])
+def test_a_file_that_cannot_be_read_is_reported_and_measured_anew(cache, pair, text):
+    """Malformed, of another layout, or half readable: a warning naming the file, the costs measured anew as a fresh
+    process's (nothing of the file kept), and the file then replaced by what was measured."""
+    auto(pair)
+    (path,) = cache.iterdir()
+    path.write_text(text)
+    autospec.reset()
+    with pytest.warns(RuntimeWarning, match=f"round costs in {path}.*cannot be read"):
+        again = auto(pair)
+    assert again.stats["round_ms"] == {}  # measured anew
+    autospec.reset()
+    assert json.loads(path.read_text())["format"] == cost_cache.FORMAT
+
+
+def test_a_cache_that_cannot_be_written_is_reported_and_the_call_goes_on(tmp_path, monkeypatch, pair):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(cost_cache.ENV, str(blocker / "costs"))
+    autospec.reset()
+    with pytest.warns(RuntimeWarning, match="cannot keep the round costs"):
+        out = auto(pair)
+    assert out.num_generated == 3 * 24
+    monkeypatch.setenv(cost_cache.ENV, "off")
+    autospec.reset()
+
+
+def test_off_keeps_costs_in_the_process(tmp_path, monkeypatch, pair):
+    monkeypatch.delenv("EAGLE_JAX_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(cost_cache.ENV, "off")
+    autospec.reset()
+    auto(pair)
+    autospec.reset()
+    assert cost_cache.directory() is None and list(tmp_path.iterdir()) == []
+    monkeypatch.delenv(cost_cache.ENV)
+    assert cost_cache.directory() == tmp_path / "eagle_jax" / "costs"
+
+
+def test_the_key_is_what_sets_a_rounds_cost():
+    """The same configs, shapes and modes give the same file; another dtype, sampling mode or exact mode another."""
+    base = dict(target_config="t", drafter_config="d", shapes=[((4, 8), "float32")], greedy=True, exact=False, mesh=None)
+    assert cost_cache.key(**base) == cost_cache.key(**base)
+    for change in ({"shapes": [((4, 8), "bfloat16")]}, {"greedy": False}, {"exact": True}, {"drafter_config": "d2"}):
+        assert cost_cache.key(**(base | change)) != cost_cache.key(**base)

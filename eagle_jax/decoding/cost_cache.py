@@ -3,15 +3,15 @@
 What a round of each depth costs depends on the models' shapes and dtypes, the sampling mode and the
 device, not on the traffic: a process that finds the costs an earlier one measured on this machine skips
 the measuring that a fresh process's first calls pay (a round without drafts, the deepest chain, and then
-every close depth a few rounds each until its cost is settled: at batch 1 on a CPU, ~10% over the best
-chain on each of the first two calls). The costs found are read as measurements like any other, so a
+every close depth a few rounds each until its cost is settled: at float32 batch 1 T=1 on a CPU, 1.13x and
+1.11x the best chain's time on the first two calls, against 1.07x and 1.03x from kept costs; see BENCHMARKS.md). The costs found are read as measurements like any other, so a
 machine that got slower or faster since replaces them within a few chunks. Acceptance is not kept: it
 is the traffic's.
 
 Where: ``$EAGLE_JAX_COST_CACHE`` (a directory), else ``costs`` in the project's cache directory
-(``$EAGLE_JAX_CACHE``, ``$XDG_CACHE_HOME/eagle_jax`` or ``~/.cache/eagle_jax``); ``EAGLE_JAX_COST_CACHE=off`` (or ``0``, ``false``, empty) keeps costs in the
-process only. One small JSON file per key (``key``: the models' configs, every weight's shape and dtype,
-the sampling and dtype modes, the mesh, the devices, JAX's and this package's versions). A file that cannot
+(``$EAGLE_JAX_CACHE``, ``$XDG_CACHE_HOME/eagle_jax`` or ``~/.cache/eagle_jax``); ``EAGLE_JAX_COST_CACHE=off``
+(or ``0``, ``false``, ``no``, empty) keeps costs in the process only. One small JSON file per key (``key``: the models' configs, every weight's shape and dtype,
+the sampling and exact modes, the mesh, the devices and the host's CPU, JAX's and this package's versions). A file that cannot
 be read is reported once and measured anew (and then replaced); a cache that cannot be written is reported
 once and the process goes on with its costs in memory."""
 
@@ -36,12 +36,12 @@ from eagle_jax.checkpoint.models import cache_dir
 FORMAT = 1  # the files' layout: a file of another format is measured anew
 ENV = "EAGLE_JAX_COST_CACHE"
 OFF = {"", "0", "off", "false", "no"}
-# A call's end writes its costs at most this often (a write is ~1 ms: most calls' costs change a little); the
-# process's exit writes what is left.
+# A call's end writes its costs at most this often (a write encodes every span's measurements, and one call's
+# change them little); the process's exit writes what is left.
 SAVE_EVERY_S = 10.0
 
 _reported: set[str] = set()
-_pending: dict[str, Any] = {}  # key -> the SpanCosts written at exit
+_pending: dict[str, Any] = {}  # name -> the SpanCosts whose write was put off (``flush``)
 _last_save: dict[str, float] = {}
 
 
@@ -101,21 +101,25 @@ def unreadable(name: str, err: Exception) -> None:
 def save(name: str, costs: Any, *, now: bool = False) -> None:
     """Keeps ``costs`` (a ``SpanCosts``) under ``name``: at once where ``now`` or where none was written in the last
     ``SAVE_EVERY_S``; else at the process's exit. Written whole to a temporary file that then replaces the last."""
-    _pending[name] = costs
-    if not now and time.monotonic() - _last_save.get(name, -SAVE_EVERY_S) < SAVE_EVERY_S:
+    if not now and name in _last_save and time.monotonic() - _last_save[name] < SAVE_EVERY_S:
+        _pending[name] = costs
         return
+    _pending.pop(name, None)
     where = directory()
     if where is None:
         return
     _last_save[name] = time.monotonic()
-    _pending.pop(name, None)
     text = json.dumps({"format": FORMAT, **costs.to_dict()})
+    tmp = None
     try:
         where.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=where, prefix=f".{name}.", suffix=".tmp", delete=False) as f:
+            tmp = f.name
             f.write(text)
-        os.replace(f.name, where / f"{name}.json")
+        os.replace(tmp, where / f"{name}.json")
     except OSError as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         _report(str(where), f"eagle_jax: cannot keep the round costs in {where} ({err}); they stay in this process")
 
 

@@ -78,11 +78,16 @@ def test_a_later_process_starts_from_the_costs_an_earlier_one_measured(cache, pa
     assert later.tokens == first.tokens == plain.tokens
 
 
+NEGATIVE_TIME = json.dumps({"format": cost_cache.FORMAT, "overhead": {"dispatch_s": None, "chunks": []},
+                            "spans": [[128, {"window": [[1, 3, [[-0.5, 4, False]]]], "rounds": [], "reprobed": []}]]})
+
+
 @pytest.mark.parametrize("text", ["{not json", '{"format": 1, "spans": [[128, {"window": [[1, 3]]}]], "overhead": {}}',
-                                  '{"format": 99}', "[1, 2]"])
+                                  '{"format": 99}', "[1, 2]", NEGATIVE_TIME])
 def test_a_file_that_cannot_be_read_is_reported_and_measured_anew(cache, pair, text):
-    """Malformed, of another layout, or half readable: a warning naming the file, the costs measured anew as a fresh
-    process's (nothing of the file kept), and the file then replaced by what was measured."""
+    """Malformed, of another layout, half readable, or holding a measurement no chunk could have made: a warning naming
+    the file, the costs measured anew as a fresh process's (nothing of the file kept), and the file then replaced by
+    what was measured."""
     auto(pair)
     (path,) = cache.iterdir()
     path.write_text(text)

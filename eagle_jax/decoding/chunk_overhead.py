@@ -23,6 +23,8 @@ from typing import Hashable
 
 import numpy as np
 
+from eagle_jax.decoding.cost_model import kept_measurement
+
 FIT_CHUNKS = 48  # a batch size's latest chunks the parts are fitted over
 PRIOR_WEIGHT = 0.3  # the prior's weight against one chunk's (a chunk's time is ~0.05-1 s; the parts are fitted in ms)
 HUBER = 2.0  # residuals beyond this many robust standard deviations count linearly, not squared ...
@@ -61,8 +63,7 @@ class ChunkOverhead:
         """Takes ``to_dict``'s chunks as its own (one that has seen none) and fits its parts on them."""
         self.dispatch_s = None if data["dispatch_s"] is None else float(data["dispatch_s"])
         for rows, chunks in data["chunks"]:
-            kept = deque(((tuple(k) if isinstance(k, list) else k, int(n), float(s), bool(first)) for k, n, s, first in chunks),
-                         maxlen=FIT_CHUNKS)
+            kept = deque((_kept_chunk(*chunk) for chunk in chunks), maxlen=FIT_CHUNKS)
             self._chunks[int(rows)] = kept
             if kept:
                 self._parts[int(rows)] = self._fit(kept)
@@ -115,6 +116,12 @@ class ChunkOverhead:
             w[:m] = weight
             x = _weighted_lstsq(a, t, w)
         return float(x[0]), {k: float(x[1 + j]) for j, k in enumerate(firsts)}
+
+
+def _kept_chunk(key, rounds, seconds, first) -> tuple:
+    """A chunk as ``ChunkOverhead.to_dict`` wrote it, read back (a key written as a list is a tuple again)."""
+    seconds, rounds, first = kept_measurement(seconds, rounds, first)
+    return (tuple(key) if isinstance(key, list) else key), rounds, seconds, first
 
 
 def _weighted_lstsq(a: np.ndarray, t: np.ndarray, w: np.ndarray) -> np.ndarray:

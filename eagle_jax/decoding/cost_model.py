@@ -41,6 +41,15 @@ def weighted_median(values: Iterable[tuple[float, float]]) -> float:
     return ordered[-1][0]
 
 
+def kept_measurement(seconds, rounds, first) -> tuple[float, int, bool]:
+    """A kept measurement (seconds, rounds, first chunk after a prefill) as read back; ValueError where it is none
+    that could have been taken (no rounds, no time, not a number)."""
+    seconds, rounds = float(seconds), int(rounds)
+    if not (rounds >= 1 and 0.0 < seconds < float("inf")):
+        raise ValueError(f"a measurement of {rounds} rounds in {seconds} s")
+    return seconds, rounds, bool(first)
+
+
 def _along(points: dict[int, float], x: int, extrapolate: bool = False) -> float | None:
     """``points`` (x -> seconds) read at ``x``: exact, linear between the nearest points around it, else
     the nearest point's value, or (``extrapolate``) the line through the two nearest."""
@@ -152,7 +161,7 @@ class CostModel:
         """Takes ``to_dict``'s measurements as its own (a model that has measured nothing), every cost derived from them."""
         for rows, depth, window in data["window"]:
             self.window[int(rows), None if depth is None else int(depth)] = deque(
-                ((float(s), int(n), bool(first)) for s, n, first in window), maxlen=COST_WINDOW)
+                (kept_measurement(s, n, first) for s, n, first in window), maxlen=COST_WINDOW)
         self.rounds.update({(int(rows), int(depth)): int(n) for rows, depth, n in data["rounds"]})
         self.reprobed.update(int(r) for r in data["reprobed"])
         self.reprice()

@@ -18,6 +18,7 @@ once and the process goes on with its costs in memory."""
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import os
@@ -82,8 +83,10 @@ def load(name: str) -> dict | None:
     path = where / f"{name}.json"
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"format {data.get('format') if isinstance(data, dict) else type(data).__name__!r}, expected {FORMAT}")
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
         return data
     except (FileNotFoundError, NotADirectoryError):  # none kept (a cache that cannot be written says so when written)
         return None
@@ -138,6 +141,7 @@ def _report(what: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+@functools.cache
 def _processor() -> str:
     """The CPU's model name (Linux), else what ``platform`` says: a round's cost on a CPU backend is that CPU's."""
     try:
@@ -149,6 +153,7 @@ def _processor() -> str:
     return platform.processor()
 
 
+@functools.cache
 def _version() -> str:
     try:
         return metadata.version("eagle_jax")

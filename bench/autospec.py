@@ -39,12 +39,8 @@ twin, as auto meets it) is the floor under what auto can show against the best i
 from __future__ import annotations
 
 import argparse
-import atexit
 import gc
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -55,6 +51,7 @@ from bench.common import (
     BUNDLED_DRAFTER,
     EVAL,
     TARGET_HELP,
+    bench_cost_cache,
     heldout_code_prompts,
     load_models,
     print_table,
@@ -64,7 +61,7 @@ from bench.common import (
     write_json,
 )
 from eagle_jax.config import SpecConfig
-from eagle_jax.decoding import autospec, cost_cache
+from eagle_jax.decoding import autospec
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 
@@ -230,10 +227,7 @@ def main(argv=None) -> dict:
         return results
 
     results = {"config": vars(args), "runs": []}
-    os.environ[cost_cache.ENV] = "off"  # no costs of the machine's earlier processes: each sequence as a fresh machine's, ...
-    if args.warm_costs:  # ... or a later process's, after the ones this run makes
-        os.environ[cost_cache.ENV] = tempfile.mkdtemp(prefix="eagle_jax-bench-costs-")
-        atexit.register(_drop_costs, os.environ[cost_cache.ENV])
+    bench_cost_cache(args.warm_costs)
     for dtype in args.dtypes:
         target, drafters, tokenizer, source, _ = load_models(args.target, [args.drafter], dtype)
         drafter = next(iter(drafters.values()))
@@ -278,12 +272,6 @@ def main(argv=None) -> dict:
     report(results, Path(args.plot))
     write_json(args.out, results | {"models": source})
     return results
-
-
-def _drop_costs(directory: str) -> None:
-    """Removes ``--warm-costs``' directory at exit, the cache turned off first (it writes what is pending at exit)."""
-    os.environ[cost_cache.ENV] = "off"
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def summary_line(dtype: str, temp: float, batch: int, order: str, s: dict) -> str:

@@ -10,6 +10,8 @@ import pytest
 
 import eagle_jax
 from eagle_jax.decoding import autospec, cost_cache
+from eagle_jax.serving import Request, Scheduler, SlotEngine
+from eagle_jax.serving.depth import AutoDepth
 from engine_models import markov_pair
 
 PROMPTS = [list(np.random.default_rng(7).integers(0, 32, n)) for n in (4, 11, 19)]
@@ -127,5 +129,47 @@ def test_the_key_is_what_sets_a_rounds_cost():
     """The same configs, shapes and modes give the same file; another dtype, sampling mode or exact mode another."""
     base = dict(target_config="t", drafter_config="d", shapes=[((4, 8), "float32")], greedy=True, exact=False, mesh=None)
     assert cost_cache.key(**base) == cost_cache.key(**base)
-    for change in ({"shapes": [((4, 8), "bfloat16")]}, {"greedy": False}, {"exact": True}, {"drafter_config": "d2"}):
+    for change in ({"shapes": [((4, 8), "bfloat16")]}, {"greedy": False}, {"exact": True}, {"drafter_config": "d2"},
+                   {"runner": ("serve", 4, 128, 3)}):
         assert cost_cache.key(**(base | change)) != cost_cache.key(**base)
+
+
+def serve(pair, prompts, slots=2):
+    """A server's scheduler (``--spec auto``) run through ``prompts``, greedy: (its chooser, outputs, specs stepped)."""
+    chooser, steps = AutoDepth(), []
+    engine = SlotEngine(pair[0], pair[1], slots=slots, max_len=96, specs=chooser.specs, rounds_per_step=3)
+    sched = Scheduler(engine, chooser, on_step=lambda active, spec, out: steps.append(spec))
+    sched.start()
+    try:
+        handles = [sched.submit(Request(tuple(int(t) for t in p), 24)) for p in prompts]
+        for h in handles:
+            h.wait(300)
+    finally:
+        sched.stop()
+    return chooser, [h.tokens for h in handles], steps
+
+
+def test_a_restarted_server_starts_from_the_step_costs_it_measured(cache, pair):
+    """A server's step costs are kept under a key of their own (a step over slots is another program than a
+    ``generate`` call's rounds, and its settings are in the key): a restarted server knows, before its first step,
+    every cost the first measured, so it has nothing to measure first (no step without drafts at a row count it
+    served, no deepest chain). Its outputs equal plain decoding's either way."""
+    plain = eagle_jax.generate(pair[0], None, PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens
+    first, out, steps = serve(pair, PROMPTS)
+    assert steps[0] is None and max(AutoDepth.depth_of(s) for s in steps) == max(autospec.DEPTHS)  # measured first
+    cost_cache.flush()  # the process's exit
+    engine = SlotEngine(pair[0], pair[1], slots=2, max_len=96, specs=first.specs, rounds_per_step=3)
+    assert (cache / f"{engine.cost_key(True)}.json").exists() and len(list(cache.iterdir())) == 1
+    assert engine.cost_key(True) != SlotEngine(pair[0], pair[1], slots=2, max_len=96, specs=first.specs, rounds_per_step=2).cost_key(True)
+    restarted = AutoDepth()
+    Scheduler(engine, restarted)  # binds the chooser to the engine's key
+    costs = restarted.costs(True)
+    measured = first.costs(True)
+    for rows in (1, 2):
+        assert costs.probed(rows) == measured.probed(rows)
+    span = engine.span_for([30], None)
+    assert not autospec.unexplored(costs.at(span), 1, restarted.depths)
+    assert costs.at(span).cost(max(autospec.DEPTHS), 1) == pytest.approx(measured.at(span).cost(max(autospec.DEPTHS), 1))
+    again, out_again, _ = serve(pair, PROMPTS)
+    assert out == out_again == plain
+

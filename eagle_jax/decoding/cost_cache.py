@@ -2,7 +2,7 @@
 
 What a round of each depth costs depends on the models' shapes and dtypes, the sampling mode and the
 device, not on the traffic: a process that finds the costs an earlier one measured on this machine skips
-the measuring that a fresh process's first calls pay (a round without drafts, the deepest chain, and then
+the measuring that a fresh process's first calls (or a fresh server's first steps) pay (a round without drafts, the deepest chain, and then
 every close depth a few rounds each until its cost is settled: at float32 batch 1 T=1 on a CPU, 1.13x and
 1.11x the best chain's time on the first two calls, against 1.07x and 1.03x from kept costs; see BENCHMARKS.md). The costs found are read as measurements like any other, so a
 machine that got slower or faster since replaces them within a few chunks. Acceptance is not kept: it
@@ -11,7 +11,8 @@ is the traffic's.
 Where: ``$EAGLE_JAX_COST_CACHE`` (a directory), else ``costs`` in the project's cache directory
 (``$EAGLE_JAX_CACHE``, ``$XDG_CACHE_HOME/eagle_jax`` or ``~/.cache/eagle_jax``); ``EAGLE_JAX_COST_CACHE=off``
 (or ``0``, ``false``, ``no``, empty) keeps costs in the process only. One small JSON file per key (``key``: the models' configs, every weight's shape and dtype,
-the sampling and exact modes, the mesh, the devices and the host's CPU, JAX's and this package's versions). A file that cannot
+the sampling and exact modes, the mesh, what runs the rounds (``generate`` or a server's slot engine), the devices and
+the host's CPU, JAX's and this package's versions). A file that cannot
 be read is reported once and measured anew (and then replaced); a cache that cannot be written is reported
 once and the process goes on with its costs in memory."""
 
@@ -54,9 +55,11 @@ def directory() -> Path | None:
     return cache_dir() / "costs"
 
 
-def key(target_config: Any, drafter_config: Any, shapes: Any, greedy: bool, exact: bool, mesh: Any) -> str:
+def key(target_config: Any, drafter_config: Any, shapes: Any, greedy: bool, exact: bool, mesh: Any,
+        runner: tuple = ("generate",)) -> str:
     """The file name for costs of this pair as run here: a hash of what sets a round's cost. ``shapes``: the
-    models' weights as (shape, dtype) pairs."""
+    models' weights as (shape, dtype) pairs; ``runner``: what runs the rounds (``generate``'s calls, or a server's
+    slot engine with its settings: a step's rounds are another program than a call's)."""
     devices = jax.devices()
     parts = {
         "format": FORMAT,
@@ -66,6 +69,7 @@ def key(target_config: Any, drafter_config: Any, shapes: Any, greedy: bool, exac
         "greedy": bool(greedy),
         "exact": bool(exact),
         "mesh": None if mesh is None else repr(dict(mesh.shape)),
+        "runner": list(runner),
         "backend": jax.default_backend(),
         "devices": [len(devices), devices[0].device_kind],
         "host": [platform.machine(), _processor(), os.cpu_count()],

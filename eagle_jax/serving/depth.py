@@ -9,8 +9,10 @@ tokens at depth K are the sum over its requests of ``expected_tokens(K)``. Steps
 (engine ``probe_acceptance``; lazily fed, in their first round only, and their other rounds fade the
 requests' evidence toward the prior), so a batch of requests the drafter cannot follow decodes plainly and
 speculation returns as soon as the requests change. Nothing is explored per row count but one step
-without drafts; the deepest chain runs once per process, every depth chosen is measured as it runs, and
+without drafts; the deepest chain runs once, every depth chosen is measured as it runs, and
 a depth modelled or measured over few rounds at these rows, but expected close to the best, runs (``autospec.EXPLORE_CLOSE``).
+The costs are kept on disk (``decoding/cost_cache.py``, under the engine's ``cost_key``), so a restarted server
+measures none of this again; acceptance is the traffic's and starts anew.
 
 A step's cost also grows with the cache span its attention reads (``SlotEngine.spans``), which rises as
 the requests grow: costs are kept per span (``SpanCosts``), so that depths are compared at the span
@@ -32,6 +34,20 @@ class AutoDepth:
         self.depths = tuple(depths)
         self.models: dict[bool, SpanCosts] = {}  # by greedy: one per sampling mode, over every span and row count
         self.estimate = AcceptanceEstimate(max(self.depths))  # all traffic: where a new request's estimate starts
+        self._kept_as: Callable[[bool], str] | None = None  # the costs' file on disk by greedy (``keep_costs``)
+
+    def keep_costs(self, name_of: Callable[[bool], str]) -> None:
+        """Keeps the step costs on disk (``cost_cache``) under ``name_of(greedy)`` (the engine's ``cost_key``): a
+        restarted server starts from what this one measured, and measures nothing first."""
+        self._kept_as = name_of
+
+    def costs(self, greedy: bool) -> SpanCosts:
+        """The step costs of one sampling mode: those kept on disk (``keep_costs``), else none yet."""
+        if greedy not in self.models:
+            costs = self.models[greedy] = SpanCosts()
+            if self._kept_as is not None:
+                costs.keep(lambda: self._kept_as(greedy))
+        return self.models[greedy]
 
     @property
     def specs(self) -> tuple[SpecConfig | None, ...]:
@@ -59,9 +75,9 @@ class AutoDepth:
                span_of: Callable[[int], int]) -> SpecConfig | None:
         """The next step's spec for requests with these estimates, computed over ``rows`` rows; ``span_of(depth)``:
         the cache span a step of that depth would read. At a row count not seen yet a step without drafts
-        runs first (the base of the modelled costs); the deepest chain runs once per process (the drafter
-        step's cost); every other cost is modelled."""
-        costs = self.models.setdefault(greedy, SpanCosts())
+        runs first (the base of the modelled costs); the deepest chain runs once (the drafter step's cost; kept
+        on disk with the rest: ``keep_costs``); every other cost is modelled."""
+        costs = self.costs(greedy)
         if not costs.probed(rows):
             return None
         view = costs.at(span_of)
@@ -93,7 +109,9 @@ class AutoDepth:
         ran = max((len(acc) for _, acc, _ in per_request), default=0)
         # The server's steps without drafts feed the drafter: they are the cost model's probe rounds.
         if seconds is not None:
-            self.models.setdefault(greedy, SpanCosts()).model(span).update(None if depth == autospec.PLAIN else depth, rows, seconds, ran)
+            costs = self.costs(greedy)
+            costs.model(span).update(None if depth == autospec.PLAIN else depth, rows, seconds, ran)
+            costs.kept()  # written now and then (``cost_cache.SAVE_EVERY_S``) and at exit
         if depth == autospec.PLAIN:
             total = [p for _, _, p in per_request if p is not None and p[1] > 0]
             for est, acc, p in per_request:

@@ -199,6 +199,8 @@ class Scheduler:
         if step_ms < 0:
             raise ConfigError(f"step_ms must be >= 0 (0: every step runs rounds_per_step rounds), got {step_ms}")
         self.engine, self.schedule, self.max_queue, self.on_step = engine, schedule, max_queue, on_step
+        if isinstance(schedule, AutoDepth):
+            schedule.keep_costs(engine.cost_key)
         self.step_ms = step_ms
         self._round_s: dict[tuple[int, SpecConfig | None, bool], float] = {}  # seconds per round by (rows, spec, greedy), recent
         self._waiting: collections.deque[Handle] = collections.deque()

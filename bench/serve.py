@@ -208,10 +208,11 @@ def fill_costs(autos: list[tuple], service: Callable, prompts: list[dict], endpo
     from, as a restarted server does (acceptance is not kept: each measured server learns the traffic anew)."""
     from eagle_jax.decoding import cost_cache
     from eagle_jax.serving.depth import AutoDepth
-    from eagle_jax.serving.server import Server
+    from eagle_jax.serving.server import Server, freeze_startup_heap
 
     for drafter, depths in autos:
         srv = Server(service(drafter, AutoDepth(depths))).start()
+        freeze_startup_heap()  # as eagle-jax-serve does: else collections of the whole heap stall steps it measures
         try:
             for c in args.concurrency:
                 per_user = assign(prompts, c, max(args.requests, c))
@@ -221,6 +222,7 @@ def fill_costs(autos: list[tuple], service: Callable, prompts: list[dict], endpo
             srv.stop()
         cost_cache.flush()  # the server's exit
         del srv
+        gc.unfreeze()
         gc.collect()  # its programs' memory maps go before the measured servers' (see main)
 
 

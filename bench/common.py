@@ -15,9 +15,9 @@ from flax import nnx
 
 import eagle_jax
 from eagle_jax.checkpoint.models import resolve_model
-from eagle_jax.decoding import cost_cache
 from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig, default_aux_layer_ids
+from eagle_jax.decoding import cost_cache
 
 BUNDLED_TARGET = Path("assets/target")
 TARGET_HELP = "target: a checkpoint directory, a .gguf file, or smollm2-135m-instruct (fetched on first use)"

@@ -12,7 +12,7 @@ speculation returns as soon as the requests change. Nothing is explored per row 
 without drafts; the deepest chain runs once, every depth chosen is measured as it runs, and
 a depth modelled or measured over few rounds at these rows, but expected close to the best, runs (``autospec.EXPLORE_CLOSE``).
 The costs are kept on disk (``decoding/cost_cache.py``, under the engine's ``cost_key``), so a restarted server
-measures none of this again; acceptance is the traffic's and starts anew.
+measures none of them again; acceptance is the traffic's and starts anew.
 
 A step's cost also grows with the cache span its attention reads (``SlotEngine.spans``), which rises as
 the requests grow: costs are kept per span (``SpanCosts``), so that depths are compared at the span

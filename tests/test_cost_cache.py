@@ -170,6 +170,6 @@ def test_a_restarted_server_starts_from_the_step_costs_it_measured(cache, pair):
     span = engine.span_for([30], None)
     assert not autospec.unexplored(costs.at(span), 1, restarted.depths)
     assert costs.at(span).cost(max(autospec.DEPTHS), 1) == pytest.approx(measured.at(span).cost(max(autospec.DEPTHS), 1))
-    again, out_again, _ = serve(pair, PROMPTS)
+    _, out_again, _ = serve(pair, PROMPTS)
     assert out == out_again == plain
 

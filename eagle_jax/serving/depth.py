@@ -38,7 +38,7 @@ class AutoDepth:
 
     def keep_costs(self, name_of: Callable[[bool], str]) -> None:
         """Keeps the step costs on disk (``cost_cache``) under ``name_of(greedy)`` (the engine's ``cost_key``): a
-        restarted server starts from what this one measured, and measures nothing first."""
+        restarted server starts from what this one measured, and measures none of it again."""
         self._kept_as = name_of
 
     def costs(self, greedy: bool) -> SpanCosts:

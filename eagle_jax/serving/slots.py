@@ -32,12 +32,12 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
+from eagle_jax.decoding import cost_cache
 from eagle_jax.decoding.engine import Plan, scratch_slots
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.decoding.scoring import TokenLogprobs, token_logprobs
 from eagle_jax.decoding.state import LoopState
-from eagle_jax.decoding import cost_cache
 from eagle_jax.decoding.calls import PROMPT_BUCKETS, bucket
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target

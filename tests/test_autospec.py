@@ -229,6 +229,35 @@ def test_plain_decoding_is_tried_only_on_the_calls_own_evidence(monkeypatch, pai
     assert run._next(True, [(32, hard)], observed=autospec.PLAIN_OWN_ROUNDS) == (autospec.PLAIN, autospec.EXPLORE_ROUNDS)
 
 
+def test_a_look_at_a_calls_first_drafts_runs_a_chain_of_1_where_it_costs_about_a_probe(monkeypatch, pair):
+    """A look at a call's own first drafts runs PROBE_ROUNDS rounds of a chain of 1, unwatched, where a round of it
+    costs little more than a probe round (both feed the drafter and see the first draft; the chain also emits it where
+    accepted), and probe rounds where verifying the draft costs more than the drafts it is expected to emit save."""
+    autospec.reset()
+    costs = autospec.SpanCosts()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
+    at = costs.at(run.plan.cache_len)
+    settle = lambda table: [costs.model(run.plan.cache_len).update(d, 1, c * autospec.SETTLED_ROUNDS, autospec.SETTLED_ROUNDS)  # noqa: E731
+                            for d, c in table.items()]
+    fair = autospec.AcceptanceEstimate()
+    fair.observe_probe(0.5, 50)
+    settle({None: 1.0, autospec.PLAIN: 0.75, 1: 1.07, 3: 1.6})  # a round of K=1 0.07 s dearer than a probe round, 0.5 tokens more
+    assert run._look(at, [(32, fair)]) == (1, autospec.PROBE_ROUNDS) and run._unwatched
+    # the first chunk of a close call, and the call's own evidence before plain decoding, are such looks
+    costs.last_call[1] = [fair]
+    assert run._next(True, [(32, fair)], observed=0) == (1, autospec.PROBE_ROUNDS)
+    run._unwatched = False
+    costs.by_span.clear()
+    settle({None: 1.0, autospec.PLAIN: 0.75, 1: 1.6, 3: 2.2})  # verifying the draft costs 0.6 s: probe rounds
+    assert run._look(at, [(32, fair)]) == (None, autospec.PROBE_ROUNDS) and not run._unwatched
+    hard = autospec.AcceptanceEstimate()
+    hard.observe_probe(0.02, 50)
+    costs.by_span.clear()
+    settle({None: 1.0, autospec.PLAIN: 0.75, 1: 1.07, 3: 1.6})  # first drafts almost never accepted: probe rounds
+    assert run._look(at, [(32, hard)]) == (None, autospec.PROBE_ROUNDS)
+
+
 def test_a_call_runs_a_chain_before_it_stops_speculating_only_where_deeper_drafts_could_make_one_pay(monkeypatch, pair):
     """Plain decoding chosen on a call's probe rounds (which see the first draft) ends its speculation. Where a chain
     would win were its deeper drafts accepted as often as the first (they read low: an earlier prompt's), the call's
@@ -389,7 +418,7 @@ def test_a_call_explores_one_close_depth(monkeypatch, pair):
     costs = autospec.SpanCosts()
     monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
     run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
-    run.chunks[:] = [(1, 4)]  # this call ran a chain already
+    run.chunks[:] = [(3, 4)]  # this call ran a chain past the first draft already
     model = costs.model(run.plan.cache_len)
     settled = autospec.SETTLED_ROUNDS
     likely = autospec.AcceptanceEstimate()

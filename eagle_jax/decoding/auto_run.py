@@ -61,6 +61,7 @@ class AutoRun:
         self.most_rounds = most_rounds  # the longest chunk: a stream's reader waits for each (None: any)
         self.carry = 0.0  # rounds of the pair's evidence each new prompt carries (``carry_rounds``), read at the start
         self.start_costs: dict[int, float] = {}  # seconds per round by depth at this call's span and batch, as read at its start
+        self._unwatched = False  # the next chunk is a look (``_look``): it runs its rounds
 
     def _compiled(self, kind: str, plan: Plan, fed: bool, args: tuple, build, donate_argnums: tuple[int, ...] = ()):
         compiled, seconds = calls.PROGRAMS.get(kind, self.t_graph, None, plan, args, build, self._pairs[fed], donate_argnums, self._states[fed])
@@ -162,7 +163,7 @@ class AutoRun:
         depth = autospec.keep_close(times, self.chunks[-1][0] if self.chunks else None)
         if depth == autospec.PLAIN and observed < self._evidence_for_plain(costs):
             # Plain decoding chosen ends the call's speculation: only on this call's own evidence.
-            return None, autospec.PROBE_ROUNDS
+            return self._look(costs, rows)
         if depth == autospec.PLAIN and not plain_known:
             return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # measured (the rest of this call decodes plainly)
         # Plain decoding not measured yet, but it may win: it is measured on the call's last rounds (``tail``), where
@@ -180,6 +181,22 @@ class AutoRun:
             n = min(n, before)
         return depth, n
 
+    def _look(self, costs: autospec.AtSpan, rows: list[tuple[int, autospec.AcceptanceEstimate]]) -> tuple[int | None, int]:
+        """``PROBE_ROUNDS`` rounds that observe these rows' first drafts: probe rounds (no drafts, the drafter fed), or a
+        chain of 1 where it is expected to leave the call sooner done. Both see the first draft; a chain of 1 round also
+        verifies it, and emits it where accepted: it pays where its extra cost over a probe round is less than what the
+        drafts it is expected to emit save at the best choice's cost per token (bfloat16 batch 1 on a CPU: a probe
+        round cost 0.93x a chain of 1's and emitted 1 token where the chain emitted ~1.5). Not watched: a look runs
+        its rounds."""
+        batch = self.plan.batch
+        probe, one = self.costs.probe_cost(batch, self.plan.cache_len), costs.cost(1, batch)
+        drafts = sum(est.expected_tokens(1) - 1.0 for _, est in rows)
+        per_token = autospec.token_seconds(costs, batch, lambda d: sum(est.expected_tokens(d) for _, est in rows))
+        if probe is None or one is None or not per_token or one - probe > drafts * min(per_token.values()):
+            return None, autospec.PROBE_ROUNDS
+        self._unwatched = True
+        return 1, autospec.PROBE_ROUNDS
+
     def _evidence_for_plain(self, costs: autospec.AtSpan) -> int:
         """Rounds of this call's own acceptance that plain decoding is chosen on: ``PROBE_ROUNDS`` where prompts are
         alike or no chain could beat plain decoding with every draft accepted, else ``PLAIN_OWN_ROUNDS``."""
@@ -193,12 +210,12 @@ class AutoRun:
         """(depth, rounds) of the next chunk once ``depth`` is the choice on ``times`` (depth -> expected seconds to
         finish the call): a close chain tried, a probe, a depth being measured, or the choice's rounds."""
         batch = self.plan.batch
-        if depth == autospec.PLAIN and not any(d not in (None, autospec.PLAIN) for d, _ in self.chunks):
+        if depth == autospec.PLAIN and not any(d is not None and d > 1 for d, _ in self.chunks):
             # this call's rows run a chain before it stops speculating, where deeper drafts could make one pay
             if (hoped := autospec.deeper_unseen(costs, batch, rows, depth)) is not None:
                 return hoped, self._explore_rounds(costs, hoped)
         if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
-            return None, autospec.PROBE_ROUNDS  # a close call: this call's rows decide
+            return self._look(costs, rows)  # a close call: this call's rows decide
         # A close depth whose cost is not known well yet runs to be measured: one such depth per call (it may run
         # again until settled), the next on a later call. At bfloat16 batch 12 a call explored K=3 and then
         # K=5, each worse than plain decoding, and took 1.31x plain's time.
@@ -266,6 +283,7 @@ class AutoRun:
         st, done_rows, n_out = None, np.zeros(batch, bool), np.ones(batch, np.int32)
         while not np.all(done_rows) and rounds < self.plan.max_rounds:
             remaining = [(self.plan.max_rounds - int(n_out[b]), row_est[b]) for b in range(batch) if not done_rows[b]]
+            self._unwatched = False  # set by ``_look``
             depth, n = self._next(fed, remaining, observed)
             if st is None and not self._fuses(depth):
                 st, prefill_s = self._prefill(fed)
@@ -273,8 +291,8 @@ class AutoRun:
                 done_rows, n_out = jax.device_get((st.done, st.n_out))
                 if np.any(done_rows):  # a row ended with its first token: chosen again on the rows left
                     continue
-            watch = autospec.watch(self.costs.at(self.plan.cache_len), batch, self._as_chosen(remaining, observed), depth,
-                                   self.costs.overhead.seconds(batch))
+            watch = autospec.NEVER if self._unwatched else autospec.watch(
+                self.costs.at(self.plan.cache_len), batch, self._as_chosen(remaining, observed), depth, self.costs.overhead.seconds(batch))
             if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
                 fed = False
                 st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)

@@ -236,8 +236,8 @@ class SpanCosts:
         depth_level, span_level = self._levels()
         if not span_level:
             return None
-        distance = lambda s: (abs(math.log2(s / span)), s)  # noqa: E731  (the shorter of two as near)
-        level = span_level[span] if span in span_level else span_level[min(span_level, key=distance)]
+        distance = lambda s: span_distance(s, span)  # noqa: E731
+        level = span_level[nearest_span(span_level, span)]
         if (rows, depth) in depth_level:  # measured at other spans (plain decoding before the probe round standing in for it)
             return math.exp(depth_level[rows, depth] + level)
         # Modelled where most chains ran at these rows: a line through the probe round and one chain priced a chain
@@ -249,6 +249,18 @@ class SpanCosts:
                 if (c := read(self.by_span[s], depth, rows)) is not None:
                     return c * math.exp(level - span_level[s])
         return None
+
+    def probe_cost(self, rows: int, span: int) -> float | None:
+        """Seconds per probe round (no drafts, the drafter fed) over ``rows`` rows reading ``span`` cache slots:
+        measured at the span, else read through the table of every span's (``span_levels``); None: never probed at
+        these rows."""
+        here = self.by_span.get(span)
+        if here is not None and rows in here.probe:
+            return here.probe[rows]
+        depth_level, span_level = self._levels()
+        if (rows, None) not in depth_level:
+            return None
+        return math.exp(depth_level[rows, None] + span_level[nearest_span(span_level, span)])
 
     def at(self, span_of: int | Callable[[int], int]) -> "AtSpan":
         """These costs read as ``cost(depth, rows)`` at one span, or at ``span_of(depth)`` (a server step's
@@ -290,6 +302,17 @@ class SpanCosts:
         1.2-1.6x faster)."""
         needed = max(PROMPTS_TO_CARRY, min(PLAIN_EVIDENCE_ROWS, 2 * batch)) if alike else PLAIN_EVIDENCE_ROWS
         return self.measured(PLAIN, batch) and self.plain_rows.get(batch, 0) >= needed
+
+
+def span_distance(other: int, span: int) -> tuple[float, int]:
+    """How far cache span ``other`` is from ``span``, as a sort key: by ratio, the shorter of two as near."""
+    return abs(math.log2(other / span)), other
+
+
+def nearest_span(spans: Iterable[int], span: int) -> int:
+    """``span`` if among ``spans``, else the nearest of them (``span_distance``)."""
+    spans = list(spans)
+    return span if span in spans else min(spans, key=lambda s: span_distance(s, span))
 
 
 class AtSpan:

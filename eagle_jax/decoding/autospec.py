@@ -33,7 +33,8 @@ costs a few rounds, not the process: the choice is made again wherever what the 
 says it may change. A chain observes only its own drafts, so where prompts differ a deeper chain that would win
 were its deeper drafts accepted as the chain's deepest runs a few rounds first, once a call (``deeper_unseen``): the
 deeper drafts' estimate is otherwise some earlier prompt's. Plain decoding proper (the drafter not fed, so no way back within the call) runs
-only after a fresh probe (``PROBE_ROUNDS`` rounds, or ``PLAIN_OWN_ROUNDS`` where prompts differ) has
+only after a fresh look at the call's first drafts (``PROBE_ROUNDS`` rounds, or ``PLAIN_OWN_ROUNDS`` where prompts
+differ: probe rounds, or a chain of 1 where its rounds cost about a probe's, ``AutoRun._look``) has
 confirmed that speculation does not pay, and the chain that would pay were its drafts past the first accepted
 as often as the first (the probe sees the first only) has run a few rounds, if there is one; or, to be measured where it may win, on a call's last few
 rounds, where the call no longer needs the drafter; each call starts with the drafter fed, so a later
@@ -78,7 +79,9 @@ MAX_CHUNK_ROUNDS = 64  # ... and the longest at a depth chosen again (ending soo
 # share (``watch``): a closer race is not worth a new chunk's host round trip, nor its risk of a noisy switch.
 WATCH_TOLERANCE = 0.02
 EXPLORE_ROUNDS = 4  # rounds that measure a depth whose cost is not known yet
-PROBE_ROUNDS = 4  # rounds without drafts, drafter fed, that observe acceptance before plain decoding
+# Rounds that observe a call's first drafts before plain decoding: without drafts, the drafter fed (a probe), or a
+# chain of 1 where it leaves the call sooner done (``AutoRun._look``)
+PROBE_ROUNDS = 4
 # ... and that start a call whose best depth, on the acceptance known before it, is not clearly ahead of
 # plain decoding (expected to finish in more than this share of plain's time): the call's own rows then
 # decide (in a batch the slowest row sets the end, and the pair's pooled estimate hides it), for the price

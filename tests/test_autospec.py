@@ -278,7 +278,9 @@ def test_a_call_runs_a_chain_before_it_stops_speculating_only_where_deeper_draft
     assert chain == 3 and n == autospec.EXPLORE_ROUNDS  # ~1 + 0.39 + 0.15 + 0.06 tokens a round for 1.5 s: the best hope
     run.chunks.append((chain, n))
     assert run._next(True, [(32, promising)], observed=autospec.PLAIN_OWN_ROUNDS + n)[0] == autospec.PLAIN  # it did not pay
-    run.chunks.pop()
+    run.chunks[:] = [(1, autospec.PLAIN_OWN_ROUNDS)]  # a look that ran a chain of 1: the deeper drafts are still unseen
+    assert run._next(True, [(32, promising)], observed=autospec.PLAIN_OWN_ROUNDS)[0] == 3
+    run.chunks[:] = [(None, autospec.PLAIN_OWN_ROUNDS)]
     fair = autospec.AcceptanceEstimate()
     fair.observe_probe(0.2, 50)  # a chain of 1: ~1.2 tokens for 1.4 s, within 1.3x of plain decoding's 1 for 1.0 s
     assert run._next(True, [(32, fair)], observed=autospec.PLAIN_OWN_ROUNDS)[0] == autospec.PLAIN

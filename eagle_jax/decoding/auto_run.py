@@ -183,7 +183,7 @@ class AutoRun:
 
     def _look(self, costs: autospec.AtSpan, rows: list[tuple[int, autospec.AcceptanceEstimate]]) -> tuple[int | None, int]:
         """``PROBE_ROUNDS`` rounds that observe these rows' first drafts: probe rounds (no drafts, the drafter fed), or a
-        chain of 1 where it is expected to leave the call sooner done. Both see the first draft; a chain of 1 round also
+        chain of 1 where it is expected to leave the call sooner done. Both see the first draft; a chain of 1's round also
         verifies it, and emits it where accepted: it pays where its extra cost over a probe round is less than what the
         drafts it is expected to emit save at the best choice's cost per token (bfloat16 batch 1 on a CPU: a probe
         round cost 0.93x a chain of 1's and emitted 1 token where the chain emitted ~1.5). Not watched: a look runs
@@ -208,10 +208,11 @@ class AutoRun:
     def _spend(self, costs: autospec.AtSpan, rows: list[tuple[int, autospec.AcceptanceEstimate]], times: dict[int, float],
                depth: int, observed: int) -> tuple[int | None, int]:
         """(depth, rounds) of the next chunk once ``depth`` is the choice on ``times`` (depth -> expected seconds to
-        finish the call): a close chain tried, a probe, a depth being measured, or the choice's rounds."""
+        finish the call): a close chain tried, a look at the rows' first drafts, a depth being measured, or the choice's rounds."""
         batch = self.plan.batch
         if depth == autospec.PLAIN and not any(d is not None and d > 1 for d, _ in self.chunks):
-            # this call's rows run a chain before it stops speculating, where deeper drafts could make one pay
+            # this call's rows run a chain past the first draft (a look sees only that) before it stops speculating,
+            # where deeper drafts could make one pay
             if (hoped := autospec.deeper_unseen(costs, batch, rows, depth)) is not None:
                 return hoped, self._explore_rounds(costs, hoped)
         if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:

@@ -46,7 +46,7 @@ The opt-in adaptive chains calibrate their costs apart (``decoding/adaptive_cost
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import numpy as np
 from scipy.special import ndtr
@@ -312,9 +312,8 @@ def span_distance(other: int, span: int) -> tuple[float, int]:
     return abs(math.log2(other / span)), other
 
 
-def nearest_span(spans: Iterable[int], span: int) -> int:
+def nearest_span(spans: Collection[int], span: int) -> int:
     """``span`` if among ``spans``, else the nearest of them (``span_distance``)."""
-    spans = list(spans)
     return span if span in spans else min(spans, key=lambda s: span_distance(s, span))
 
 

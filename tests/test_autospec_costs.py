@@ -214,3 +214,32 @@ def test_span_levels_fit_one_table_and_leave_unrelated_spans_unscaled():
     assert math.exp(noisy[0][1] + noisy[1][100]) == pytest.approx(2.0, rel=0.05)
     apart = autospec.span_levels([*cells, (5, 400, 7.0, 8.0)])  # shares nothing: read as measured, unscaled
     assert apart[1][400] == pytest.approx(0.0) and math.exp(apart[0][5]) == pytest.approx(7.0)
+
+
+def test_a_chain_priced_far_above_the_line_through_the_others_is_measured_again_once():
+    """A round's cost is about linear in its drafts; a chain measured at more than CHAIN_CONTRADICTED times the line
+    through the other chains (a few short chunks in a busy moment, or an earlier process's) is forgotten at every span
+    and modelled from the others, so it runs again where that makes it close to the best. Once per chain and row
+    count: measured as dear again, it is read as measured (bfloat16 batch 1: a chain of 7 kept at 9.95 ms a round
+    against 8.36 measured per round, 1.4x the line through chains of 3 and 5, never ran again)."""
+    per_round = {0: 4.3, 1: 4.63, 3: 6.03, 5: 7.02, 7: 8.36}  # ms, measured per round on a CPU: no chain contradicted
+    assert autospec.contradicted_chains(per_round) == {}
+    assert autospec.contradicted_chains(per_round | {7: 9.95}) == {7: pytest.approx(9.95 / 8.01)}
+    assert autospec.contradicted_chains(per_round | {1: 6.0}) == {1: pytest.approx(6.0 / (4.3 + 1.73 / 3))}
+    assert autospec.contradicted_chains({3: 6.0, 7: 20.0}) == {}  # one other: no line to read it against
+
+    costs = autospec.SpanCosts()
+    costs.overhead.set_dispatch(0.001)
+    for span in (160, 480):
+        costs.observe_chunk(span, None, 1, 4, 0.001 + 4 * 0.0043, first=True)
+        for depth in (1, 3, 5):
+            costs.observe_chunk(span, depth, 1, 16, 0.001 + 16 * per_round[depth] / 1e3, first=False)
+    assert costs.forgotten == set()
+    costs.observe_chunk(480, 7, 1, 8, 0.001 + 8 * 0.00995, first=False)  # read as 9.95 ms: forgotten at once
+    assert costs.forgotten == {(1, 7)} and not costs.measured(7, 1) and not costs.settled(7, 1)
+    line = 7.02 + (7.02 - 6.03)  # modelled from the chains around it
+    assert costs.at(480).cost(7, 1) == pytest.approx(line / 1e3, rel=0.02)
+    assert costs.at(160).cost(5, 1) == pytest.approx(7.02e-3, rel=0.02)  # the others untouched
+    costs.observe_chunk(160, 7, 1, 8, 0.001 + 8 * 0.0105, first=False)  # as dear again: kept, as measured
+    assert costs.forget_contradicted_chain(1) is None and costs.settled(7, 1)
+    assert costs.at(160).cost(7, 1) == pytest.approx(0.0105, rel=0.02)

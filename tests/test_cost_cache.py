@@ -173,3 +173,20 @@ def test_a_restarted_server_starts_from_the_step_costs_it_measured(cache, pair):
     _, out_again, _ = serve(pair, PROMPTS)
     assert out == out_again == plain
 
+
+
+def test_a_kept_chain_far_above_the_line_is_measured_again_by_the_next_process(cache):
+    """Costs an earlier process kept that price a chain far above the line through the others (its few chunks ran in
+    a busy moment) are not the next process's last word: that chain is forgotten when they are read, and modelled
+    from the others until it runs again (``CHAIN_CONTRADICTED``)."""
+    costs = measured_costs()
+    costs.observe_chunk(512, 5, 1, 8, 1.3 * 8 * 0.040, first=False)  # 40 ms a round at 1.3x: far above K=3 and K=7
+    assert costs.forgotten == {(1, 5)} and not costs.measured(5, 1)
+    costs.observe_chunk(512, 5, 1, 8, 1.3 * 8 * 0.040, first=False)  # measured as dear again: kept this time
+    assert costs.measured(5, 1)
+    costs.keep(lambda: "pair")
+    cost_cache.save("pair", costs, now=True)
+    again = autospec.SpanCosts()
+    again.keep(lambda: "pair")
+    assert again.forgotten == {(1, 5)} and not again.measured(5, 1) and again.measured(7, 1) and again.measured(3, 1)
+    assert again.at(512).cost(5, 1) < costs.at(512).cost(5, 1) / autospec.CHAIN_CONTRADICTED

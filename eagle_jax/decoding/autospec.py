@@ -63,11 +63,13 @@ from eagle_jax.decoding.acceptance_estimate import (  # noqa: F401  (read as aut
 )
 from eagle_jax.decoding.chunk_overhead import ChunkOverhead
 from eagle_jax.decoding.cost_model import (  # noqa: F401  (read as autospec.X by auto_run, the server and the tests)
+    CHAIN_CONTRADICTED,
     COST_WINDOW,
     PLAIN,
     PROBE_CONTRADICTED,
     SETTLED_ROUNDS,
     CostModel,
+    contradicted_chains,
     span_levels,
 )
 
@@ -161,6 +163,7 @@ class SpanCosts:
         # (changes and measurements fitted, log level per (rows, depth), log level per span)
         self._table: tuple[int, int, dict, dict] = (0, 0, {}, {})
         self.cache_name: str | None = None  # the file these costs are kept in (``keep``): "" none, None not asked yet
+        self.forgotten: set[tuple[int, int]] = set()  # (rows, depth) of chains measured anew (``forget_contradicted_chain``)
 
     def keep(self, name: Callable[[], str]) -> None:
         """Keeps these costs on disk under ``name()`` (``cost_cache``), starting from the ones kept there, unless the
@@ -178,6 +181,9 @@ class SpanCosts:
             self.__init__()  # measured anew: nothing of a file read halfway stays
             self.cache_name = kept
             cost_cache.unreadable(kept, err)
+            return
+        for rows in {r for m in self.by_span.values() for r, _ in m.window}:  # an earlier process's busy moments
+            self.forget_contradicted_chain(rows)
 
     def kept(self) -> None:
         """Writes these costs to their file (``keep``), now or at a later call's end or the process's exit."""
@@ -202,6 +208,23 @@ class SpanCosts:
         for m in self.by_span.values():
             m.reprice()
             m.forget_contradicted_probe(rows)
+        self.forget_contradicted_chain(rows)
+
+    def forget_contradicted_chain(self, rows: int) -> int | None:
+        """Forgets, at every span, the measurements of the chain at ``rows`` rows furthest above the line through the
+        others (``CHAIN_CONTRADICTED``, read on the table of every span: ``span_levels``), once per chain and row count
+        in a process. Its cost is then modelled from the others', which makes it run and be measured again where that
+        puts it close to the best (``EXPLORE_CLOSE``). Returns the depth forgotten, or None."""
+        depth_level, _ = self._levels()
+        points = {d or 0: math.exp(level) for (r, d), level in depth_level.items() if r == rows and d != PLAIN}
+        above = {d: x for d, x in contradicted_chains(points).items() if (rows, d) not in self.forgotten}
+        if not above:
+            return None
+        depth = max(above, key=above.get)
+        self.forgotten.add((rows, depth))
+        for m in self.by_span.values():
+            m.forget(rows, depth)
+        return depth
 
     def probed(self, rows: int) -> bool:
         """Whether a probe round's cost at ``rows`` was measured at some span."""

@@ -27,6 +27,14 @@ MIN_ROUNDS_SHARE = 0.2  # a measurement's rounds are at least this share of its 
 # line in K, priced deeper chains below shallower ones and plain decoding above them all, and a chain of 7 ran
 # every later call at 0.7x plain decoding's speed (the probe never ran again to correct it).
 PROBE_CONTRADICTED = 1.25
+# A round of K drafts is one target forward over 1 + K positions and K drafter steps: its cost is about linear in K
+# (bfloat16 batch 1 on a CPU: chains of 1, 3, 5 and 7 at 4.6, 6.0, 7.0 and 8.4 ms, each within 1.07x of the line
+# through its neighbours). A chain measured at more than this factor times that line (``contradicted_chains``) is
+# measured again, once per process (``SpanCosts.forget_contradicted_chain``): a few short chunks in a busy moment,
+# or an earlier process's, priced a chain of 7 at 1.4x the line (9.95 ms against 8.4 measured per round), so it
+# was never within reach of a choice, never ran to correct it, and a chain of 5 ran every call of a sequence on
+# which the chain of 7 was 1.14x faster (bfloat16, batch 1, greedy).
+CHAIN_CONTRADICTED = 1.15
 
 
 def weighted_median(values: Iterable[tuple[float, float]]) -> float:
@@ -39,6 +47,18 @@ def weighted_median(values: Iterable[tuple[float, float]]) -> float:
         if run >= half:
             return v
     return ordered[-1][0]
+
+
+def contradicted_chains(points: dict[int, float]) -> dict[int, float]:
+    """Chains whose cost is above ``CHAIN_CONTRADICTED`` times the line through the others: ``points`` are seconds
+    per round by depth (0: the probe round, a base that drafts nothing), at least two others needed to draw the
+    line (between the nearest around, else through the nearest two). Returns depth -> its cost over the line's."""
+    out = {}
+    for depth, seconds in points.items():
+        others = {d: s for d, s in points.items() if d != depth}
+        if depth > 0 and len(others) >= 2 and seconds > CHAIN_CONTRADICTED * (line := _along(others, depth, extrapolate=True)):
+            out[depth] = seconds / line
+    return out
 
 
 def kept_measurement(seconds, rounds, first) -> tuple[float, int, bool]:
@@ -132,6 +152,9 @@ class CostModel:
             self.probe_measured[rows] = weighted_median(per)
         else:
             self.seconds[rows, depth] = weighted_median(per)
+        self._read_probe(rows)
+
+    def _read_probe(self, rows: int) -> None:
         if rows in self.probe_measured:  # ``PROBE_CONTRADICTED``
             self.probe[rows] = min([self.probe_measured[rows], *self._chains(rows).values()])
 
@@ -151,6 +174,15 @@ class CostModel:
         self.changes += 1
         del self.window[rows, None], self.probe_measured[rows], self.probe[rows]
         return True
+
+    def forget(self, rows: int, depth: int) -> None:
+        """Forgets every measurement of ``depth`` at ``rows`` (measured anew from here on)."""
+        if self.window.pop((rows, depth), None) is None:
+            return
+        self.changes += 1
+        self.seconds.pop((rows, depth), None)
+        self.rounds.pop((rows, depth), None)
+        self._read_probe(rows)
 
     def to_dict(self) -> dict:
         """What was measured here (the windows, the rounds, the probes measured again), for ``restore``."""

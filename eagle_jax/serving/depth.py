@@ -111,6 +111,7 @@ class AutoDepth:
         if seconds is not None:
             costs = self.costs(greedy)
             costs.model(span).update(None if depth == autospec.PLAIN else depth, rows, seconds, ran)
+            costs.forget_contradicted_chain(rows)
             costs.kept()  # written now and then (``cost_cache.SAVE_EVERY_S``) and at exit
         if depth == autospec.PLAIN:
             total = [p for _, _, p in per_request if p is not None and p[1] > 0]

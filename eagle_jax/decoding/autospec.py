@@ -13,7 +13,9 @@ apart, because they change at different speeds:
   without a depth's cost reads it through one table of every span's, ``span_levels``), so a new
   batch size, span or depth costs no exploration beyond one probe: only the deepest chain runs once (``EXPLORE_ROUNDS`` rounds of real work)
   before any choice, to measure what a drafter step costs, and a depth modelled or measured over few
-  rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``). A ``generate`` chunk's time apart from its
+  rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``); a chain measured
+  far above the line through the others is forgotten, once a process, and so modelled and measured again
+  (``CHAIN_CONTRADICTED``). A ``generate`` chunk's time apart from its
   rounds (dispatch, host sync, each execution's one-time work, more after a prefill) is fitted per batch size
   over its latest chunks (``decoding/chunk_overhead.py``) and left out of its rounds' costs, so short chunks
   and long ones compare. Kept on disk (``decoding/cost_cache.py``), so what a process measured, a later one

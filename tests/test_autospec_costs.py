@@ -227,6 +227,7 @@ def test_a_chain_priced_far_above_the_line_through_the_others_is_measured_again_
     assert autospec.contradicted_chains(per_round | {7: 9.95}) == {7: pytest.approx(9.95 / 8.01)}
     assert autospec.contradicted_chains(per_round | {1: 6.0}) == {1: pytest.approx(6.0 / (4.3 + 1.73 / 3))}
     assert autospec.contradicted_chains({3: 6.0, 7: 20.0}) == {}  # one other: no line to read it against
+    assert autospec.contradicted_chains({0: 4.3, 1: 4.63, 7: 8.36}) == {}  # no line out of the probe round: it is no chain
 
     costs = autospec.SpanCosts()
     costs.overhead.set_dispatch(0.001)

@@ -51,12 +51,22 @@ def weighted_median(values: Iterable[tuple[float, float]]) -> float:
 
 def contradicted_chains(points: dict[int, float]) -> dict[int, float]:
     """Chains whose cost is above ``CHAIN_CONTRADICTED`` times the line through the others: ``points`` are seconds
-    per round by depth (0: the probe round, a base that drafts nothing), at least two others needed to draw the
-    line (between the nearest around, else through the nearest two). Returns depth -> its cost over the line's."""
+    per round by depth (0: the probe round). The line runs between the nearest others around the chain, else through
+    the two nearest other chains: not from the probe round, which is no chain (a line through it and a chain of 1,
+    extrapolated, priced a chain of 7 at 0.8x its cost). Returns depth -> its cost over the line's."""
     out = {}
     for depth, seconds in points.items():
         others = {d: s for d, s in points.items() if d != depth}
-        if depth > 0 and len(others) >= 2 and seconds > CHAIN_CONTRADICTED * (line := _along(others, depth, extrapolate=True)):
+        chains = {d: s for d, s in others.items() if d > 0}
+        if depth == 0 or not others:
+            continue
+        if min(others) < depth < max(others):
+            line = _along(others, depth)
+        elif len(chains) >= 2:
+            line = _along(chains, depth, extrapolate=True)
+        else:
+            continue
+        if seconds > CHAIN_CONTRADICTED * line:
             out[depth] = seconds / line
     return out
 

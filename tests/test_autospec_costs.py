@@ -221,7 +221,7 @@ def test_a_chain_priced_far_above_the_line_through_the_others_is_measured_again_
     through the other chains (a few short chunks in a busy moment, or an earlier process's) is forgotten at every span
     and modelled from the others, so it runs again where that makes it close to the best. Once per chain and row
     count: measured as dear again, it is read as measured (bfloat16 batch 1: a chain of 7 kept at 9.95 ms a round
-    against 8.36 measured per round, 1.4x the line through chains of 3 and 5, never ran again)."""
+    against 8.36 measured per round, 1.24x the line through chains of 3 and 5, never ran again)."""
     per_round = {0: 4.3, 1: 4.63, 3: 6.03, 5: 7.02, 7: 8.36}  # ms, measured per round on a CPU: no chain contradicted
     assert autospec.contradicted_chains(per_round) == {}
     assert autospec.contradicted_chains(per_round | {7: 9.95}) == {7: pytest.approx(9.95 / 8.01)}

@@ -174,7 +174,6 @@ def test_a_restarted_server_starts_from_the_step_costs_it_measured(cache, pair):
     assert out == out_again == plain
 
 
-
 def test_a_kept_chain_far_above_the_line_is_measured_again_by_the_next_process(cache):
     """Costs an earlier process kept that price a chain far above the line through the others (its few chunks ran in
     a busy moment) are not the next process's last word: that chain is forgotten when they are read, and modelled

@@ -31,9 +31,9 @@ PROBE_CONTRADICTED = 1.25
 # (bfloat16 batch 1 on a CPU: chains of 1, 3, 5 and 7 at 4.6, 6.0, 7.0 and 8.4 ms, each within 1.07x of the line
 # through its neighbours). A chain measured at more than this factor times that line (``contradicted_chains``) is
 # measured again, once per process (``SpanCosts.forget_contradicted_chain``): a few short chunks in a busy moment,
-# or an earlier process's, priced a chain of 7 at 1.4x the line (9.95 ms against 8.4 measured per round), so it
-# was never within reach of a choice, never ran to correct it, and a chain of 5 ran every call of a sequence on
-# which the chain of 7 was 1.14x faster (bfloat16, batch 1, greedy).
+# or an earlier process's, priced a chain of 7 at 9.95 ms (8.4 measured per round; 1.24x the line through chains
+# of 3 and 5 as measured per round), so it was never within reach of a choice, never ran to correct it, and a chain
+# of 5 ran every call of a sequence on which the chain of 7 was 1.14x faster (bfloat16, batch 1, greedy).
 CHAIN_CONTRADICTED = 1.15
 
 

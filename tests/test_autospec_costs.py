@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from eagle_jax.decoding import autospec
@@ -119,6 +120,33 @@ def test_a_chunks_overhead_is_fitted_per_batch_size_and_reprices_earlier_chunks(
     assert model.probe[12] == pytest.approx(0.016, rel=0.06)  # its own small first extra stays in its rounds
     assert model.seconds[12, 1] == pytest.approx(0.018, rel=0.05) and model.seconds[12, 3] == pytest.approx(0.025, rel=0.05)
     assert model.seconds[1, 1] == pytest.approx(0.0045, rel=0.1)
+
+
+def test_a_chunk_that_agrees_with_the_overhead_fit_waits_for_the_next_fit():
+    """A fit after every chunk cost ~1.4 ms of an auto call's host time: a chunk of a key the fit has, within its
+    robust bound, is kept for the next fit; a new key, a new first chunk, a time off the fit or ``REFIT_EVERY``
+    chunks refit, and the parts come out as a fit after every chunk would have them."""
+    from eagle_jax.decoding import chunk_overhead
+
+    lazy, eager = chunk_overhead.ChunkOverhead(), chunk_overhead.ChunkOverhead()
+    for o in (lazy, eager):
+        o.set_dispatch(0.001)
+    per = {1: 0.004, 3: 0.006}
+    rng = np.random.default_rng(0)
+    refits = []
+    for i in range(40):
+        depth, n, first = (1, 3)[i % 2], (8, 24, 16)[i % 3], i % 5 == 0
+        t = 0.002 + (0.003 if first else 0.0) + n * per[depth] * rng.uniform(0.99, 1.01)
+        refits.append(lazy.observe(1, depth, n, t, first))
+        eager.observe(1, depth, n, t, first)
+        eager._refit(1)
+    assert all(refits[:4]) and refits.count(False) > 20  # the first chunks all refit; most later ones agree
+    assert all(refits[i] for i in range(len(refits)) if i >= chunk_overhead.REFIT_EVERY and not any(refits[i - chunk_overhead.REFIT_EVERY + 1 : i]))
+    assert lazy.seconds(1) == pytest.approx(eager.seconds(1), abs=2e-4)
+    assert lazy.seconds(1, first=True, key=1) == pytest.approx(eager.seconds(1, first=True, key=1), abs=3e-4)
+    assert lazy.observe(1, 5, 8, 0.05, False)  # a key the fit has not seen
+    assert lazy.observe(1, 1, 8, 0.002 + 8 * 0.004 + 0.02, False)  # a busy moment's chunk, off the fit
+    assert lazy.observe(2, 1, 8, 0.034, False)  # another batch size: its own fit
 
 
 def test_a_cold_calls_chunks_fit_the_overhead_from_the_one_depth_that_ran_twice():

@@ -204,11 +204,12 @@ class SpanCosts:
     def observe_chunk(self, span: int, depth: int | None, rows: int, rounds: int, seconds: float, first: bool) -> None:
         """A ``generate`` chunk of ``rounds`` rounds at ``depth`` (None: probe rounds) over ``rows`` rows and ``span``
         cache slots took ``seconds``; ``first``: the first after its call's prefill. Its rounds' cost is its time
-        less the chunk's overhead, which this chunk refits: every cost is derived anew with it."""
-        self.overhead.observe(rows, (span, depth), rounds, seconds, first)
+        less the chunk's overhead, which this chunk may refit: every cost is then derived anew with it."""
+        refitted = self.overhead.observe(rows, (span, depth), rounds, seconds, first)
         self.model(span).update(depth, rows, seconds, rounds, first)
         for m in self.by_span.values():
-            m.reprice()
+            if refitted:
+                m.reprice()
             m.forget_contradicted_probe(rows)
         self.forget_contradicted_chain(rows)
 

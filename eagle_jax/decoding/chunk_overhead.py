@@ -11,7 +11,10 @@ first(span, depth) x is_first + rounds x cost(span, depth)`` by least squares, r
 chunk (Huber weights). Where the chunks cannot tell a part apart (one length per depth, a depth's first
 chunks only), a weak prior holds it at the dispatch (fixed) and at 0 (a first extra).
 
-The parts are fitted anew with every chunk, so a cost derived from a chunk early on (a probe's 4 rounds,
+The parts are fitted anew with every chunk that tells something the fit did not (a key or a first chunk it has
+not seen, a time beyond the robust bound of its prediction, ``REFIT_EVERY`` chunks since): a fit costs ~0.3-0.5 ms
+on a CPU, which after every chunk was ~1.4 ms of an auto call's host time at bfloat16 batch 1, where a chunk that
+agrees with the fit moves it little. So a cost derived from a chunk early on (a probe's 4 rounds,
 the first after a prefill, measured while the fixed part looked like the dispatch alone: it priced plain
 decoding at 1.5x its cost at bfloat16 batch 12) is re-derived as the parts become known
 (``CostModel.reprice``)."""
@@ -30,6 +33,7 @@ PRIOR_WEIGHT = 0.3  # the prior's weight against one chunk's (a chunk's time is 
 HUBER = 2.0  # residuals beyond this many robust standard deviations count linearly, not squared ...
 TUKEY = 4.685  # ... and then, from a fit so weighted, beyond this many not at all
 MIN_SPREAD_S = 1e-4  # the least spread a chunk's time is read with (a timer's and a dispatch's jitter)
+REFIT_EVERY = 8  # chunks after which the parts are fitted anew though each agreed with the fit
 
 
 class ChunkOverhead:
@@ -40,18 +44,25 @@ class ChunkOverhead:
         self.dispatch_s: float | None = None
         self._chunks: dict[int, deque] = {}  # rows -> (key, rounds, seconds, first)
         self._parts: dict[int, tuple[float, dict]] = {}  # rows -> (fixed, key -> the first chunk's extra)
+        self._fits: dict[int, _Fit] = {}  # rows -> what the parts' fit predicts a chunk's time from
 
     def set_dispatch(self, seconds: float) -> None:
         self.dispatch_s = seconds
+        self._fits.clear()  # the prior moved: the next chunk refits
 
-    def observe(self, rows: int, key: Hashable, rounds: int, seconds: float, first: bool) -> None:
+    def observe(self, rows: int, key: Hashable, rounds: int, seconds: float, first: bool) -> bool:
         """A chunk of ``rounds`` rounds over ``rows`` rows took ``seconds``; ``key``: what sets its cost per round
-        and its first extra (span, depth); ``first``: the first chunk after its call's prefill. Refits this batch
-        size's parts."""
+        and its first extra (span, depth); ``first``: the first chunk after its call's prefill. Returns whether
+        this batch size's parts were fitted anew (else the chunk agreed with them and waits for the next fit)."""
         if rounds < 1 or seconds <= 0:
-            return
+            return False
         self._chunks.setdefault(rows, deque(maxlen=FIT_CHUNKS)).append((key, rounds, seconds, first))
-        self._parts[rows] = self._fit(self._chunks[rows])
+        fit = self._fits.get(rows)
+        if fit is not None and fit.agrees(key, rounds, seconds, first):
+            fit.since += 1
+            return False
+        self._refit(rows)
+        return True
 
     def to_dict(self) -> dict:
         """The dispatch and the chunks the parts are fitted over (keys as lists), for ``restore``."""
@@ -66,7 +77,7 @@ class ChunkOverhead:
             kept = deque((_kept_chunk(*chunk) for chunk in chunks), maxlen=FIT_CHUNKS)
             self._chunks[int(rows)] = kept
             if kept:
-                self._parts[int(rows)] = self._fit(kept)
+                self._refit(int(rows))
 
     def seconds(self, rows: int, first: bool = False, key: Hashable = None) -> float:
         """The part of a chunk's time over ``rows`` rows that is not its rounds, for a chunk of ``key`` where
@@ -77,7 +88,12 @@ class ChunkOverhead:
         fixed, extra = self._parts[rows]
         return max(floor, fixed) + (max(extra.get(key, 0.0), 0.0) if first else 0.0)
 
-    def _fit(self, chunks) -> tuple[float, dict]:
+    def _refit(self, rows: int) -> None:
+        fit = self._fit(self._chunks[rows])
+        self._parts[rows] = (fit.fixed, fit.first)
+        self._fits[rows] = fit
+
+    def _fit(self, chunks) -> _Fit:
         keys = list(dict.fromkeys(k for k, *_ in chunks))
         firsts = list(dict.fromkeys(k for k, _, _, first in chunks if first))
         ncol = 1 + len(firsts) + len(keys)
@@ -100,8 +116,8 @@ class ChunkOverhead:
         leverage = np.einsum("ij,ji->i", a[:m], np.linalg.solve(gram, a[:m].T))
         free = leverage < 1.0 - 1e-6
         x = np.linalg.solve(gram, a.T @ t)  # least squares
-        if free.sum() < 3:  # too few chunks to tell a busy one: least squares
-            return float(x[0]), {k: float(x[1 + j]) for j, k in enumerate(firsts)}
+        if free.sum() < 3:  # too few chunks to tell a busy one: least squares, refitted with the next chunk
+            return _Fit.of(x, firsts, keys, None)
         w = np.ones(len(t))
         for step in range(7):  # iteratively reweighted: Huber's weights, then Tukey's (a busy chunk drops out)
             r = (t - a @ x)[:m]
@@ -115,7 +131,29 @@ class ChunkOverhead:
                 continue
             w[:m] = weight
             x = _weighted_lstsq(a, t, w)
-        return float(x[0]), {k: float(x[1 + j]) for j, k in enumerate(firsts)}
+        return _Fit.of(x, firsts, keys, scale)
+
+
+class _Fit:
+    """A fit of a batch size's chunks: the fixed part, each key's first extra and cost per round, and the robust
+    spread of a chunk's time about it (None: too few chunks to read one)."""
+
+    def __init__(self, fixed: float, first: dict, per_round: dict, scale: float | None):
+        self.fixed, self.first, self.per_round, self.scale = fixed, first, per_round, scale
+        self.since = 0  # chunks that agreed with it since it was fitted
+
+    @classmethod
+    def of(cls, x: np.ndarray, firsts: list, keys: list, scale: float | None) -> "_Fit":
+        return cls(float(x[0]), {k: float(x[1 + j]) for j, k in enumerate(firsts)},
+                   {k: float(x[1 + len(firsts) + j]) for j, k in enumerate(keys)}, scale)
+
+    def agrees(self, key: Hashable, rounds: int, seconds: float, first: bool) -> bool:
+        """Whether a new chunk would leave this fit about as it is: of a key (and a first extra) it has, within
+        Huber's bound of its prediction, and fewer than ``REFIT_EVERY`` such chunks since it was fitted."""
+        if self.scale is None or self.since + 1 >= REFIT_EVERY or key not in self.per_round or (first and key not in self.first):
+            return False
+        predicted = self.fixed + (self.first[key] if first else 0.0) + rounds * self.per_round[key]
+        return abs(seconds - predicted) <= HUBER * self.scale
 
 
 def _kept_chunk(key, rounds, seconds, first) -> tuple:

@@ -207,24 +207,3 @@ class AcceptanceEstimate:
         at_least = np.cumprod(self.p[:depth])
         mean = float(at_least.sum())
         return mean, float((at_least * (2 * np.arange(1, depth + 1) - 1)).sum()) - mean**2
-
-
-def p_after(estimates: Sequence[AcceptanceEstimate], q: np.ndarray, depth: int, rounds: np.ndarray) -> np.ndarray:
-    """Each estimate's ``p`` once ``rounds`` more rounds of ``depth`` drafts ran on its row whose drafts were
-    accepted with chances ``q`` ([..., row, position], each given the ones before), as ``observe`` adds them in
-    expectation (a round reaches draft i with chance prod(q[:i]) and accepts it with q[i] more); ``rounds``
-    broadcasts against ``q[..., 0, 0]``. What a choice made after a chunk reads (``autospec.watch``)."""
-    trials = np.stack([est.trials for est in estimates])  # [row, position]
-    hits = np.stack([est.hits for est in estimates])
-    prior = np.array([est.prior for est in estimates])
-    i = np.arange(trials.shape[1])
-    keep = np.where(i < depth, KEEP, np.array([est.untried_keep for est in estimates])[:, None])  # [row, position]
-    reached = np.cumprod(np.concatenate([np.ones_like(q[..., :1]), q[..., :-1]], axis=-1), axis=-1) * (i < depth)
-    faded = keep ** np.asarray(rounds, float)[..., None, None]
-    added = (1.0 - faded) / (1.0 - keep)  # the rounds' weights, decayed as ``_add`` decays them
-    t, h = trials * faded + reached * added, hits * faded + reached * q * added
-    out, prev = np.empty(t.shape), prior
-    for k in i:
-        prev = out[..., k] = (h[..., k] + PRIOR_ROUNDS * prev) / (t[..., k] + PRIOR_ROUNDS)
-    return out
-

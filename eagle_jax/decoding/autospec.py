@@ -30,8 +30,7 @@ expected tokens per second, ``expected_tokens(K) / cost(K)`` (``choose_depth``),
 where it is within ``WATCH_TOLERANCE`` of it (``keep_close``). A ``generate`` chunk at a depth chosen
 anew runs ``CHUNK_ROUNDS`` (a look; none where prompts are alike); chosen again, it takes the rounds its
 call is expected to need (up to ``MAX_CHUNK_ROUNDS``) and ends early in the compiled loop once its rows
-accept drafts outside the band where the choice made after them, on estimates that add them to what came before,
-would no longer keep its depth (``watch``, engine ``departed``). One bad prompt therefore
+accept drafts outside the band where its depth pays (``watch``, engine ``departed``). One bad prompt therefore
 costs a few rounds, not the process: the choice is made again wherever what the current prompts do
 says it may change. A chain observes only its own drafts, so where prompts differ a deeper chain that would win
 were its deeper drafts accepted as the chain's deepest runs a few rounds first, once a call (``deeper_unseen``): the
@@ -63,10 +62,8 @@ from eagle_jax.decoding.acceptance_estimate import (  # noqa: F401  (read as aut
     PROMPT_MIN_ROUNDS,
     PROMPTS_TO_CARRY,
     AcceptanceEstimate,
-    p_after,
 )
 from eagle_jax.decoding.chunk_overhead import ChunkOverhead
-from eagle_jax.decoding.engine import WATCH_GRID
 from eagle_jax.decoding.cost_model import (  # noqa: F401  (read as autospec.X by auto_run, the server and the tests)
     CHAIN_CONTRADICTED,
     COST_WINDOW,
@@ -429,68 +426,44 @@ def toward_the_batch(rows: Sequence[tuple[int, AcceptanceEstimate]]) -> list[tup
     return out
 
 
-NEVER = np.array([-np.inf] * len(WATCH_GRID) + [np.inf] * len(WATCH_GRID), np.float32)  # a watch no rounds depart from
-# Acceptance scaled by these to find where a choice stops paying; 0 (no draft accepted) included: the estimate after
-# rounds that accepted none falls further than after rounds at an eighth of its rate, and only that fall ended a
-# chain of 1 on a prompt whose drafts are never accepted.
-_SCALES = np.concatenate([[0.0], np.geomspace(1 / 8, 8, 49)])
-_AT = int(np.argmin(np.abs(_SCALES - 1.0)))  # the scale 1: the rows as estimated
+NEVER = np.array([-np.inf, np.inf, 0.0], np.float32)  # a watch no rounds depart from
+_SCALES = np.geomspace(1 / 8, 8, 49)  # acceptance scaled by these to find where a choice stops paying
 
 
 def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]], depth: int | None,
           switch_s: float = 0.0) -> np.ndarray:
     """What a ``generate`` chunk of ``depth`` drafts over ``rows`` (tokens left, estimate) is watched with
-    (engine ``departed``): per count of rounds in ``WATCH_GRID``, (lo, hi), the band of drafts accepted per row
-    and round within which the choice made after those rounds keeps ``depth``. The band scales every row's acceptance alike (all drafts, all rows: what a prompt unlike
-    the ones before does) and reads where another depth would finish the call sooner by more than
-    ``WATCH_TOLERANCE`` and ``switch_s`` more (what a new chunk costs apart from its rounds: ~1 round at bfloat16
-    batch 12 on a CPU before its cache writes were scattered as bits, where ending chunks on 2% turned a call into
-    five chunks), on the rows' estimates with the rounds at that scale added (``p_after``), as the next choice
-    reads them. Read on the estimates as they were (the band of the choice itself), a chunk ended where its rows'
-    first rounds left that band while their estimates, which carry the rounds before, still chose the same depth:
-    a chain of 7 ran 4 rounds, then the same chain 4 more, then another (bfloat16, batch 1, greedy). A chunk whose
-    rows leave its band ends early, so its choice is made again; ``NEVER`` for rounds without drafts and for a
-    depth run to be measured (not the choice)."""
+    (engine ``departed``): (lo, hi, sd), the band of drafts accepted per row and round within which
+    ``depth`` stays within ``WATCH_TOLERANCE`` of the best choice, and ``switch_s`` more (what a new chunk costs
+    apart from its rounds: ~1 round at bfloat16 batch 12 on a CPU before its cache writes were scattered as
+    bits, where ending chunks on 2% turned a call into five chunks), and the standard deviation of one row-round's count. The band scales every row's acceptance alike (all drafts, all rows: what a
+    prompt unlike the ones before does) and reads where another depth would finish the call sooner by
+    more than the tolerance. A chunk whose rows leave it ends early, so its choice is made again;
+    ``NEVER`` for rounds without drafts and for a depth run to be measured (not the choice)."""
     price = {d: c for d in (PLAIN, *DEPTHS) if (c := costs.cost(d, batch))}
     if depth in (None, PLAIN) or depth not in price or len(price) < 2 or not rows:
         return NEVER  # nothing to compare with: no band
     rows = toward_the_batch(rows)
     left = np.array([n for n, _ in rows], float)
-    q = np.minimum(_SCALES[:, None, None] * np.stack([est.p for _, est in rows])[None], 1.0)  # [scale, row, k]
-    mean = _reach(q)[:, :, depth - 1].mean(axis=1)  # [scale]: drafts a round accepts at depth
-    n = np.array((0, *WATCH_GRID), float)[:, None]  # [rounds, 1]: none (the choice itself), then each grid count
-    after = p_after([est for _, est in rows], q, depth, n)  # [rounds, scale, row, k]
-    left = np.maximum(left - n[..., None] * (1.0 + _reach(q)[:, :, depth - 1]), 1.0)  # [rounds, scale, row]
-    reach = _reach(np.minimum(after, 1.0))
+    p = np.stack([est.p for _, est in rows])
+    reach = np.cumsum(np.cumprod(np.minimum(_SCALES[:, None, None] * p[None], 1.0), axis=2), axis=2)  # [scale, row, k]: drafts accepted at depth k+1
     ds = sorted(price)
-    tokens = np.stack([np.ones(reach.shape[:3]) if d == PLAIN else 1.0 + reach[..., d - 1] for d in ds], axis=-1)
-    finish = np.array([price[d] for d in ds]) * (left[..., None] / tokens).max(axis=2)  # [rounds, scale, depth]
-    mine = finish[..., ds.index(depth)]
-    fine = mine <= (1.0 + WATCH_TOLERANCE) * np.delete(finish, ds.index(depth), axis=-1).min(axis=-1) + switch_s
-    at = _AT
-    if not fine[0, at]:
-        return NEVER
-    bands = [_band(f, mean, at) for f in fine[1:]]
-    return np.array([*(lo for lo, _ in bands), *(hi for _, hi in bands)], np.float32)
-
-
-def _reach(q: np.ndarray) -> np.ndarray:
-    """Drafts a round accepts at each depth (the last axis) where each is accepted with chance ``q`` given the ones before."""
-    return np.cumsum(np.cumprod(q, axis=-1), axis=-1)
-
-
-def _band(fine: np.ndarray, mean: np.ndarray, at: int) -> tuple[float, float]:
-    """(lo, hi) of ``mean`` over the scales around ``at`` where ``fine`` holds (unbounded past the last scale); where
-    it fails at ``at`` (the choice moves even as estimated, e.g. once the rows' untried drafts fade), a band no
-    mean is in: the chunk ends."""
+    tokens = np.stack([np.ones(reach.shape[:2]) if d == PLAIN else 1.0 + reach[..., d - 1] for d in ds], axis=-1)
+    finish = np.array([price[d] for d in ds]) * (left[None, :, None] / tokens).max(axis=1)  # [scale, depth]
+    mine = finish[:, ds.index(depth)]
+    fine = mine <= (1.0 + WATCH_TOLERANCE) * np.delete(finish, ds.index(depth), axis=1).min(axis=1) + switch_s
+    at = len(_SCALES) // 2  # the scale 1: the rows as estimated
     if not fine[at]:
-        return np.inf, -np.inf
+        return NEVER
     lo, hi = at, at
     while lo > 0 and fine[lo - 1]:
         lo -= 1
-    while hi < len(fine) - 1 and fine[hi + 1]:
+    while hi < len(_SCALES) - 1 and fine[hi + 1]:
         hi += 1
-    return (float(mean[lo]) if lo > 0 else -np.inf), (float(mean[hi]) if hi < len(fine) - 1 else np.inf)
+    mean = reach[:, :, depth - 1].mean(axis=1)
+    moments = np.array([est.accepted_moments(depth) for _, est in rows])
+    sd = math.sqrt(float(moments[:, 1].mean() + moments[:, 0].var()))
+    return np.array([mean[lo] if lo > 0 else -np.inf, mean[hi] if hi < len(_SCALES) - 1 else np.inf, sd], np.float32)
 
 
 def close_unsettled(times: dict[int, float], settled: Callable[[int], bool]) -> int | None:

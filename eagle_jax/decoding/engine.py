@@ -542,26 +542,20 @@ def growing_spans(plan: Plan) -> tuple[int, ...]:
 
 
 WATCH_MIN_ROUNDS = 4  # a watched chunk runs at least this many rounds (``departed``)
-# Rounds into a chunk at which its watch holds a band: the choice made after them reads the rows' estimates with
-# those rounds added, which moves less the more evidence the estimates carry (``autospec.watch``). The band of the
-# last of these at or below the rounds run is read (wider than the band between two, never narrower).
-WATCH_GRID = (WATCH_MIN_ROUNDS, 8, 16, 32, 64)
+WATCH_Z = 1.0  # ... and ends once its rows' mean leaves the band by this many standard errors
 
 
 def departed(st: LoopState, start: Array, watch: Array) -> Array:
     """Whether the rounds since round ``start`` accepted drafts outside the band their choice assumed:
-    ``watch`` = (lo per ``WATCH_GRID`` entry, hi per entry) of drafts accepted per row and round
-    (``autospec.watch``), the band read at the rounds run. The band is where the choice made after those rounds,
-    on estimates that weigh them against the rounds before, keeps the depth: the noise of a few rounds is
-    already weighed there, so no margin is added (one of a standard error kept a chain of 1 running 55 rounds
-    on a prompt whose drafts were never accepted, the band's edge near 0)."""
+    ``watch`` = (lo, hi, sd) of drafts accepted per row and round (``autospec.watch``). Over the n
+    row-rounds that ran, the mean is below lo or above hi by more than WATCH_Z sd / sqrt(n): a
+    departure, not the noise of a few rounds."""
     r = jnp.arange(st.accepted.shape[1])[None, :]
     ran = (r >= start) & (r < st.rounds) & (st.accepted >= 0)
     n = jnp.maximum(ran.sum(), 1).astype(jnp.float32)
     mean = jnp.where(ran, st.accepted, 0).sum() / n
-    g = len(WATCH_GRID)
-    at = jnp.maximum(jnp.searchsorted(jnp.asarray(WATCH_GRID), st.rounds - start, side="right") - 1, 0)
-    return (st.rounds - start >= WATCH_MIN_ROUNDS) & ((mean < watch[at]) | (mean > watch[g + at]))
+    off = jnp.maximum(watch[0] - mean, mean - watch[1])
+    return (st.rounds - start >= WATCH_MIN_ROUNDS) & (off > WATCH_Z * watch[2] / jnp.sqrt(n))
 
 
 def run_rounds(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, limit: Array,

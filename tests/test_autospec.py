@@ -175,11 +175,29 @@ def test_a_batch_starts_from_its_last_calls_rows_and_a_choice_made_again_runs_th
     sure, _ = markov_drafter(target, succ, seed=0, disagree=0.0)
     easy = [[25, 25]]
     fixed_costs.fixed.update({5: 2.6, 7: 3.4})  # deep chains dear: K=3 chosen
-    for _ in range(2):
+    for _ in range(3):  # a call of one prompt reads the recent prompts (``AutoRun._times``): the hard one among them first
         out = eagle_jax.generate(target, sure, easy, max_new_tokens=160, eos_token_id=[])
         assert out.tokens == eagle_jax.generate(target, None, easy, max_new_tokens=160, eos_token_id=[]).tokens
     (d1, n1), (d2, n2) = out.stats["chunks"]  # 160 tokens, ~45 rounds: a look, then the rest in one chunk
     assert d1 == d2 == 3 and n1 == autospec.CHUNK_ROUNDS, out.stats["chunks"]
+
+
+def test_a_single_prompts_first_choice_reads_the_recent_prompts_not_the_last_alone(pair, fixed_costs):
+    """Before a call of one prompt has evidence of its own, where prompts differ, its time at each depth is the mean
+    over the recent finished prompts (``SpanCosts.recent_rows``): after one hard prompt among easy ones it runs a
+    chain at once; on the hard prompt's row alone (as a batch reads its last call's rows) it looks first. With
+    fewer recent prompts than FIRST_CHOICE_ROWS, or once it has evidence, the rows are as before."""
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 64, _AUTO_KW)
+    hard, easy = autospec.AcceptanceEstimate(), autospec.AcceptanceEstimate()
+    hard.observe([[0]] * 50, autospec.DEEPEST)
+    easy.observe([[autospec.DEEPEST]] * 50, autospec.DEEPEST)
+    new = easy.for_new_prompt(0.0)
+    fixed_costs.last_call[1] = [hard]
+    fixed_costs.recent_rows.extend([easy] * (autospec.FIRST_CHOICE_ROWS - 1) + [hard])
+    depth, _ = run._next(True, [(64, new)], observed=0)
+    assert depth in (3, 5, 7) and not run._unwatched and run._read_rows == [(64, new)]
+    fixed_costs.recent_rows.popleft()  # too few recent prompts: the last call's row, which looks first
+    assert run._next(True, [(64, new)], observed=0) in ((1, autospec.PROBE_ROUNDS), (None, autospec.PROBE_ROUNDS))
 
 
 def test_a_settled_chains_first_chunk_runs_with_the_prefill(monkeypatch, fixed_costs):

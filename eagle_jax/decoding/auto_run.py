@@ -63,6 +63,7 @@ class AutoRun:
         self.carry = 0.0  # rounds of the pair's evidence each new prompt carries (``carry_rounds``), read at the start
         self.start_costs: dict[int, float] = {}  # seconds per round by depth at this call's span and batch, as read at its start
         self._unwatched = False  # the next chunk is a look (``_look``): it runs its rounds
+        self._read_rows: list | None = None  # the rows the next chunk's choice read (``_times``), its watch reads them too
 
     def _compiled(self, kind: str, plan: Plan, fed: bool, args: tuple, build, donate_argnums: tuple[int, ...] = ()):
         compiled, seconds = calls.PROGRAMS.get(kind, self.t_graph, None, plan, args, build, self._pairs[fed], donate_argnums, self._state_signature(fed))
@@ -165,8 +166,7 @@ class AutoRun:
         todo = autospec.unexplored(costs, batch)
         if todo:
             return todo[0], self._explore_rounds(costs, todo[0])
-        rows = autospec.toward_the_batch(self._as_chosen(rows, observed))
-        times = autospec.finish_times(costs, batch, rows)
+        times, rows = self._times(costs, rows, observed)
         depth = autospec.keep_close(times, self.chunks[-1][0] if self.chunks else None)
         if depth == autospec.PLAIN and observed < self._evidence_for_plain(costs):
             # Plain decoding chosen ends the call's speculation: only on this call's own evidence.
@@ -268,6 +268,24 @@ class AutoRun:
         share = self.costs.overhead.seconds(self.plan.batch) / per_round
         return min(autospec.SETTLED_ROUNDS, autospec.EXPLORE_ROUNDS * (1 + round(share)))
 
+    def _times(self, costs: autospec.AtSpan, rows: list[tuple[int, autospec.AcceptanceEstimate]],
+               observed: int) -> tuple[dict[int, float], list[tuple[int, autospec.AcceptanceEstimate]]]:
+        """(expected seconds to finish the call at each depth, the rows the rest of the choice and the watch read).
+        Before a call of one prompt has evidence of its own, where prompts differ, its acceptance is any recent
+        prompt's: the time is the mean over the recent finished prompts' (``SpanCosts.recent_rows``), not the last
+        one's alone, and the rest reads the prompt's own start (the pair's estimate carried as far as prompts were
+        seen alike). After a hard prompt, the last one's row alone made the next call look at a chain of 1 and climb
+        through a chain of 3 to a chain of 7, 1.2-1.3x a fixed chain of 7 on that call (bfloat16, greedy)."""
+        recent = self.costs.recent_rows
+        if observed or self.plan.batch > 1 or prompts_alike(self.carry) or len(recent) < autospec.FIRST_CHOICE_ROWS:
+            rows = autospec.toward_the_batch(self._as_chosen(rows, observed))
+            times = autospec.finish_times(costs, self.plan.batch, rows)
+        else:
+            each = [autospec.finish_times(costs, 1, [(rows[0][0], est)]) for est in recent]
+            times = {d: float(np.mean([t[d] for t in each])) for d in each[0]}
+        self._read_rows = rows
+        return times, rows
+
     def _as_chosen(self, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> list[tuple[int, autospec.AcceptanceEstimate]]:
         """The rows a choice reads: before this call's own evidence, the last call's rows (their estimates)."""
         last = self.costs.last_call.get(self.plan.batch)
@@ -291,7 +309,7 @@ class AutoRun:
         st, done_rows, n_out = None, np.zeros(batch, bool), np.ones(batch, np.int32)
         while not np.all(done_rows) and rounds < self.plan.max_rounds:
             remaining = [(self.plan.max_rounds - int(n_out[b]), row_est[b]) for b in range(batch) if not done_rows[b]]
-            self._unwatched = False  # set by ``_look``
+            self._unwatched, self._read_rows = False, None  # set by ``_look``, by ``_times``
             depth, n = self._next(fed, remaining, observed)
             if st is None and not self._fuses(depth):
                 st, prefill_s = self._prefill(fed)
@@ -300,7 +318,8 @@ class AutoRun:
                 if np.any(done_rows):  # a row ended with its first token: chosen again on the rows left
                     continue
             watch = autospec.NEVER if self._unwatched else autospec.watch(
-                self.costs.at(self.plan.cache_len), batch, self._as_chosen(remaining, observed), depth, self.costs.overhead.seconds(batch))
+                self.costs.at(self.plan.cache_len), batch, self._read_rows or self._as_chosen(remaining, observed), depth,
+                self.costs.overhead.seconds(batch))
             if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
                 fed = False
                 st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)

@@ -48,6 +48,7 @@ The opt-in adaptive chains calibrate their costs apart (``decoding/adaptive_cost
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any, Callable, Collection, Iterable, Sequence
 
 import numpy as np
@@ -139,6 +140,9 @@ ROW_POOL_ROUNDS = 8.0
 # settled by the clock, not by the line (verifying 1 + K positions is not linear in K on every device), nor
 # by one short chunk that a busy moment made dear (the depth would then never run again to correct it).
 EXPLORE_CLOSE = 1.1
+# A call of one prompt, before its own evidence and where prompts differ, reads its time at each depth as the mean
+# over this many latest finished prompts (``AutoRun._times``): not the last one's alone, one hard prompt.
+FIRST_CHOICE_ROWS = 4
 REFIT_CHANGES = 16  # cost changes after which ``SpanCosts`` fits its table of every span's costs anew
 
 
@@ -166,6 +170,7 @@ class SpanCosts:
         self._table: tuple[int, int, dict, dict] = (0, 0, {}, {})
         self.cache_name: str | None = None  # the file these costs are kept in (``keep``): "" none, None not asked yet
         self.forgotten: set[tuple[int, int]] = set()  # (rows, depth) of chains measured anew (``forget_contradicted_chain``)
+        self.recent_rows: deque[AcceptanceEstimate] = deque(maxlen=FIRST_CHOICE_ROWS)  # the latest finished rows' estimates
 
     def keep(self, name: Callable[[], str]) -> None:
         """Keeps these costs on disk under ``name()`` (``cost_cache``), starting from the ones kept there, unless the
@@ -308,6 +313,7 @@ class SpanCosts:
         plain decoding's time in a near tie)."""
         batch, here = len(rows), self.at(span)
         self.last_call[batch] = [est.copy() for _, est in rows]
+        self.recent_rows.extend(self.last_call[batch])
         times = finish_times(here, batch, toward_the_batch(rows))
         plain, probe = self.model(span).at_rows(PLAIN, batch), self.model(span).probe.get(batch)
         extra = max(len(chunks) - 1, 0) * self.overhead.seconds(batch)

@@ -185,8 +185,8 @@ def test_a_batch_starts_from_its_last_calls_rows_and_a_choice_made_again_runs_th
 def test_a_single_prompts_first_choice_reads_the_recent_prompts_not_the_last_alone(pair, fixed_costs):
     """Before a call of one prompt has evidence of its own, where prompts differ, its time at each depth is the mean
     over the recent finished prompts (``SpanCosts.recent_rows``): after one hard prompt among easy ones it runs a
-    chain at once; on the hard prompt's row alone (as a batch reads its last call's rows) it looks first. With
-    fewer recent prompts than FIRST_CHOICE_ROWS, or once it has evidence, the rows are as before."""
+    chain at once. With fewer recent prompts than FIRST_CHOICE_ROWS it reads the last call's row, as a batch reads
+    its last call's rows: the hard prompt's, on which it looks first."""
     run = AutoRun(pair[0], pair[1], PROMPTS[:1], 64, _AUTO_KW)
     hard, easy = autospec.AcceptanceEstimate(), autospec.AcceptanceEstimate()
     hard.observe([[0]] * 50, autospec.DEEPEST)

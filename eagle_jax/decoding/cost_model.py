@@ -56,11 +56,11 @@ def contradicted_chains(points: dict[int, float]) -> dict[int, float]:
     extrapolated, priced a chain of 7 at 0.8x its cost). Returns depth -> its cost over the line's."""
     out = {}
     for depth, seconds in points.items():
+        if depth == 0:
+            continue
         others = {d: s for d, s in points.items() if d != depth}
         chains = {d: s for d, s in others.items() if d > 0}
-        if depth == 0 or not others:
-            continue
-        if min(others) < depth < max(others):
+        if others and min(others) < depth < max(others):
             line = _along(others, depth)
         elif len(chains) >= 2:
             line = _along(chains, depth, extrapolate=True)

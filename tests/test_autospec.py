@@ -348,6 +348,13 @@ def test_plain_decoding_is_first_measured_on_a_calls_last_rounds(monkeypatch, pa
     depth, n = run._next(True, [(tail + 4, fair)], observed=autospec.PROBE_ROUNDS)
     assert depth == 1 and n == math.ceil(4 / fair.expected_tokens(1))  # stops short of the tail
     assert run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
+    # The stand-in (a probe round, a drafter step dearer than a plain one) 1.45x the best chain's time: still tried,
+    # as plain decoding itself may tie the chain (a probe round cost up to ~1.45x a plain one)
+    keen = autospec.AcceptanceEstimate()
+    keen.observe_probe(0.6, 50)
+    times = autospec.finish_times(costs.at(run.plan.cache_len), 1, [(tail + 1, keen)])
+    assert 1.4 < times[autospec.PLAIN] / min(t for d, t in times.items() if d != autospec.PLAIN) < autospec.PLAIN_WORTH_TRYING
+    assert run._next(True, [(tail + 1, keen)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
     model.update(autospec.PLAIN, 1, 1.0, 1)  # measured: no tail, the chain to the end
     assert run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS)[0] == 1
 

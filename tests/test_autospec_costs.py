@@ -13,17 +13,19 @@ from eagle_jax.decoding import autospec
 
 
 def test_hindsight_counts_the_drafters_prefill():
-    """Plain decoding and a chain of one draft finish a call's rounds in the same time; counting what speculating
+    """A chain of one draft finishes a call's rounds 3% sooner than plain decoding; counting what speculating
     paid besides (the drafter's share of the prefill, the probe round's cost over plain decoding's; the probe
-    rounds' excess; chunks' overheads) makes plain decoding the better start, so such calls go on to skip the
-    drafter, and probe less often the longer plain decoding stays fastest."""
+    rounds' excess; chunks' overheads) leaves plain decoding within ``PLAIN_MARGIN`` of it or faster, the better
+    start in a near tie, so such calls go on to skip the drafter, and probe less often the longer that holds."""
     costs = autospec.SpanCosts()
     model = costs.model(256)
     model.update(autospec.PLAIN, 4, 1.0, 10)  # 0.1 s per round
     model.update(None, 4, 1.2, 10)  # probe rounds: 0.12 s (a sixth of it the drafter)
     est = autospec.AcceptanceEstimate()
     est.observe_probe(0.3, 1000)  # a chain of 1 emits 1.3 tokens per round, and its slowest of 4 rows ...
-    model.update(1, 4, 10 * 3.2 / autospec.slowest_rounds([(32, est)] * 4, 1), 10)  # ... ends in plain's 32 x 0.1 s
+    model.update(1, 4, 10 * 3.1 / autospec.slowest_rounds([(32, est)] * 4, 1), 10)  # ... ends in 3.1 s, plain's in 3.2
+    model.update(7, 4, 2.0, 10)  # deeper chains cost more than their drafts save
+    assert autospec.PLAIN_MARGIN == 1.02
     costs.record_hindsight(256, [(32, est)] * 4)
     assert costs.plain_rows[4] == 0
     # what the call paid besides: 4 probe rounds' excess over plain ones (0.08 s), or a second chunk's overhead (0.1 s)
@@ -50,7 +52,7 @@ def test_hindsight_counts_the_drafters_prefill():
         costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
         backoff.append(costs.reprobe_rounds(4) // autospec.REPROBE_ROUNDS)
     assert backoff == [2, 4, 4, 4] and autospec.REPROBE_BACKOFF == 4
-    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])  # speculation was as fast: probes as often as at first
+    costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])  # speculation was faster: probes as often as at first
     assert costs.plain_rows[4] == 0 and costs.reprobe_rounds(4) == autospec.REPROBE_ROUNDS
     model.update(autospec.PLAIN, 2, 1.0, 10)  # batch 2: two calls are the 4 alike prompts, 8 otherwise
     model.update(None, 2, 1.2, 10)
@@ -58,6 +60,40 @@ def test_hindsight_counts_the_drafters_prefill():
     for calls in range(1, 5):
         costs.record_hindsight(256, [(32, est)] * 2, prefill_s=2.0)
         assert costs.plain_settled(2, alike=True) == (calls >= 2) and costs.plain_settled(2) == (calls >= 4)
+
+
+def test_hindsight_reads_a_rows_first_draft_over_the_prompts_seen_alike():
+    """At T=1 plain decoding and a chain of 1 tie at a first-draft rate of 0.55. A row whose last rounds ran lucky (a
+    row's estimate holds ~30 rounds) would read speculation faster; where the prompts were seen alike, hindsight reads
+    its first draft at the finished prompts' mean rate (this row's included), so the tie counts for plain decoding.
+    Where prompts differ, the row's own estimate is the verdict's."""
+    pair = autospec.AcceptanceEstimate()
+    rng = np.random.default_rng(0)
+    for rate in rng.binomial(48, 0.55, 12) / 48:  # alike prompts, binomial noise only
+        row = pair.for_new_prompt()
+        hits = int(round(rate * 48))
+        row.observe([[1]] * hits + [[0]] * (48 - hits), 1)
+        pair.finish_prompt(row)
+    assert pair.carry_rounds() > autospec.CARRY_ROUNDS  # alike
+    carry = 30.0  # as few prompts read: a row's own rounds outweigh its start
+    lucky = pair.for_new_prompt(carry)
+    lucky.observe([[0]] * 26 + [[1]] * 24, 1)  # 0.48 over its 50 rounds, its last 24 all accepted
+    pair.finish_prompt(lucky)
+    judged = pair.judged_over_prompts(lucky, carry)
+    hits, trials = np.array(pair.prompts).T
+    assert lucky.p[0] > 0.62 and judged.p[0] == pytest.approx(np.mean(hits / trials), abs=0.01)
+    assert judged.trials[1:] == pytest.approx(lucky.trials[1:]) and judged.p[0] < 0.58
+    assert pair.judged_over_prompts(lucky, autospec.CARRY_ROUNDS).p == pytest.approx(lucky.p)  # prompts differ
+    costs = autospec.SpanCosts()
+    model = costs.model(256)
+    model.update(autospec.PLAIN, 1, 1.0, 10)  # 0.1 s a round
+    model.update(None, 1, 1.3, 10)
+    model.update(1, 1, 1.55, 10)  # a chain of 1: 0.155 s a round, 1.55 tokens a round at 0.55
+    model.update(7, 1, 4.0, 10)
+    costs.record_hindsight(256, [(60, lucky)])
+    assert costs.plain_rows[1] == 0  # the lucky rounds alone: the chain of 1 clearly faster
+    costs.record_hindsight(256, [(60, lucky)], judged=[(60, judged)])
+    assert costs.plain_rows[1] == 1
 
 
 def test_cost_model_needs_one_depth_and_one_probe_per_row_count():

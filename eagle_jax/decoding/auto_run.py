@@ -364,7 +364,9 @@ class AutoRun:
         for est in row_est:
             self.estimate.finish_prompt(est)
         if observed:  # which depth would have finished this call soonest, had it been known from the start
-            self.costs.record_hindsight(self.plan.cache_len, [(int(n), est) for n, est in zip(n_out, row_est)], prefill_s, self.chunks)
+            rows = [(int(n), est) for n, est in zip(n_out, row_est)]
+            judged = [(n, self.estimate.judged_over_prompts(est, self.carry)) for n, est in rows]
+            self.costs.record_hindsight(self.plan.cache_len, rows, prefill_s, self.chunks, judged)
         self.costs.kept()
 
     def _fuses(self, depth: int | None) -> bool:

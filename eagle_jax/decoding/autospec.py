@@ -98,8 +98,9 @@ PROBE_FIRST_BELOW = 0.8
 # chain of 5 ran 1.7x faster (bfloat16, batch 1, greedy). A probe round emits a token, as a plain one does.
 PLAIN_OWN_ROUNDS = 8
 # A call skips the drafter altogether (its prefill and the probe) and decodes plainly from its start
-# where plain decoding was fastest in hindsight (by PLAIN_MARGIN, the drafter's prefill counted;
-# REPROBE_ROUNDS keeps a near tie from locking speculation out) on the last calls at its batch size, together at least PLAIN_EVIDENCE_ROWS prompts
+# where plain decoding was fastest in hindsight, or within PLAIN_MARGIN of the fastest (the drafter's prefill counted:
+# in a near tie plain decoding costs no look, no drafter and no chunks; REPROBE_ROUNDS keeps the tie from locking
+# speculation out) on the last calls at its batch size, together at least PLAIN_EVIDENCE_ROWS prompts
 # (one hard prompt must not decide the next call), and acceptance was observed within REPROBE_ROUNDS
 # rounds: a batch size at which speculation does not pay then costs what plain decoding costs, and
 # still probes about every REPROBE_ROUNDS rounds.
@@ -118,7 +119,10 @@ REPROBE_BACKOFF = 4
 # Plain decoding proper is measured only where it may win, on a call's last rounds (it ends a call's
 # speculation): its cost is estimated by the probe rounds' (plain + a drafter step) until then, which
 # flatters speculation.
-PLAIN_WORTH_TRYING = 1.3  # ... i.e. when that estimate finishes within this factor of the best depth
+# ... i.e. when that estimate finishes within this factor of the best depth. A probe round cost 1.2-1.45x a plain
+# one (bfloat16, batch 1, the bundled pair): at 1.3 a fresh process at T=1, where a chain of 1 ties plain decoding,
+# never measured plain decoding, so never chose it.
+PLAIN_WORTH_TRYING = 1.5
 # ... on this many last rounds, in one chunk: a short chunk's rounds are its time less the fitted overhead, and
 # 4-round ones priced plain decoding below its long chunks' cost (float32 batch 4 T=1: plain decoding settled
 # from the start where a chain of 1 was 12% faster).
@@ -302,10 +306,11 @@ class SpanCosts:
         return AtSpan(self, span_of if callable(span_of) else (lambda _d, s=span_of: s))
 
     def record_hindsight(self, span: int, rows: Sequence[tuple[int, AcceptanceEstimate]], prefill_s: float = 0.0,
-                         chunks: Sequence[tuple[int | None, int]] = ()) -> None:
+                         chunks: Sequence[tuple[int | None, int]] = (), judged: Sequence[tuple[int, AcceptanceEstimate]] | None = None) -> None:
         """A call of ``len(rows)`` prompts over ``span`` cache slots that observed acceptance ended: ``rows``
         = (tokens it made, the row's estimate); ``prefill_s``: its prefill, the drafter's included; ``chunks``:
-        the (depth, rounds) it ran (depth None: probe rounds). Speculating pays what plain decoding from the
+        the (depth, rounds) it ran (depth None: probe rounds); ``judged``: the rows the verdict reads, if not ``rows``
+        (``AcceptanceEstimate.judged_over_prompts``). Speculating pays what plain decoding from the
         start does not: the drafter's share of that prefill (the share of a round that feeding the drafter
         adds, the probe round's cost over plain decoding's), the probe rounds' excess over plain ones, and
         the overhead of every chunk past one (``chunk_overhead``: ~1 round each at bfloat16 batch 12 on a CPU
@@ -314,13 +319,13 @@ class SpanCosts:
         batch, here = len(rows), self.at(span)
         self.last_call[batch] = [est.copy() for _, est in rows]
         self.recent_rows.extend(self.last_call[batch])
-        times = finish_times(here, batch, toward_the_batch(rows))
+        times = finish_times(here, batch, toward_the_batch(rows if judged is None else judged))
         plain, probe = self.model(span).at_rows(PLAIN, batch), self.model(span).probe.get(batch)
         extra = max(len(chunks) - 1, 0) * self.overhead.seconds(batch)
         if plain and probe:
             extra += prefill_s * max(0.0, 1.0 - plain / probe) + sum(n for d, n in chunks if d is None) * max(probe - plain, 0.0)
         spec = min((t + extra for d, t in times.items() if d != PLAIN), default=None)
-        clear = self.measured(PLAIN, batch) and spec is not None and PLAIN_MARGIN * times[PLAIN] <= spec
+        clear = self.measured(PLAIN, batch) and spec is not None and times[PLAIN] <= PLAIN_MARGIN * spec
         self.plain_rows[batch] = self.plain_rows.get(batch, 0) + batch if clear else 0
 
     def reprobe_rounds(self, batch: int) -> int:

@@ -220,7 +220,7 @@ class AutoRun:
         if depth == autospec.PLAIN and not any(d is not None and d > 1 for d, _ in self.chunks):
             # this call's rows run a chain past the first draft (a look sees only that) before it stops speculating,
             # where deeper drafts could make one pay
-            if not self._like_the_prompts_before(rows, observed) and (hoped := autospec.deeper_unseen(costs, batch, rows, depth)) is not None:
+            if (hoped := autospec.deeper_unseen(costs, batch, rows, depth)) is not None:
                 return hoped, self._explore_rounds(costs, hoped)
         if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
             return self._look(costs, rows)  # a close call: this call's rows decide
@@ -235,11 +235,9 @@ class AutoRun:
             return depth, self.most_rounds or self.plan.max_rounds
         # A deeper chain that would win were its deeper drafts accepted as the chosen ones are runs a look, once a
         # call, while none of this call's chunks ran deeper than the choice: where prompts differ, the deeper drafts'
-        # estimate is some earlier prompt's. Where they were seen alike, or this prompt's first drafts are accepted as the
-        # earlier prompts' were (``_like_the_prompts_before``), it holds for this one too.
+        # estimate is some earlier prompt's. Where they were seen alike, it holds for this one too.
         seen = max((d for d, _ in self.chunks if d is not None), default=autospec.PLAIN)
-        if (seen <= depth and not prompts_alike(self.carry) and not self._like_the_prompts_before(rows, observed)
-                and (deeper := autospec.deeper_unseen(costs, batch, rows, depth))):
+        if seen <= depth and not prompts_alike(self.carry) and (deeper := autospec.deeper_unseen(costs, batch, rows, depth)):
             return deeper, self._explore_rounds(costs, deeper)
         # A depth chosen anew runs CHUNK_ROUNDS: a look at these rows' own acceptance there, read by the
         # estimates' point values (a prompt's first rounds say most about it). Chosen again, it takes the rounds
@@ -257,22 +255,6 @@ class AutoRun:
         if not again and left > 2 * autospec.CHUNK_ROUNDS:
             return depth, min(autospec.CHUNK_ROUNDS, most)
         return depth, min(max(autospec.CHUNK_ROUNDS, math.ceil(1.5 * left)), most)
-
-    def _like_the_prompts_before(self, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> bool:
-        """Whether, on ``observed`` rounds of this call's own, every row's own first drafts were accepted as the finished prompts' were (their mean rate, the rows'
-        ``prior``), within ``LIKE_BEFORE_SE`` binomial standard errors: then what the pair saw of deeper drafts on
-        those prompts speaks for these rows too, and a chain is not run on the hope that they do better
-        (``deeper_unseen``). At T=1, where deeper drafts are accepted less often than the first, a 4-round look's
-        lucky rounds ran chains of 3-7 on 14 of a process's first 80 calls, at 1.11x a chain of 1's time on those calls
-        (bfloat16, batch 1). After a hard prompt, an easy one's first drafts differ by far more."""
-        if not observed or not self.estimate.prompts:  # before its own rounds, a call reads its last call's rows
-            return False
-        for _, est in rows:
-            hits, trials = est.own
-            p = est.prior
-            if trials <= 0 or abs(hits / trials - p) > autospec.LIKE_BEFORE_SE * math.sqrt(p * (1 - p) / trials):
-                return False
-        return True
 
     def _explore_rounds(self, costs: autospec.AtSpan, depth: int) -> int:
         """Rounds that measure ``depth``: ``EXPLORE_ROUNDS``, in one chunk up to ``SETTLED_ROUNDS`` where a chunk's

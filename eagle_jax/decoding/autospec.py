@@ -144,9 +144,6 @@ ROW_POOL_ROUNDS = 8.0
 # settled by the clock, not by the line (verifying 1 + K positions is not linear in K on every device), nor
 # by one short chunk that a busy moment made dear (the depth would then never run again to correct it).
 EXPLORE_CLOSE = 1.1
-# A row's own first-draft rate within this many binomial standard errors of the finished prompts' mean rate reads
-# as theirs (``AutoRun._like_the_prompts_before``): their deeper drafts' rates then speak for it.
-LIKE_BEFORE_SE = 2.0
 # A call of one prompt, before its own evidence and where prompts differ, reads its time at each depth as the mean
 # over this many latest finished prompts (``AutoRun._times``): not the last one's alone, one hard prompt.
 FIRST_CHOICE_ROWS = 4

@@ -119,10 +119,12 @@ class AcceptanceEstimate:
         """A finished row's estimate as hindsight reads it where prompts were seen alike (``carry``): its first draft
         at the finished prompts' mean rate (``finish_prompt`` first), the deeper ones its own. A row's own estimate
         holds its last ~30 rounds: at T=1, where plain decoding and a chain of 1 tie, their noise alone swung the
-        verdict call by call (first-draft rates 0.37-0.59 over a sequence of alike prompts, bfloat16 batch 1)."""
+        verdict call by call (first-draft rates 0.37-0.59 over a sequence of alike prompts, bfloat16 batch 1).
+        ``row`` itself where prompts differ."""
+        if not (prompts_alike(carry) and self.prompts):
+            return row
         new = row.copy()
-        if prompts_alike(carry) and self.prompts:
-            new._first_from_prompts(self, carry)
+        new._first_from_prompts(self, carry)
         return new
 
     def seen_through(self, depth: int) -> "AcceptanceEstimate":

@@ -10,6 +10,7 @@ import pytest
 
 import eagle_jax
 from eagle_jax.decoding import autospec, cost_cache
+from eagle_jax.decoding.acceptance_estimate import AcceptanceEstimate
 from eagle_jax.serving import Request, Scheduler, SlotEngine
 from eagle_jax.serving.depth import AutoDepth
 from engine_models import markov_pair
@@ -78,6 +79,87 @@ def test_a_later_process_starts_from_the_costs_an_earlier_one_measured(cache, pa
     later = auto(pair)
     assert set(later.stats["round_ms"]) == {autospec.PLAIN, *autospec.DEPTHS}
     assert later.tokens == first.tokens == plain.tokens
+
+
+def seen_estimate() -> AcceptanceEstimate:
+    """A pair's estimate after a few prompts: rounds at two depths and finished prompts."""
+    est = AcceptanceEstimate()
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        row = est.for_new_prompt()
+        row.observe(rng.integers(0, 4, (12, 1)), 3)
+        est.observe(rng.integers(0, 4, (12, 1)), 3)
+        est.finish_prompt(row)
+    est.observe_probe(0.4, 6)
+    return est
+
+
+def test_the_pairs_acceptance_is_kept_with_its_costs(cache):
+    """A later process starts from the acceptance an earlier one saw (its rates per position, how alike its prompts
+    were) and from what hindsight found of plain decoding, not from the prior; it has not observed acceptance itself
+    yet, so its first call observes before it may decode plainly from its start. An estimate that observed something
+    already keeps its own, and its costs their own hindsight."""
+    costs, seen = measured_costs(), seen_estimate()
+    costs.keep(lambda: "pair", seen)
+    costs.plain_rows = {1: 5, 4: 0}
+    cost_cache.save("pair", costs, now=True)
+    fresh, later = AcceptanceEstimate(), autospec.SpanCosts()
+    later.keep(lambda: "pair", fresh)
+    np.testing.assert_allclose(fresh.p, seen.p)
+    assert fresh.carry_rounds() == pytest.approx(seen.carry_rounds()) and list(fresh.prompts) == pytest.approx(list(seen.prompts))
+    assert fresh.unobserved == float("inf") and later.plain_rows == {1: 5, 4: 0} and later.plain_settled(1, alike=True)
+    assert fresh.for_new_prompt().prior == pytest.approx(seen.for_new_prompt().prior) != autospec.PRIOR
+    busy, other = AcceptanceEstimate(), autospec.SpanCosts()
+    busy.observe([[0]] * 4, 1)
+    before = busy.to_dict()
+    other.keep(lambda: "pair", busy)
+    assert busy.to_dict() == before and other.plain_rows == {} and other.measured(autospec.PLAIN, 1)
+
+
+def test_a_later_generate_process_starts_from_the_acceptance_an_earlier_one_saw(cache, pair, monkeypatch):
+    """``generate``'s calls keep the pair's estimate with its costs; a later process's first call reads it before it
+    chooses anything."""
+    auto(pair)
+    auto(pair)
+    (left,) = autospec._ESTIMATES.values()
+    left = left.to_dict()
+    autospec.reset()  # a new process
+    read = []
+    keep = autospec.SpanCosts.keep
+
+    def recording_keep(self, name, acceptance=None):
+        keep(self, name, acceptance)
+        read.append(acceptance.to_dict())
+
+    monkeypatch.setattr(autospec.SpanCosts, "keep", recording_keep)
+    auto(pair)
+    assert len(read) == 1 and read[0]["prompts"] == left["prompts"]
+    np.testing.assert_allclose(read[0]["trials"], left["trials"])
+    np.testing.assert_allclose(read[0]["hits"], left["hits"])
+
+
+ONE = [1.0] * autospec.DEEPEST
+
+
+@pytest.mark.parametrize("traffic", [{"acceptance": {"trials": [1.0] * 3, "hits": [0.5] * 3, "prompts": []}},
+                                     {"acceptance": {"trials": ONE, "hits": [2.0] * autospec.DEEPEST, "prompts": []}},
+                                     {"acceptance": {"trials": ONE, "hits": ONE, "prompts": [[9.0, 8.0]]}},
+                                     {"acceptance": {"trials": ONE, "hits": [None] * autospec.DEEPEST, "prompts": []}},
+                                     {"acceptance": {"trials": ONE}},
+                                     {"plain_rows": [[1, -2]]}, {"plain_rows": [[0, 3]]}, {"plain_rows": [1, 3]}])
+def test_kept_acceptance_that_cannot_be_read_is_reported_and_nothing_of_it_kept(cache, traffic):
+    """Acceptance of another depth, more hits than trials, a prompt accepting more drafts than it made, not numbers,
+    half a record, or plain decoding's hindsight below zero, at no batch size or not pairs: the file is reported and
+    measured anew, and the estimate stays a fresh process's."""
+    costs = measured_costs()
+    costs.keep(lambda: "pair", seen_estimate())
+    cost_cache.save("pair", costs, now=True)
+    path = cache / "pair.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | traffic))
+    fresh, again = AcceptanceEstimate(), autospec.SpanCosts()
+    with pytest.warns(RuntimeWarning, match=f"round costs in {path}.*cannot be read"):
+        again.keep(lambda: "pair", fresh)
+    assert fresh.fresh and not again.by_span and not again.plain_rows and again.acceptance is fresh
 
 
 NEGATIVE_TIME = json.dumps({"format": cost_cache.FORMAT, "overhead": {"dispatch_s": None, "chunks": []},
@@ -153,7 +235,7 @@ def test_a_restarted_server_starts_from_the_step_costs_it_measured(cache, pair):
     """A server's step costs are kept under a key of their own (a step over slots is another program than a
     ``generate`` call's rounds, and its settings are in the key): a restarted server knows, before its first step,
     every cost the first measured, so it has nothing to measure first (no step without drafts at a row count it
-    served, no deepest chain). Its outputs equal plain decoding's either way."""
+    served, no deepest chain), and the acceptance it saw. Its outputs equal plain decoding's either way."""
     plain = eagle_jax.generate(pair[0], None, PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens
     first, out, steps = serve(pair, PROMPTS)
     assert steps[0] is None and max(AutoDepth.depth_of(s) for s in steps) == max(autospec.DEPTHS)  # measured first
@@ -170,6 +252,8 @@ def test_a_restarted_server_starts_from_the_step_costs_it_measured(cache, pair):
     span = engine.span_for([30], None)
     assert not autospec.unexplored(costs.at(span), 1, restarted.depths)
     assert costs.at(span).cost(max(autospec.DEPTHS), 1) == pytest.approx(measured.at(span).cost(max(autospec.DEPTHS), 1))
+    assert len(restarted.estimate.prompts) == len(first.estimate.prompts) == len(PROMPTS)  # the acceptance it saw
+    np.testing.assert_allclose(restarted.estimate.p, first.estimate.p)
     _, out_again, _ = serve(pair, PROMPTS)
     assert out == out_again == plain
 

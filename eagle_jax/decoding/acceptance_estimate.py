@@ -78,6 +78,33 @@ class AcceptanceEstimate:
         new.untried_keep, new.prior = self.untried_keep, self.prior
         return new
 
+    @property
+    def fresh(self) -> bool:
+        """Whether nothing was observed yet: neither a round nor a finished prompt."""
+        return not self.prompts and not self.trials.any()
+
+    def to_dict(self) -> dict:
+        """What the traffic showed (the decayed evidence per draft position, the finished prompts' first-draft
+        evidence), kept on disk with the pair's costs (``SpanCosts.keep``)."""
+        return {"trials": self.trials.tolist(), "hits": self.hits.tolist(), "prompts": [list(p) for p in self.prompts]}
+
+    def restore(self, data: dict) -> None:
+        """Starts from ``to_dict``'s ``data`` (an earlier process's traffic), as if this process had seen it: the
+        evidence decays as the new traffic comes, and a new prompt carries as much of it as the prompts were seen
+        alike. Acceptance is not marked observed (``unobserved``): a process's first call observes before it may
+        decode plainly from its start. Checked whole before anything changes (ValueError)."""
+        trials, hits = np.asarray(data["trials"], float), np.asarray(data["hits"], float)
+        prompts = np.asarray(data["prompts"], float).reshape(-1, 2)
+        if trials.shape != self.trials.shape or hits.shape != trials.shape:
+            raise ValueError(f"acceptance over {trials.shape}/{hits.shape} draft positions, expected {self.trials.shape}")
+        if not (np.isfinite(trials).all() and np.isfinite(hits).all() and np.isfinite(prompts).all()):
+            raise ValueError("acceptance evidence not finite")
+        if (hits < 0).any() or (hits > trials + 1e-6).any() or (prompts[:, 0] < 0).any() or (prompts[:, 0] > prompts[:, 1] + 1e-6).any() \
+                or (prompts[:, 1] <= 0).any():
+            raise ValueError("acceptance hits outside 0..trials")
+        self.trials, self.hits = trials, hits
+        self.prompts = deque(((float(h), float(t)) for h, t in prompts), maxlen=PROMPT_MEMORY)
+
     def for_new_prompt(self, carry: float | None = None) -> "AcceptanceEstimate":
         """A copy to start a new prompt's estimate from: the same rates, with at most ``CARRY_ROUNDS`` rounds
         of evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one; or, where the prompts

@@ -57,7 +57,7 @@ class AutoRun:
         self._states = {True: calls.signature((self.t_state, self.d_state))}
         if self.costs.cache_name is None:  # the first call to meet these costs: those an earlier process measured here
             shapes = [(tuple(shape), str(dtype)) for shape, dtype, _ in self._states[True][1]]
-            self.costs.keep(lambda: cost_cache.key(target.config, drafter.config, shapes, greedy, self.plan.exact, kw["mesh"]))
+            self.costs.keep(lambda: cost_cache.key(target.config, drafter.config, shapes, greedy, self.plan.exact, kw["mesh"]), self.estimate)
         self._programs: dict[tuple[int | None, bool], Any] = {}
         self.most_rounds = most_rounds  # the longest chunk: a stream's reader waits for each (None: any)
         self.carry = 0.0  # rounds of the pair's evidence each new prompt carries (``carry_rounds``), read at the start

@@ -175,10 +175,17 @@ class SpanCosts:
         self.cache_name: str | None = None  # the file these costs are kept in (``keep``): "" none, None not asked yet
         self.forgotten: set[tuple[int, int]] = set()  # (rows, depth) of chains measured anew (``forget_contradicted_chain``)
         self.recent_rows: deque[AcceptanceEstimate] = deque(maxlen=FIRST_CHOICE_ROWS)  # the latest finished rows' estimates
+        self.acceptance: AcceptanceEstimate | None = None  # the pair's acceptance, kept on disk with these costs (``keep``)
 
-    def keep(self, name: Callable[[], str]) -> None:
+    def keep(self, name: Callable[[], str], acceptance: AcceptanceEstimate | None = None) -> None:
         """Keeps these costs on disk under ``name()`` (``cost_cache``), starting from the ones kept there, unless the
-        cache is off; asked once, by the first call that meets these costs."""
+        cache is off; asked once, by the first call that meets these costs. ``acceptance``: the pair's estimate for
+        this sampling mode, kept with them together with the hindsight on plain decoding (``plain_rows``), and both
+        started from the ones kept where the estimate observed nothing yet: a fresh process otherwise learns its
+        traffic anew from ``PRIOR``, and at T=1 (bfloat16 batch 1 on a CPU, costs kept) its first three calls ran
+        chains of 3-7 and then decoded plainly, ~85% of what auto lost to plain decoding over a sequence of eight
+        calls. A fresh process's first call still observes before it may decode plainly from its start."""
+        self.acceptance = acceptance
         self.cache_name = name() if cost_cache.directory() is not None else ""
         data = cost_cache.load(self.cache_name) if self.cache_name and not self.by_span else None
         if data is None:
@@ -187,10 +194,16 @@ class SpanCosts:
             self.overhead.restore(data["overhead"])
             for span, measured in data["spans"]:
                 self.model(int(span)).restore(measured)
+            if acceptance is not None and acceptance.fresh and "acceptance" in data:
+                plain_rows = {int(batch): int(n) for batch, n in data["plain_rows"]}
+                if any(batch < 1 or n < 0 for batch, n in plain_rows.items()):
+                    raise ValueError(f"plain decoding's prompts in a row {plain_rows} below 0, or at a batch size below 1")
+                acceptance.restore(data["acceptance"])  # checked whole before it changes anything
+                self.plain_rows = plain_rows
         except (KeyError, TypeError, ValueError, IndexError) as err:
             kept = self.cache_name
             self.__init__()  # measured anew: nothing of a file read halfway stays
-            self.cache_name = kept
+            self.cache_name, self.acceptance = kept, acceptance
             cost_cache.unreadable(kept, err)
             return
         for rows in {r for m in self.by_span.values() for r, _ in m.window}:  # an earlier process's busy moments
@@ -202,8 +215,12 @@ class SpanCosts:
             cost_cache.save(self.cache_name, self)
 
     def to_dict(self) -> dict:
-        """What was measured (every span's measurements, the chunks' overhead), not what the traffic did."""
-        return {"spans": [[span, m.to_dict()] for span, m in self.by_span.items()], "overhead": self.overhead.to_dict()}
+        """What was measured (every span's measurements, the chunks' overhead), and the traffic's acceptance with
+        what hindsight found of plain decoding (``keep``)."""
+        kept = {"spans": [[span, m.to_dict()] for span, m in self.by_span.items()], "overhead": self.overhead.to_dict()}
+        if self.acceptance is None:
+            return kept
+        return kept | {"acceptance": self.acceptance.to_dict(), "plain_rows": [[b, n] for b, n in self.plain_rows.items()]}
 
     def model(self, span: int) -> CostModel:
         if span not in self.by_span:

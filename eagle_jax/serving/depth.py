@@ -12,7 +12,8 @@ speculation returns as soon as the requests change. Nothing is explored per row 
 without drafts; the deepest chain runs once, every depth chosen is measured as it runs, and
 a depth modelled or measured over few rounds at these rows, but expected close to the best, runs (``autospec.EXPLORE_CLOSE``).
 The costs are kept on disk (``decoding/cost_cache.py``, under the engine's ``cost_key``), so a restarted server
-measures none of them again; acceptance is the traffic's and starts anew.
+measures none of them again; the server's acceptance is kept with them, where a restarted server's starts (its
+evidence then decays as the new traffic comes).
 
 A step's cost also grows with the cache span its attention reads (``SlotEngine.spans``), which rises as
 the requests grow: costs are kept per span (``SpanCosts``), so that depths are compared at the span
@@ -37,8 +38,9 @@ class AutoDepth:
         self._kept_as: Callable[[bool], str] | None = None  # the costs' file on disk by greedy (``keep_costs``)
 
     def keep_costs(self, name_of: Callable[[bool], str]) -> None:
-        """Keeps the step costs on disk (``cost_cache``) under ``name_of(greedy)`` (the engine's ``cost_key``): a
-        restarted server starts from what this one measured, and measures none of it again."""
+        """Keeps the step costs on disk (``cost_cache``) under ``name_of(greedy)`` (the engine's ``cost_key``), and the
+        server's acceptance with them: a restarted server starts from what this one measured, and measures none of it
+        again."""
         self._kept_as = name_of
 
     def costs(self, greedy: bool) -> SpanCosts:
@@ -46,7 +48,7 @@ class AutoDepth:
         if greedy not in self.models:
             costs = self.models[greedy] = SpanCosts()
             if self._kept_as is not None:
-                costs.keep(lambda: self._kept_as(greedy))
+                costs.keep(lambda: self._kept_as(greedy), self.estimate)
         return self.models[greedy]
 
     @property
@@ -68,8 +70,11 @@ class AutoDepth:
         return self.estimate.for_new_prompt()
 
     def finish_request(self, estimate: AcceptanceEstimate) -> None:
-        """A request ended: its own acceptance joins the spread that sets how much a new one carries."""
+        """A request ended: its own acceptance joins the spread that sets how much a new one carries (kept on disk
+        with the costs)."""
         self.estimate.finish_prompt(estimate)
+        for costs in self.models.values():
+            costs.kept()
 
     def choose(self, estimates: Sequence[AcceptanceEstimate], rows: int, greedy: bool,
                span_of: Callable[[int], int]) -> SpecConfig | None:

@@ -12,8 +12,9 @@ orderings are random, except the first, which puts the prompts with the lowest a
 case where one measurement on the first prompt used to decide the whole process).
 
 For each (dtype, temperature, batch): every order starts from a fresh ``autospec`` (no costs, no
-acceptance known: the first call pays the measurement; with ``--warm-costs``, the costs an earlier process
-left on disk, ``decoding/cost_cache.py``, and no acceptance known), the programs already compiled (compile time is
+acceptance known: the first call pays the measurement; with ``--warm-costs``, what an earlier process left on
+disk, ``decoding/cost_cache.py``: the costs, the acceptance and plain decoding's hindsight, the warm-up sequence's
+for the first process, then each process's for the next), the programs already compiled (compile time is
 apart, and so is each program's first run: ``warm``; a call's time is its wall time less its compiles, the host
 work of setting it up and of auto's choices included). Python's cyclic garbage is collected before each call,
 untimed, with the heap of the models and programs frozen first (``gc.freeze``): a full collection of that heap
@@ -211,8 +212,9 @@ def main(argv=None) -> dict:
                     help="sequences per order (generation seeds seed, seed+1, ...; a fresh autospec each): rates pool them")
     ap.add_argument("--control", help="a fixed configuration (plain, K=1, ...) measured a second time in each call, as the control")
     ap.add_argument("--warm-costs", action="store_true",
-                    help="each sequence starts from the round costs earlier ones left on disk (a later process on this machine), "
-                         "one untimed sequence of auto's calls measuring them first; without it, every sequence measures them anew")
+                    help="each sequence starts from the round costs and the acceptance earlier ones left on disk (a later process on "
+                         "this machine), one untimed sequence of auto's calls measuring them first; without it, every sequence "
+                         "measures them anew and knows no acceptance")
     ap.add_argument("--out", default="bench/results/autospec.json")
     ap.add_argument("--plot", default="bench/figures/autospec.png")
     ap.add_argument("--report-only", action="store_true", help="re-summarise --out's runs (table and plot), measure nothing")

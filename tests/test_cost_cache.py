@@ -96,9 +96,9 @@ def seen_estimate() -> AcceptanceEstimate:
 
 def test_the_pairs_acceptance_is_kept_with_its_costs(cache):
     """A later process starts from the acceptance an earlier one saw (its rates per position, how alike its prompts
-    were) and from what hindsight found of plain decoding, not from the prior; it has not observed acceptance itself
-    yet, so its first call observes before it may decode plainly from its start. An estimate that observed something
-    already keeps its own, and its costs their own hindsight."""
+    were, the rounds since it was last observed, after which a call probes) and from what hindsight found of plain
+    decoding, not from the prior. An estimate that observed something already keeps its own, and its costs their
+    own hindsight."""
     costs, seen = measured_costs(), seen_estimate()
     costs.keep(lambda: "pair", seen)
     costs.plain_rows = {1: 5, 4: 0}
@@ -107,8 +107,15 @@ def test_the_pairs_acceptance_is_kept_with_its_costs(cache):
     later.keep(lambda: "pair", fresh)
     np.testing.assert_allclose(fresh.p, seen.p)
     assert fresh.carry_rounds() == pytest.approx(seen.carry_rounds()) and list(fresh.prompts) == pytest.approx(list(seen.prompts))
-    assert fresh.unobserved == float("inf") and later.plain_rows == {1: 5, 4: 0} and later.plain_settled(1, alike=True)
+    assert fresh.unobserved == seen.unobserved == 0 and later.plain_rows == {1: 5, 4: 0} and later.plain_settled(1, alike=True)
     assert fresh.for_new_prompt().prior == pytest.approx(seen.for_new_prompt().prior) != autospec.PRIOR
+    for unobserved in (150, float("inf")):  # rounds decoded plainly since, or never observed
+        seen.unobserved = unobserved
+        costs.kept()
+        cost_cache.flush()
+        fresh = AcceptanceEstimate()
+        autospec.SpanCosts().keep(lambda: "pair", fresh)
+        assert fresh.unobserved == unobserved
     busy, other = AcceptanceEstimate(), autospec.SpanCosts()
     busy.observe([[0]] * 4, 1)
     before = busy.to_dict()
@@ -141,15 +148,17 @@ def test_a_later_generate_process_starts_from_the_acceptance_an_earlier_one_saw(
 ONE = [1.0] * autospec.DEEPEST
 
 
-@pytest.mark.parametrize("traffic", [{"acceptance": {"trials": [1.0] * 3, "hits": [0.5] * 3, "prompts": []}},
-                                     {"acceptance": {"trials": ONE, "hits": [2.0] * autospec.DEEPEST, "prompts": []}},
-                                     {"acceptance": {"trials": ONE, "hits": ONE, "prompts": [[9.0, 8.0]]}},
-                                     {"acceptance": {"trials": ONE, "hits": [None] * autospec.DEEPEST, "prompts": []}},
+@pytest.mark.parametrize("traffic", [{"acceptance": {"trials": [1.0] * 3, "hits": [0.5] * 3, "prompts": [], "unobserved": None}},
+                                     {"acceptance": {"trials": ONE, "hits": [2.0] * autospec.DEEPEST, "prompts": [], "unobserved": None}},
+                                     {"acceptance": {"trials": ONE, "hits": ONE, "prompts": [[9.0, 8.0]], "unobserved": None}},
+                                     {"acceptance": {"trials": ONE, "hits": [None] * autospec.DEEPEST, "prompts": [], "unobserved": None}},
                                      {"acceptance": {"trials": ONE}},
+                                     {"acceptance": {"trials": ONE, "hits": ONE, "prompts": [], "unobserved": -1}},
                                      {"plain_rows": [[1, -2]]}, {"plain_rows": [[0, 3]]}, {"plain_rows": [1, 3]}])
 def test_kept_acceptance_that_cannot_be_read_is_reported_and_nothing_of_it_kept(cache, traffic):
     """Acceptance of another depth, more hits than trials, a prompt accepting more drafts than it made, not numbers,
-    half a record, or plain decoding's hindsight below zero, at no batch size or not pairs: the file is reported and
+    half a record, rounds since it was observed below zero, or plain decoding's hindsight below zero, at no batch size
+    or not pairs: the file is reported and
     measured anew, and the estimate stays a fresh process's."""
     costs = measured_costs()
     costs.keep(lambda: "pair", seen_estimate())

@@ -86,15 +86,19 @@ class AcceptanceEstimate:
     def to_dict(self) -> dict:
         """What the traffic showed (the decayed evidence per draft position, the finished prompts' first-draft
         evidence), kept on disk with the pair's costs (``SpanCosts.keep``)."""
-        return {"trials": self.trials.tolist(), "hits": self.hits.tolist(), "prompts": [list(p) for p in self.prompts]}
+        return {"trials": self.trials.tolist(), "hits": self.hits.tolist(), "prompts": [list(p) for p in self.prompts],
+                "unobserved": None if math.isinf(self.unobserved) else self.unobserved}
 
     def restore(self, data: dict) -> None:
         """Starts from ``to_dict``'s ``data`` (an earlier process's traffic), as if this process had seen it: the
-        evidence decays as the new traffic comes, and a new prompt carries as much of it as the prompts were seen
-        alike. Acceptance is not marked observed (``unobserved``): a process's first call observes before it may
-        decode plainly from its start. Checked whole before anything changes (ValueError)."""
+        evidence decays as the new traffic comes, a new prompt carries as much of it as the prompts were seen
+        alike, and the rounds decoded since acceptance was last observed (``unobserved``) count on, so probing
+        goes on where it was. Checked whole before anything changes (ValueError)."""
         trials, hits = np.asarray(data["trials"], float), np.asarray(data["hits"], float)
         prompts = np.asarray(data["prompts"], float).reshape(-1, 2)
+        unobserved = math.inf if data["unobserved"] is None else float(data["unobserved"])
+        if not unobserved >= 0:
+            raise ValueError(f"rounds since acceptance was observed {data['unobserved']!r}, not a count")
         if trials.shape != self.trials.shape or hits.shape != trials.shape:
             raise ValueError(f"acceptance over {trials.shape}/{hits.shape} draft positions, expected {self.trials.shape}")
         if not (np.isfinite(trials).all() and np.isfinite(hits).all() and np.isfinite(prompts).all()):
@@ -102,7 +106,7 @@ class AcceptanceEstimate:
         if (hits < 0).any() or (hits > trials + 1e-6).any() or (prompts[:, 0] < 0).any() or (prompts[:, 0] > prompts[:, 1] + 1e-6).any() \
                 or (prompts[:, 1] <= 0).any():
             raise ValueError("acceptance hits outside 0..trials")
-        self.trials, self.hits = trials, hits
+        self.trials, self.hits, self.unobserved = trials, hits, unobserved
         self.prompts = deque(((float(h), float(t)) for h, t in prompts), maxlen=PROMPT_MEMORY)
 
     def for_new_prompt(self, carry: float | None = None) -> "AcceptanceEstimate":

@@ -184,7 +184,8 @@ class SpanCosts:
         started from the ones kept where the estimate observed nothing yet: a fresh process otherwise learns its
         traffic anew from ``PRIOR``, and at T=1 (bfloat16 batch 1 on a CPU, costs kept) its first three calls ran
         chains of 3-7 and then decoded plainly, ~85% of what auto lost to plain decoding over a sequence of eight
-        calls. A fresh process's first call still observes before it may decode plainly from its start."""
+        calls. Probing goes on where the earlier process left it (``REPROBE_ROUNDS``): a process's traffic may differ
+        from the last one's as a process's own traffic may change, and is met the same way."""
         self.acceptance = acceptance
         self.cache_name = name() if cost_cache.directory() is not None else ""
         data = cost_cache.load(self.cache_name) if self.cache_name and not self.by_span else None

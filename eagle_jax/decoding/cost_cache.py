@@ -1,12 +1,15 @@
-"""``spec="auto"``'s round costs kept on disk, so they are measured once per machine, not once per process.
+"""``spec="auto"``'s round costs kept on disk, so they are measured once per machine, not once per process, and
+the traffic's acceptance with them.
 
 What a round of each depth costs depends on the models' shapes and dtypes, the sampling mode and the
 device, not on the traffic: a process that finds the costs an earlier one measured on this machine skips
 the measuring that a fresh process's first calls (or a fresh server's first steps) pay (a round without drafts, the deepest chain, and then
 every close depth a few rounds each until its cost is settled: at float32 batch 1 T=1 on a CPU, 1.13x and
 1.11x the best chain's time on the first two calls, against 1.07x and 1.03x from kept costs; see BENCHMARKS.md). The costs found are read as measurements like any other, so a
-machine that got slower or faster since replaces them within a few chunks. Acceptance is not kept: it
-is the traffic's.
+machine that got slower or faster since replaces them within a few chunks. The traffic's acceptance is kept with
+them (``SpanCosts.keep``: the estimate per draft position, the finished prompts' first-draft rates, the rounds since
+acceptance was last observed, what hindsight found of plain decoding), and a later process goes on from it as if it
+were the same one: its own prompts outweigh it as a change of workload within a process would.
 
 Where: ``$EAGLE_JAX_COST_CACHE`` (a directory), else ``costs`` in the project's cache directory
 (``$EAGLE_JAX_CACHE``, ``$XDG_CACHE_HOME/eagle_jax`` or ``~/.cache/eagle_jax``); ``EAGLE_JAX_COST_CACHE=off``

@@ -158,8 +158,7 @@ ONE = [1.0] * autospec.DEEPEST
 def test_kept_acceptance_that_cannot_be_read_is_reported_and_nothing_of_it_kept(cache, traffic):
     """Acceptance of another depth, more hits than trials, a prompt accepting more drafts than it made, not numbers,
     half a record, rounds since it was observed below zero, or plain decoding's hindsight below zero, at no batch size
-    or not pairs: the file is reported and
-    measured anew, and the estimate stays a fresh process's."""
+    or not pairs: the file is reported and measured anew, and the estimate stays a fresh process's."""
     costs = measured_costs()
     costs.keep(lambda: "pair", seen_estimate())
     cost_cache.save("pair", costs, now=True)

@@ -111,8 +111,7 @@ class AcceptanceEstimate:
 
     def for_new_prompt(self, carry: float | None = None) -> "AcceptanceEstimate":
         """A copy to start a new prompt's estimate from: the same rates, with at most ``CARRY_ROUNDS`` rounds
-        of evidence for the first draft (once the prompts' spread is known, as many as it warrants less the prior's)
-        and ``CARRY_DEEP_ROUNDS`` for each deeper one; or, where the prompts
+        of evidence for the first draft and ``CARRY_DEEP_ROUNDS`` for each deeper one; or, where the prompts
         before were seen to be alike (``carry_rounds`` above those caps), ``carry_rounds`` for every position,
         the first draft's at the finished prompts' mean rate (their rounds undecayed: the decayed
         estimate holds ~30 rounds, whose noise alone swung a chain of 3 in and out of favour at T=1). Once a
@@ -122,16 +121,9 @@ class AcceptanceEstimate:
         new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
         carry = self.carry_rounds() if carry is None else carry
         new.untried_keep = KEEP if prompts_alike(carry) else KEEP_UNTRIED
-        cap = np.full(len(new.trials), carry if prompts_alike(carry) else CARRY_DEEP_ROUNDS)
-        if len(self.prompts) < PROMPTS_TO_CARRY:
-            cap[0] = CARRY_ROUNDS  # how alike prompts are is not known yet
-        elif not prompts_alike(carry):
-            # The prompts' spread says what the pair's evidence is worth to a new one, the prior's rounds (at the
-            # finished prompts' mean rate) included: the rest, up to CARRY_ROUNDS, from the decayed estimate
-            # (mostly the last prompt's). Greedy, after easier prompts, a hard prompt's own rounds took ~16 rounds to
-            # outweigh 6 carried ones and the prior's 3 (and deeper drafts carried up to 6): five chunks of chains
-            # of 5-7 before plain decoding, 1.39x plain's time (bfloat16 batch 1); 1.10-1.18x with this.
-            cap[0] = min(max(carry - PRIOR_ROUNDS, 0.0), CARRY_ROUNDS)
+        cap = np.full(len(new.trials), CARRY_DEEP_ROUNDS)
+        cap[0] = CARRY_ROUNDS
+        cap = np.maximum(cap, carry)
         scale = np.minimum(1.0, cap / np.maximum(new.trials, 1e-12))
         new.trials *= scale
         new.hits *= scale

@@ -182,9 +182,9 @@ class SpanCosts:
         cache is off; asked once, by the first call that meets these costs. ``acceptance``: the pair's estimate for
         this sampling mode, kept with them together with the hindsight on plain decoding (``plain_rows``), and both
         started from the ones kept where the estimate observed nothing yet: a fresh process otherwise learns its
-        traffic anew from ``PRIOR``, and at T=1 (bfloat16 batch 1 on a CPU, costs kept) its first three calls ran
-        chains of 3-7 and then decoded plainly, ~85% of what auto lost to plain decoding over a sequence of eight
-        calls. Probing goes on where the earlier process left it (``REPROBE_ROUNDS``): a process's traffic may differ
+        traffic anew from ``PRIOR``, and at T=1 (bfloat16 batch 1 on a CPU, costs kept) calls among its first four
+        that ran chains of 3-7 and then decoded plainly made ~85% of what auto lost to plain decoding over sequences
+        of eight calls. Probing goes on where the earlier process left it (``REPROBE_ROUNDS``): a process's traffic may differ
         from the last one's as a process's own traffic may change, and is met the same way."""
         self.acceptance = acceptance
         self.cache_name = name() if cost_cache.directory() is not None else ""

@@ -66,18 +66,25 @@ def test_costs_read_back_as_measured(cache):
                 assert again.cost(depth, rows, span) == pytest.approx(costs.cost(depth, rows, span), rel=1e-9)
 
 
-def test_a_later_process_starts_from_the_costs_an_earlier_one_measured(cache, pair):
+def test_a_later_process_starts_from_the_costs_an_earlier_one_measured(cache, pair, monkeypatch):
     """The first process's first call measures (a round without drafts, then the deepest chain) and knows no cost
-    at its start; a later process's first call knows every depth's cost from its start and measures nothing
-    first. Either way the output is plain decoding's."""
+    at its start; a later process's first call starts from every cost the first process knew at its end (which
+    depths those are depends on this machine's timings: a probe round measured above a chain is forgotten). Either
+    way the output is plain decoding's."""
+    read_at = []  # (costs, span) of each call's start
+    at = autospec.SpanCosts.at
+    monkeypatch.setattr(autospec.SpanCosts, "at", lambda self, span: read_at.append((self, span)) or at(self, span))
     plain = eagle_jax.generate(pair[0], None, PROMPTS, max_new_tokens=24, eos_token_id=[])
     first = auto(pair)
     assert first.stats["round_ms"] == {} and first.stats["chunks"][0][0] is None
     assert any(depth == max(autospec.DEPTHS) for depth, _ in first.stats["chunks"])
     assert [p.suffix for p in cache.iterdir()] == [".json"]
+    costs, span = read_at[-1]
+    known = {d: 1e3 * c for d in (autospec.PLAIN, *autospec.DEPTHS) if (c := costs.cost(d, len(PROMPTS), span)) is not None}
+    assert max(autospec.DEPTHS) in known
     autospec.reset()  # a new process
     later = auto(pair)
-    assert set(later.stats["round_ms"]) == {autospec.PLAIN, *autospec.DEPTHS}
+    assert later.stats["round_ms"] == pytest.approx(known, abs=1e-3)
     assert later.tokens == first.tokens == plain.tokens
 
 
@@ -242,8 +249,8 @@ def serve(pair, prompts, slots=2):
 def test_a_restarted_server_starts_from_the_step_costs_it_measured(cache, pair):
     """A server's step costs are kept under a key of their own (a step over slots is another program than a
     ``generate`` call's rounds, and its settings are in the key): a restarted server knows, before its first step,
-    every cost the first measured, so it has nothing to measure first (no step without drafts at a row count it
-    served, no deepest chain), and the acceptance it saw. Its outputs equal plain decoding's either way."""
+    every cost the first measured, so it has nothing to measure first that the first had measured (no step without
+    drafts at a row count it served, no deepest chain), and the acceptance it saw. Its outputs equal plain decoding's either way."""
     plain = eagle_jax.generate(pair[0], None, PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens
     first, out, steps = serve(pair, PROMPTS)
     assert steps[0] is None and max(AutoDepth.depth_of(s) for s in steps) == max(autospec.DEPTHS)  # measured first
@@ -258,7 +265,9 @@ def test_a_restarted_server_starts_from_the_step_costs_it_measured(cache, pair):
     for rows in (1, 2):
         assert costs.probed(rows) == measured.probed(rows)
     span = engine.span_for([30], None)
-    assert not autospec.unexplored(costs.at(span), 1, restarted.depths)
+    # Nothing left to measure first that the first server had measured (a probe measured above a chain in a busy
+    # moment is forgotten, and then both measure it again).
+    assert autospec.unexplored(costs.at(span), 1, restarted.depths) == autospec.unexplored(measured.at(span), 1, restarted.depths)
     assert costs.at(span).cost(max(autospec.DEPTHS), 1) == pytest.approx(measured.at(span).cost(max(autospec.DEPTHS), 1))
     assert len(restarted.estimate.prompts) == len(first.estimate.prompts) == len(PROMPTS)  # the acceptance it saw
     np.testing.assert_allclose(restarted.estimate.p, first.estimate.p)

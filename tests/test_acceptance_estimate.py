@@ -213,3 +213,36 @@ def test_deeper_drafts_fade_only_in_a_prompts_own_estimate_where_prompts_differ(
     for row, kept in ((differ, False), (alike, True)):
         row.observe(chain_of_1, 1)
         assert (row.p[1] > 0.8) == kept, row.p
+
+
+def test_a_hard_prompt_priced_alone_stops_speculating_sooner_than_a_batchs_row():
+    """Greedy, after easy prompts, prompts differing: a hard prompt (a quarter of its first drafts accepted, no
+    deeper one) carries, priced alone, only what the prompts' spread warrants beyond the prior's rounds, so two
+    chunks of a chain of 7 tell it to decode plainly (bfloat16-like costs, where a round feeding the drafter costs
+    1.5x a plain one); as one of a batch's rows it carries CARRY_ROUNDS, whose noise the slowest row's pricing
+    would read low, and still chooses a chain after three."""
+    pair = autospec.AcceptanceEstimate()
+    _finished_prompts(pair, [0.95, 0.9, 0.3, 0.97, 0.92, 0.35])
+    pair.observe([[7]] * 60, 7)  # the last prompts easy
+    carry = pair.carry_rounds()
+    assert carry <= autospec.CARRY_ROUNDS  # prompts differ
+    table = FixedCosts({0: 1.0, 1: 1.5, 3: 1.7, 5: 1.9, 7: 2.1}).at(0)
+    alone, row = pair.for_new_prompt(alone=True), pair.for_new_prompt()
+    assert alone.trials == pytest.approx([max(carry - autospec.PRIOR_ROUNDS, 0.0)] + [autospec.CARRY_DEEP_ROUNDS] * 6)
+    assert row.trials == pytest.approx([autospec.CARRY_ROUNDS] + [autospec.CARRY_DEEP_ROUNDS] * 6)
+
+    def choice(est):
+        times = autospec.finish_times(table, 1, [(96, est)])
+        return min(times, key=times.get)
+
+    hard = [[0], [0], [1], [0]]
+    assert choice(alone) == choice(row) == 7  # the easy prompts' rates
+    for est in (alone, row):
+        est.observe(hard * 2, 7)
+    assert choice(alone) == autospec.PLAIN and choice(row) != autospec.PLAIN
+    row.observe(hard, 7)
+    assert choice(row) != autospec.PLAIN
+    fresh = autospec.AcceptanceEstimate()  # the prompts' spread not known yet: CARRY_ROUNDS either way
+    assert fresh.for_new_prompt(alone=True).trials[0] == fresh.for_new_prompt().trials[0] == 0.0
+    _finished_prompts(fresh, [0.9])
+    assert fresh.for_new_prompt(alone=True).trials[0] == pytest.approx(autospec.CARRY_ROUNDS)

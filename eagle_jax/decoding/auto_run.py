@@ -304,7 +304,7 @@ class AutoRun:
         batch = self.plan.batch
         observed, rounds, prefill_s = 0, 0, 0.0
         # Each row's own acceptance, from the pair's: the slowest row decides when the call ends.
-        row_est = [self.estimate.for_new_prompt(self.carry) for _ in range(batch)]
+        row_est = [self.estimate.for_new_prompt(self.carry, alone=batch == 1) for _ in range(batch)]
         # The first chunk is chosen before the prefill, after which every row holds its first token.
         st, done_rows, n_out = None, np.zeros(batch, bool), np.ones(batch, np.int32)
         while not np.all(done_rows) and rounds < self.plan.max_rounds:

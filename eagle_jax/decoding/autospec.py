@@ -60,6 +60,7 @@ from eagle_jax.decoding.acceptance_estimate import (  # noqa: F401  (read as aut
     CARRY_ROUNDS,
     DEEPEST,
     PRIOR,
+    PRIOR_ROUNDS,
     PROMPT_MIN_ROUNDS,
     PROMPTS_TO_CARRY,
     AcceptanceEstimate,

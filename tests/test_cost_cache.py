@@ -250,7 +250,8 @@ def test_a_restarted_server_starts_from_the_step_costs_it_measured(cache, pair):
     """A server's step costs are kept under a key of their own (a step over slots is another program than a
     ``generate`` call's rounds, and its settings are in the key): a restarted server knows, before its first step,
     every cost the first measured, so it has nothing to measure first that the first had measured (no step without
-    drafts at a row count it served, no deepest chain), and the acceptance it saw. Its outputs equal plain decoding's either way."""
+    drafts at a row count it served, no deepest chain), and the acceptance it saw. Its outputs equal plain decoding's
+    either way."""
     plain = eagle_jax.generate(pair[0], None, PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens
     first, out, steps = serve(pair, PROMPTS)
     assert steps[0] is None and max(AutoDepth.depth_of(s) for s in steps) == max(autospec.DEPTHS)  # measured first
@@ -267,7 +268,8 @@ def test_a_restarted_server_starts_from_the_step_costs_it_measured(cache, pair):
     span = engine.span_for([30], None)
     # Nothing left to measure first that the first server had measured (a probe measured above a chain in a busy
     # moment is forgotten, and then both measure it again).
-    assert autospec.unexplored(costs.at(span), 1, restarted.depths) == autospec.unexplored(measured.at(span), 1, restarted.depths)
+    left = autospec.unexplored(measured.at(span), 1, restarted.depths)
+    assert autospec.unexplored(costs.at(span), 1, restarted.depths) == left
     assert costs.at(span).cost(max(autospec.DEPTHS), 1) == pytest.approx(measured.at(span).cost(max(autospec.DEPTHS), 1))
     assert len(restarted.estimate.prompts) == len(first.estimate.prompts) == len(PROMPTS)  # the acceptance it saw
     np.testing.assert_allclose(restarted.estimate.p, first.estimate.p)

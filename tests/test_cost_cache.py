@@ -107,6 +107,9 @@ def test_the_pairs_acceptance_is_kept_with_its_costs(cache):
     decoding, not from the prior. An estimate that observed something already keeps its own, and its costs their
     own hindsight."""
     costs, seen = measured_costs(), seen_estimate()
+    seen.prompts.clear()
+    seen.prompts.extend([(6.0, 12.0)] * 5)  # prompts alike: half their first drafts each
+    assert autospec.prompts_alike(seen.carry_rounds())
     costs.keep(lambda: "pair", seen)
     costs.plain_rows = {1: 5, 4: 0}
     cost_cache.save("pair", costs, now=True)
@@ -128,6 +131,17 @@ def test_the_pairs_acceptance_is_kept_with_its_costs(cache):
     before = busy.to_dict()
     other.keep(lambda: "pair", busy)
     assert busy.to_dict() == before and other.plain_rows == {} and other.measured(autospec.PLAIN, 1)
+    # The verdict on plain decoding is kept only where the prompts were seen alike (as ``seen``'s): where they differ
+    # (greedy), a later process's prompts are new ones.
+    differ, costs = seen.copy(), measured_costs()
+    differ.prompts.extend([(1.0, 12.0), (11.0, 12.0)] * 2)
+    assert not autospec.prompts_alike(differ.carry_rounds())
+    costs.keep(lambda: "differ", differ)
+    costs.plain_rows = {1: 5}
+    cost_cache.save("differ", costs, now=True)
+    judged = autospec.SpanCosts()
+    judged.keep(lambda: "differ", AcceptanceEstimate())
+    assert judged.plain_rows == {} and judged.measured(autospec.PLAIN, 1) and judged.acceptance.prompts
 
 
 def test_a_later_generate_process_starts_from_the_acceptance_an_earlier_one_saw(cache, pair, monkeypatch):

@@ -183,7 +183,8 @@ class SpanCosts:
         """Keeps these costs on disk under ``name()`` (``cost_cache``), starting from the ones kept there, unless the
         cache is off; asked once, by the first call that meets these costs. ``acceptance``: the pair's estimate for
         this sampling mode, kept with them together with the hindsight on plain decoding (``plain_rows``), and both
-        started from the ones kept where the estimate observed nothing yet: a fresh process otherwise learns its
+        started from the ones kept where the estimate observed nothing yet (the hindsight only where the kept prompts
+        were alike): a fresh process otherwise learns its
         traffic anew from ``PRIOR``, and at T=1 (bfloat16 batch 1 on a CPU, costs kept) calls among its first four
         that ran chains of 3-7 and then decoded plainly made ~85% of what auto lost to plain decoding over sequences
         of eight calls. Probing goes on where the earlier process left it (``REPROBE_ROUNDS``): a process's traffic may differ

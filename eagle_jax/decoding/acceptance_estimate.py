@@ -118,17 +118,12 @@ class AcceptanceEstimate:
         prompt finished, the first draft falls back to that rate (``prior``).
         ``carry``: ``carry_rounds()`` when the caller has it already (a call reads it once for all its rows).
         ``alone``: the prompt's rounds are priced alone (a call of one row), not as one of a batch's rows: where
-        prompts differ it carries only what their spread warrants (``_carry_alone``)."""
+        prompts differ it carries only what their spread warrants (``_carry_caps``)."""
         new = AcceptanceEstimate(len(self.trials))
         new.trials, new.hits, new.unobserved = self.trials.copy(), self.hits.copy(), self.unobserved
         carry = self.carry_rounds() if carry is None else carry
         new.untried_keep = KEEP if prompts_alike(carry) else KEEP_UNTRIED
-        if alone and not prompts_alike(carry):
-            cap = self._carry_alone(carry)
-        else:
-            cap = np.full(len(new.trials), CARRY_DEEP_ROUNDS)
-            cap[0] = CARRY_ROUNDS
-            cap = np.maximum(cap, carry)
+        cap = self._carry_caps(carry, alone)
         scale = np.minimum(1.0, cap / np.maximum(new.trials, 1e-12))
         new.trials *= scale
         new.hits *= scale
@@ -138,18 +133,22 @@ class AcceptanceEstimate:
                 new._first_from_prompts(self, carry)
         return new
 
-    def _carry_alone(self, carry: float) -> np.ndarray:
-        """Rounds of evidence per draft position a prompt priced alone carries where prompts differ: for its first
-        draft what their spread warrants less the prior's rounds (at the finished prompts' mean rate), up to
-        ``CARRY_ROUNDS`` (all of them until the spread is known); ``CARRY_DEEP_ROUNDS`` for each deeper one. Greedy,
-        after easy prompts, 6 carried rounds of the first draft, the prior's 3 and up to 6 of each deeper one kept a
-        hard prompt's estimate near the easy ones' for ~25 rounds, through five chunks of chains of 5-7 (its call
-        1.39x plain decoding). A batch's rows keep the larger carry: a call ends with its slowest row, and the slowest
-        of several estimates is read lower the noisier each is (carrying this little at batch 4, greedy calls decoded
-        plainly where a chain of 3 was 1.2x faster)."""
+    def _carry_caps(self, carry: float, alone: bool) -> np.ndarray:
+        """Rounds of the pair's evidence a new prompt carries per draft position (``for_new_prompt``). Priced alone
+        where prompts differ: for its first draft what their spread warrants less the prior's rounds (at the finished
+        prompts' mean rate), up to ``CARRY_ROUNDS`` (all of them until the spread is known), ``CARRY_DEEP_ROUNDS``
+        for each deeper one. Greedy, after easy prompts, 6 carried rounds of the first draft, the prior's 3 and up to
+        6 of each deeper one kept a hard prompt's estimate near the easy ones' for ~25 rounds, through five chunks of
+        chains of 5-7 (its call 1.39x plain decoding). A batch's rows keep the larger carry: a call ends with its
+        slowest row, and the slowest of several estimates is read lower the noisier each is (carrying this little at
+        batch 4, greedy calls decoded plainly where a chain of 3 was 1.2x faster)."""
         cap = np.full(len(self.trials), CARRY_DEEP_ROUNDS)
-        cap[0] = CARRY_ROUNDS if len(self.prompts) < PROMPTS_TO_CARRY else min(max(carry - PRIOR_ROUNDS, 0.0), CARRY_ROUNDS)
-        return cap
+        if alone and not prompts_alike(carry):
+            spread_known = len(self.prompts) >= PROMPTS_TO_CARRY
+            cap[0] = min(max(carry - PRIOR_ROUNDS, 0.0), CARRY_ROUNDS) if spread_known else CARRY_ROUNDS
+            return cap
+        cap[0] = CARRY_ROUNDS
+        return np.maximum(cap, carry)
 
     def _prompts_rate(self) -> tuple[float, float]:
         """(the finished prompts' mean first-draft rate, each prompt one say: a hard one's many rounds not more;

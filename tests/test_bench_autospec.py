@@ -35,3 +35,15 @@ def test_the_printed_line_names_the_held_out_reading_and_the_control():
     assert "1.00x it chosen on the other repeats" in line and "control 0.98x its twin" in line and "OUTPUT DIFFERS" not in line
     assert summarise(rows, ["plain", "K=1", CONTROL], "K=1")["control_vs_best_held_out"] == pytest.approx(0.98)
     assert "chosen on the other repeats" not in summary_line("float32", 0.0, 1, "random 1", summarise(rows[:1], ["plain", "K=1"], "K=1"))
+
+
+def test_calls_where_a_configurations_samples_ended_a_row_early_are_rated_apart():
+    """At batch 4, plain decoding's (and auto's) samples ended a row early on one call: 303 tokens in the time the
+    chain of 1 made 384. Over every call the chain of 1 reads 9% faster; over the calls all ran to one length, 2%."""
+    even = _call(0, {"auto": 100, "plain": 100, "K=1": 102}, tokens=384)
+    short = {"repeat": 0, "auto_depth": 0.0, "auto": (3.84, 303), "plain": (3.84, 303), "K=1": (3.84 * 100 / 102, 384)}
+    s = summarise([even, short], ["plain", "K=1"])
+    assert s["best_fixed"] == "K=1" and s["vs_best"] == pytest.approx(687 / 7.68 / (768 / (2 * 3.84 * 100 / 102)))
+    assert s["vs_best_same_length"] == pytest.approx(100 / 102) and s["same_length_calls"] == 1
+    assert "0.98x best on the 1 calls of one length" in summary_line("float32", 1.0, 4, "random 1", s)
+    assert "vs_best_same_length" not in summarise([even, even], ["plain", "K=1"])  # every call of one length: nothing apart

@@ -355,8 +355,18 @@ def test_plain_decoding_is_first_measured_on_a_calls_last_rounds(monkeypatch, pa
     times = autospec.finish_times(costs.at(run.plan.cache_len), 1, [(tail + 1, keen)])
     assert 1.4 < times[autospec.PLAIN] / min(t for d, t in times.items() if d != autospec.PLAIN) < autospec.PLAIN_WORTH_TRYING
     assert run._next(True, [(tail + 1, keen)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
-    model.update(autospec.PLAIN, 1, 1.0, 1)  # measured: no tail, the chain to the end
-    assert run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS)[0] == 1
+    model.update(autospec.PLAIN, 1, 1.0, 1)  # measured, as an earlier process left it: measured again on a tail
+    assert costs.plain_stale(1) and run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
+    costs.observe_chunk(run.plan.cache_len, autospec.PLAIN, 1, tail, tail * 1.0, first=False)  # measured here: no tail
+    assert not costs.plain_stale(1) and run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS)[0] == 1
+    # PLAIN_STALE_ROUNDS rounds of speculation later, measured again where it is within PLAIN_STALE_CLOSE of the best
+    costs.observe_chunk(run.plan.cache_len, 3, 1, autospec.PLAIN_STALE_ROUNDS, autospec.PLAIN_STALE_ROUNDS * 1.5, first=False)
+    assert costs.plain_stale(1) and run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
+    far = autospec.AcceptanceEstimate()  # first drafts accepted 90%: plain decoding 1.6x a chain of 3's time
+    far.observe_probe(0.9, 50)
+    times = autospec.finish_times(costs.at(run.plan.cache_len), 1, [(tail + 1, far)])
+    assert min(t for d, t in times.items() if d != autospec.PLAIN) * autospec.PLAIN_STALE_CLOSE < times[autospec.PLAIN]
+    assert run._next(True, [(tail + 1, far)], observed=autospec.PROBE_ROUNDS)[0] != autospec.PLAIN
 
 
 def test_a_calls_costs_are_read_at_its_cache_span(monkeypatch, pair):

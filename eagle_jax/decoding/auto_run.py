@@ -173,10 +173,11 @@ class AutoRun:
             return self._look(costs, rows)
         if depth == autospec.PLAIN and not plain_known:
             return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # measured (the rest of this call decodes plainly)
-        # Plain decoding not measured yet, but it may win: it is measured on the call's last rounds (``tail``), where
-        # dropping the drafter costs nothing. Measured where the call had its say, it took the rest of the call,
-        # 1.25x what a chain of 1 would have (float32, batch 1, T=1).
-        may_win = not plain_known and times[autospec.PLAIN] <= autospec.PLAIN_WORTH_TRYING * times[depth]
+        # Plain decoding not measured yet, or long ago (``SpanCosts.plain_stale``), but it may win: it is measured on the
+        # call's last rounds (``tail``), where dropping the drafter costs nothing. Measured where the call had its say,
+        # it took the rest of the call, 1.25x what a chain of 1 would have (float32, batch 1, T=1).
+        reach = autospec.PLAIN_STALE_CLOSE if plain_known else autospec.PLAIN_WORTH_TRYING
+        may_win = (not plain_known or self.costs.plain_stale(batch)) and times[autospec.PLAIN] <= reach * times[depth]
         depth, n = self._spend(costs, rows, times, depth, observed)
         if may_win and depth != autospec.PLAIN:
             tail = min(autospec.PLAIN_TAIL_ROUNDS, self.most_rounds or autospec.PLAIN_TAIL_ROUNDS)

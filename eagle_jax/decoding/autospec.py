@@ -125,6 +125,15 @@ REPROBE_BACKOFF = 4
 # one (bfloat16, batch 1, the bundled pair): at 1.3 a fresh process at T=1, where a chain of 1 ties plain decoding,
 # never measured plain decoding, so never chose it.
 PLAIN_WORTH_TRYING = 1.5
+# Once measured, plain decoding runs only where chosen, while the depth that runs is measured as it runs and follows
+# the machine, whose speed moves by up to ~20% over minutes here: plain decoding read at 13.6-14.4 ms a round,
+# measured minutes before, ran at 11.6-12.2, and a chain of 3 ran every call of three sequences at 1.15x plain
+# decoding's time (bfloat16, batch 12, greedy). So plain decoding is measured again the same way, on a call's last
+# rounds, its new measurement replacing the old, after PLAIN_STALE_ROUNDS rounds of speculation at a batch size since
+# it was last measured (an earlier process's measurement counts as that old) ...
+PLAIN_STALE_ROUNDS = 128
+# ... where it is expected to finish within this factor of the best depth: past that, no drift makes it win.
+PLAIN_STALE_CLOSE = 1.25
 # ... on this many last rounds, in one chunk: a short chunk's rounds are its time less the fitted overhead, and
 # 4-round ones priced plain decoding below its long chunks' cost (float32 batch 4 T=1: plain decoding settled
 # from the start where a chain of 1 was 12% faster).
@@ -176,6 +185,7 @@ class SpanCosts:
         self._table: tuple[int, int, dict, dict] = (0, 0, {}, {})
         self.cache_name: str | None = None  # the file these costs are kept in (``keep``): "" none, None not asked yet
         self.forgotten: set[tuple[int, int]] = set()  # (rows, depth) of chains measured anew (``forget_contradicted_chain``)
+        self.since_plain: dict[int, int] = {}  # per batch size: rounds of speculation since plain decoding was measured (``plain_stale``)
         self.recent_rows: deque[AcceptanceEstimate] = deque(maxlen=FIRST_CHOICE_ROWS)  # the latest finished rows' estimates
         self.acceptance: AcceptanceEstimate | None = None  # the pair's acceptance, kept on disk with these costs (``keep``)
 
@@ -240,6 +250,13 @@ class SpanCosts:
         cache slots took ``seconds``; ``first``: the first after its call's prefill. Its rounds' cost is its time
         less the chunk's overhead, which this chunk may refit: every cost is then derived anew with it."""
         refitted = self.overhead.observe(rows, (span, depth), rounds, seconds, first)
+        if depth == PLAIN:
+            if self.plain_stale(rows):  # measured anew: what was measured before read another state of the machine
+                for m in self.by_span.values():
+                    m.forget(rows, PLAIN)
+            self.since_plain[rows] = 0
+        else:
+            self.since_plain[rows] = self.since_plain.get(rows, PLAIN_STALE_ROUNDS) + rounds
         self.model(span).update(depth, rows, seconds, rounds, first)
         for m in self.by_span.values():
             if refitted:
@@ -270,6 +287,11 @@ class SpanCosts:
     def measured(self, depth: int, rows: int) -> bool:
         """Whether ``depth`` ran at ``rows`` rows at some span."""
         return any(m.measured(depth, rows) for m in self.by_span.values())
+
+    def plain_stale(self, rows: int) -> bool:
+        """Whether plain decoding's cost at ``rows`` rows is measured, but ``PLAIN_STALE_ROUNDS`` rounds of speculation
+        or more ago, or by an earlier process."""
+        return self.measured(PLAIN, rows) and self.since_plain.get(rows, PLAIN_STALE_ROUNDS) >= PLAIN_STALE_ROUNDS
 
     def settled(self, depth: int, rows: int) -> bool:
         """Whether ``depth`` ran at least ``SETTLED_ROUNDS`` measured rounds at ``rows`` rows (over every span)."""

@@ -64,9 +64,9 @@ def test_hindsight_counts_the_drafters_prefill():
 
 def test_plain_decodings_cost_measured_long_ago_is_measured_anew():
     """The depths that run follow the machine's speed; plain decoding, measured once, would keep that moment's. After
-    ``PLAIN_STALE_ROUNDS`` rounds of speculation at a batch size (probe rounds count; other batch sizes do not), or
-    where an earlier process measured it, its cost is stale, and its next measurement replaces the old ones at
-    every span."""
+    ``PLAIN_STALE_ROUNDS`` rounds at a batch size (probe rounds count, and plain decoding's own program's, which times
+    no round apart; other batch sizes' do not), or where an earlier process measured it, its cost is stale, and its
+    next measurement replaces the old ones at every span."""
     costs = autospec.SpanCosts()
     assert not costs.plain_stale(4)  # never measured: measured as such, not as stale
     costs.model(512).update(autospec.PLAIN, 4, 16 * 0.012, 16)  # kept by an earlier process, at another span
@@ -84,6 +84,10 @@ def test_plain_decodings_cost_measured_long_ago_is_measured_anew():
     assert costs.cost(autospec.PLAIN, 4, 256) == pytest.approx(0.012) and not costs.plain_stale(4)
     costs.observe_chunk(256, autospec.PLAIN, 4, 16, 16 * 0.010, first=False)  # measured again while fresh: both count
     assert costs.model(256).window_rounds(4, autospec.PLAIN) == 32
+    costs.aged(4, autospec.PLAIN_STALE_ROUNDS - 1)  # rounds of plain decoding's own program: no round timed apart
+    assert not costs.plain_stale(4)
+    costs.aged(4, 1)
+    assert costs.plain_stale(4)
 
 
 def test_hindsight_reads_a_rows_first_draft_over_the_prompts_seen_alike():

@@ -398,6 +398,7 @@ class AutoRun:
         self.run_s += run_s
         rounds = int(st.rounds)
         self.estimate.age(rounds)
+        self.costs.aged(self.plan.batch, rounds)
         self.chunks.append((autospec.PLAIN, rounds))
         yield st
 

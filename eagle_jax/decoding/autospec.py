@@ -39,8 +39,9 @@ only after a fresh look at the call's first drafts (``PROBE_ROUNDS`` rounds, or 
 differ: probe rounds, or a chain of 1 where its rounds cost about a probe's, ``AutoRun._look``) has
 confirmed that speculation does not pay, and the chain that would pay were its drafts past the first accepted
 as often as the first (the probe sees the first only) has run a few rounds, if there is one; or, to be measured where it may win, on a call's last few
-rounds, where the call no longer needs the drafter; each call starts with the drafter fed, so a later
-call speculates again as soon as its own prompts allow.
+rounds, where the call no longer needs the drafter (again once its measurement is ``PLAIN_STALE_ROUNDS`` old: the
+depths that run follow the machine's speed, and plain decoding's cost must too); each call starts with the drafter
+fed, so a later call speculates again as soon as its own prompts allow.
 
 The opt-in adaptive chains calibrate their costs apart (``decoding/adaptive_costs.py``).
 """
@@ -129,8 +130,9 @@ PLAIN_WORTH_TRYING = 1.5
 # the machine, whose speed moves by up to ~20% over minutes here: plain decoding read at 13.6-14.4 ms a round,
 # measured minutes before, ran at 11.6-12.2, and a chain of 3 ran every call of three sequences at 1.15x plain
 # decoding's time (bfloat16, batch 12, greedy). So plain decoding is measured again the same way, on a call's last
-# rounds, its new measurement replacing the old, after PLAIN_STALE_ROUNDS rounds of speculation at a batch size since
-# it was last measured (an earlier process's measurement counts as that old) ...
+# rounds, its new measurement replacing the old, after PLAIN_STALE_ROUNDS rounds at a batch size since it was last
+# measured (those of calls that decode plainly from their start count: their one program times no round apart; an
+# earlier process's measurement counts as that old) ...
 PLAIN_STALE_ROUNDS = 128
 # ... where it is expected to finish within this factor of the best depth: past that, no drift makes it win.
 PLAIN_STALE_CLOSE = 1.25
@@ -185,7 +187,7 @@ class SpanCosts:
         self._table: tuple[int, int, dict, dict] = (0, 0, {}, {})
         self.cache_name: str | None = None  # the file these costs are kept in (``keep``): "" none, None not asked yet
         self.forgotten: set[tuple[int, int]] = set()  # (rows, depth) of chains measured anew (``forget_contradicted_chain``)
-        self.since_plain: dict[int, int] = {}  # per batch size: rounds of speculation since plain decoding was measured (``plain_stale``)
+        self.since_plain: dict[int, int] = {}  # per batch size: rounds since plain decoding was measured (``plain_stale``)
         self.recent_rows: deque[AcceptanceEstimate] = deque(maxlen=FIRST_CHOICE_ROWS)  # the latest finished rows' estimates
         self.acceptance: AcceptanceEstimate | None = None  # the pair's acceptance, kept on disk with these costs (``keep``)
 
@@ -256,7 +258,7 @@ class SpanCosts:
                     m.forget(rows, PLAIN)
             self.since_plain[rows] = 0
         else:
-            self.since_plain[rows] = self.since_plain.get(rows, PLAIN_STALE_ROUNDS) + rounds
+            self.aged(rows, rounds)
         self.model(span).update(depth, rows, seconds, rounds, first)
         for m in self.by_span.values():
             if refitted:
@@ -288,9 +290,13 @@ class SpanCosts:
         """Whether ``depth`` ran at ``rows`` rows at some span."""
         return any(m.measured(depth, rows) for m in self.by_span.values())
 
+    def aged(self, rows: int, rounds: int) -> None:
+        """``rounds`` rounds at ``rows`` rows ran that did not measure plain decoding (``plain_stale``)."""
+        self.since_plain[rows] = self.since_plain.get(rows, PLAIN_STALE_ROUNDS) + rounds
+
     def plain_stale(self, rows: int) -> bool:
-        """Whether plain decoding's cost at ``rows`` rows is measured, but ``PLAIN_STALE_ROUNDS`` rounds of speculation
-        or more ago, or by an earlier process."""
+        """Whether plain decoding's cost at ``rows`` rows is measured, but ``PLAIN_STALE_ROUNDS`` rounds or more ago
+        (of any depth, plain decoding's own program's included), or by an earlier process."""
         return self.measured(PLAIN, rows) and self.since_plain.get(rows, PLAIN_STALE_ROUNDS) >= PLAIN_STALE_ROUNDS
 
     def settled(self, depth: int, rows: int) -> bool:

@@ -34,9 +34,8 @@ from bench import roofline as rl
 from bench.common import BUNDLED_DRAFTER, BUNDLED_TARGET, TARGET_HELP, print_table, write_json
 from eagle_jax.checkpoint.hf_target import DTYPES
 from eagle_jax.config import aux_layer_ids_for
+from eagle_jax.modeling.flops import attention_flops, matmul_params
 from eagle_jax.training.trainer import (
-    _attention_flops,
-    _matmul_params,
     build_target,
     drafter_config_for,
     load_config,
@@ -74,8 +73,8 @@ def target_forward_flops_per_token(target, seq_len: int) -> float:
     """The target's share of ``train_flops_per_token``: 2 x the weights a token uses (+ a tied lm_head)
     plus causal attention over T/2 keys per layer, as the trainer counts it."""
     tc = target.config
-    params = _matmul_params(target) + (tc.vocab_size * tc.hidden_size if tc.tie_word_embeddings else 0)
-    return 2 * params + _attention_flops(tc, seq_len / 2) * tc.num_layers
+    params = matmul_params(target) + (tc.vocab_size * tc.hidden_size if tc.tie_word_embeddings else 0)
+    return 2 * params + attention_flops(tc, seq_len / 2) * tc.num_layers
 
 
 def main(argv=None) -> dict:

@@ -14,8 +14,7 @@ from eagle_jax.decoding import autospec
 
 def test_hindsight_counts_the_drafters_prefill():
     """A chain of one draft finishes a call's rounds 3% sooner than plain decoding; counting what speculating
-    paid besides (the drafter's share of the prefill, the probe round's cost over plain decoding's; the probe
-    rounds' excess; chunks' overheads) leaves plain decoding within ``PLAIN_MARGIN`` of it or faster, the better
+    paid besides (the drafter's part of the prefill; the probe rounds' excess; chunks' overheads) leaves plain decoding within ``PLAIN_MARGIN`` of it or faster, the better
     start in a near tie, so such calls go on to skip the drafter, and probe less often the longer that holds."""
     costs = autospec.SpanCosts()
     model = costs.model(256)
@@ -37,19 +36,19 @@ def test_hindsight_counts_the_drafters_prefill():
     costs.overhead.set_dispatch(0.0)
     costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])
     assert costs.plain_rows[4] == 0
-    costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
+    costs.record_hindsight(256, [(32, est)] * 4, drafter_prefill_s=0.34)
     assert costs.plain_rows[4] == 4
     # PLAIN_EVIDENCE_ROWS prompts settle plain decoding; PROMPTS_TO_CARRY where the prompts were seen to be alike,
     # from two calls at least (one call's rows may be alike by how they were grouped)
     assert autospec.PROMPTS_TO_CARRY == 4 < autospec.PLAIN_EVIDENCE_ROWS
     assert not costs.plain_settled(4) and not costs.plain_settled(4, alike=True)
-    costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
+    costs.record_hindsight(256, [(32, est)] * 4, drafter_prefill_s=0.34)
     assert costs.plain_settled(4, alike=True) and costs.plain_settled(4)
     # each further call in a row that finds plain decoding fastest doubles the rounds before the next probe, up to a cap
     assert costs.reprobe_rounds(4) == autospec.REPROBE_ROUNDS
     backoff = []
     for _ in range(4):
-        costs.record_hindsight(256, [(32, est)] * 4, prefill_s=2.0)
+        costs.record_hindsight(256, [(32, est)] * 4, drafter_prefill_s=0.34)
         backoff.append(costs.reprobe_rounds(4) // autospec.REPROBE_ROUNDS)
     assert backoff == [2, 4, 4, 4] and autospec.REPROBE_BACKOFF == 4
     costs.record_hindsight(256, [(32, est)] * 4, chunks=[(1, 8), (1, 24)])  # speculation was faster: probes as often as at first
@@ -58,7 +57,7 @@ def test_hindsight_counts_the_drafters_prefill():
     model.update(None, 2, 1.2, 10)
     model.update(1, 2, 1.3, 10)
     for calls in range(1, 5):
-        costs.record_hindsight(256, [(32, est)] * 2, prefill_s=2.0)
+        costs.record_hindsight(256, [(32, est)] * 2, drafter_prefill_s=0.34)
         assert costs.plain_settled(2, alike=True) == (calls >= 2) and costs.plain_settled(2) == (calls >= 4)
 
 
@@ -336,3 +335,29 @@ def test_a_chain_priced_far_above_the_line_through_the_others_is_measured_again_
     costs.observe_chunk(160, 7, 1, 8, 0.001 + 8 * 0.0105, first=False)  # as dear again: kept, as measured
     assert costs.forget_contradicted_chain(1) is None and costs.settled(7, 1)
     assert costs.at(160).cost(7, 1) == pytest.approx(0.0105, rel=0.02)
+
+
+def test_the_drafters_share_of_a_prefill_is_its_prompt_work():
+    """A prefill runs the drafter's ``fc`` and key/value projections over the prompt, its layer at the last position
+    only: the share ``spec="auto"``'s hindsight charges speculation with is that work's FLOPs over the prefill's, a
+    few percent for an EAGLE-3 drafter, falling as the target's attention over a longer prompt grows; an MLA + MoE
+    target and its drafter are counted alike."""
+    import jax
+    from flax import nnx
+
+    from eagle_jax import Drafter, Target
+    from eagle_jax.modeling import flops
+    from engine_models import deepseek_config, drafter_config, target_config
+
+    config = target_config(96, layers=4)
+    target = Target(config, rngs=nnx.Rngs(0))
+    drafter = Drafter(drafter_config(config), rngs=nnx.Rngs(1))
+    share = flops.prefill_drafter_share(target, drafter)
+    attn = drafter.self_attn
+    mine = 2 * (drafter.fc.kernel.size + attn.k_proj.kernel.size + attn.v_proj.kernel.size)
+    layers = 2 * sum(x.size for x in jax.tree.leaves(nnx.state(target.layers, nnx.Param)) if x.ndim == 2)
+    attention = 2 * (16 + 1) / 2 * 4 * (16 + 16) * 4  # per position: half of 16 + 1 keys, 4 heads of 16 + 16, 4 layers
+    assert share(16) == pytest.approx(mine / (mine + layers + attention))
+    assert 0.0 < share(512) < share(16) < 0.2
+    moe = Target(deepseek_config(96), rngs=nnx.Rngs(0))
+    assert 0.0 < flops.prefill_drafter_share(moe, Drafter(drafter_config(moe.config), rngs=nnx.Rngs(1)))(16) < 0.5

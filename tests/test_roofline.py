@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 import eagle_jax
 from bench import roofline as rl
 from eagle_jax import Drafter, SpecConfig, Target, TargetConfig
-from eagle_jax.training.trainer import _matmul_params
+from eagle_jax.modeling.flops import matmul_params
 
 from engine_models import deepseek_config, drafter_config
 
@@ -91,12 +91,12 @@ def test_counts_match_the_trainer_and_moe_counts_active_experts():
     target = nnx.eval_shape(lambda: Target(tc, rngs=nnx.Rngs(0)))  # shapes only: nothing initialised
     drafter = nnx.eval_shape(lambda: Drafter(drafter_config(tc), rngs=nnx.Rngs(1)))
     p = rl.target_params(tc)
-    assert p.per_token == pytest.approx(_matmul_params(target) + (tc.vocab_size * tc.hidden_size if tc.tie_word_embeddings else 0))
+    assert p.per_token == pytest.approx(matmul_params(target) + (tc.vocab_size * tc.hidden_size if tc.tie_word_embeddings else 0))
     assert p.per_token < p.total  # 2 of 8 routed experts
     d = rl.drafter_params(drafter.config)
-    assert d.fc + d.layer + d.lm_head == _matmul_params(drafter)
+    assert d.fc + d.layer + d.lm_head == matmul_params(drafter)
     tiny = nnx.eval_shape(lambda: Target(TINY, rngs=nnx.Rngs(0)))
-    assert rl.target_params(TINY).per_token == _matmul_params(tiny)
+    assert rl.target_params(TINY).per_token == matmul_params(tiny)
     # MLA latent cache: kv_lora_rank + rope per token and layer; one token touches 2 experts, many touch all 8
     assert rl.kv_numbers_per_token(tc, tc.num_layers) == tc.num_layers * (32 + 8)
     assert p.touched_experts(1) == pytest.approx(2)

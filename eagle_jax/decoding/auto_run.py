@@ -19,6 +19,7 @@ from eagle_jax.decoding.acceptance_estimate import prompts_alike
 from eagle_jax.decoding.calls import GenerationResult
 from eagle_jax.decoding.engine import Plan, one_shot_cache_len, run_rounds
 from eagle_jax.decoding.prefill import start
+from eagle_jax.modeling import flops
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 
@@ -58,6 +59,8 @@ class AutoRun:
         if self.costs.cache_name is None:  # the first call to meet these costs: those an earlier process measured here
             shapes = [(tuple(shape), str(dtype)) for shape, dtype, _ in self._states[True][1]]
             self.costs.keep(lambda: cost_cache.key(target.config, drafter.config, shapes, greedy, self.plan.exact, kw["mesh"]), self.estimate)
+        if self.costs.drafter_prefill_share is None:  # counted once per pair (~4 ms)
+            self.costs.drafter_prefill_share = flops.prefill_drafter_share(target, drafter)
         self._programs: dict[tuple[int | None, bool], Any] = {}
         self.most_rounds = most_rounds  # the longest chunk: a stream's reader waits for each (None: any)
         self.carry = 0.0  # rounds of the pair's evidence each new prompt carries (``carry_rounds``), read at the start
@@ -367,7 +370,8 @@ class AutoRun:
         if observed:  # which depth would have finished this call soonest, had it been known from the start
             rows = [(int(n), est) for n, est in zip(n_out, row_est)]
             judged = [(n, self.estimate.judged_over_prompts(est, self.carry)) for n, est in rows]
-            self.costs.record_hindsight(self.plan.cache_len, rows, prefill_s, self.chunks, judged)
+            share = self.costs.drafter_prefill_share(self._args[0].shape[1])
+            self.costs.record_hindsight(self.plan.cache_len, rows, prefill_s * share, self.chunks, judged)
         self.costs.kept()
 
     def _fuses(self, depth: int | None) -> bool:

@@ -187,6 +187,7 @@ class SpanCosts:
         self._table: tuple[int, int, dict, dict] = (0, 0, {}, {})
         self.cache_name: str | None = None  # the file these costs are kept in (``keep``): "" none, None not asked yet
         self.forgotten: set[tuple[int, int]] = set()  # (rows, depth) of chains measured anew (``forget_contradicted_chain``)
+        self.drafter_prefill_share: Callable[[int], float] | None = None  # by prompt length: ``flops.prefill_drafter_share``
         self.since_plain: dict[int, int] = {}  # per batch size: rounds since plain decoding was measured (``plain_stale``)
         self.recent_rows: deque[AcceptanceEstimate] = deque(maxlen=FIRST_CHOICE_ROWS)  # the latest finished rows' estimates
         self.acceptance: AcceptanceEstimate | None = None  # the pair's acceptance, kept on disk with these costs (``keep``)
@@ -358,25 +359,28 @@ class SpanCosts:
         span depends on its depth)."""
         return AtSpan(self, span_of if callable(span_of) else (lambda _d, s=span_of: s))
 
-    def record_hindsight(self, span: int, rows: Sequence[tuple[int, AcceptanceEstimate]], prefill_s: float = 0.0,
+    def record_hindsight(self, span: int, rows: Sequence[tuple[int, AcceptanceEstimate]], drafter_prefill_s: float = 0.0,
                          chunks: Sequence[tuple[int | None, int]] = (), judged: Sequence[tuple[int, AcceptanceEstimate]] | None = None) -> None:
         """A call of ``len(rows)`` prompts over ``span`` cache slots that observed acceptance ended: ``rows``
-        = (tokens it made, the row's estimate); ``prefill_s``: its prefill, the drafter's included; ``chunks``:
-        the (depth, rounds) it ran (depth None: probe rounds); ``judged``: the rows the verdict reads, if not ``rows``
-        (``AcceptanceEstimate.judged_over_prompts``). Speculating pays what plain decoding from the
-        start does not: the drafter's share of that prefill (the share of a round that feeding the drafter
-        adds, the probe round's cost over plain decoding's), the probe rounds' excess over plain ones, and
-        the overhead of every chunk past one (``chunk_overhead``: ~1 round each at bfloat16 batch 12 on a CPU
-        before its cache writes were scattered as bits, where a call that probes, looks and runs on paid 5% over
-        plain decoding's time in a near tie)."""
+        = (tokens it made, the row's estimate); ``drafter_prefill_s``: the drafter's part of its prefill
+        (``flops.prefill_drafter_share`` of it); ``chunks``: the (depth, rounds) it ran (depth None: probe rounds);
+        ``judged``: the rows the verdict reads, if not ``rows`` (``AcceptanceEstimate.judged_over_prompts``).
+        Speculating pays what plain decoding from the start does not: the drafter's part of the prefill, the probe
+        rounds' excess over plain ones, and the overhead of every chunk past one (``chunk_overhead``: ~1 round each
+        at bfloat16 batch 12 on a CPU before its cache writes were scattered as bits, where a call that probes, looks
+        and runs on paid 5% over plain decoding's time in a near tie). The drafter's part of the prefill was read as
+        the share of a round that feeding the drafter adds (the probe round's cost over plain decoding's): ~19% of a
+        prefill at float32 batch 4, where a prefill with the drafter took 0-2% longer than one without (it runs the
+        drafter's layer at the prompt's last position only), and a chain of 1, 4.5% faster than plain decoding
+        there, read as no faster and stopped running (T=1)."""
         batch, here = len(rows), self.at(span)
         self.last_call[batch] = [est.copy() for _, est in rows]
         self.recent_rows.extend(self.last_call[batch])
         times = finish_times(here, batch, toward_the_batch(rows if judged is None else judged))
         plain, probe = self.model(span).at_rows(PLAIN, batch), self.model(span).probe.get(batch)
-        extra = max(len(chunks) - 1, 0) * self.overhead.seconds(batch)
+        extra = drafter_prefill_s + max(len(chunks) - 1, 0) * self.overhead.seconds(batch)
         if plain and probe:
-            extra += prefill_s * max(0.0, 1.0 - plain / probe) + sum(n for d, n in chunks if d is None) * max(probe - plain, 0.0)
+            extra += sum(n for d, n in chunks if d is None) * max(probe - plain, 0.0)
         spec = min((t + extra for d, t in times.items() if d != PLAIN), default=None)
         clear = self.measured(PLAIN, batch) and spec is not None and times[PLAIN] <= PLAIN_MARGIN * spec
         self.plain_rows[batch] = self.plain_rows.get(batch, 0) + batch if clear else 0

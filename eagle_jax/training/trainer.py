@@ -41,8 +41,9 @@ from tqdm.auto import tqdm
 
 from eagle_jax.checkpoint.eagle_drafter import save_drafter
 from eagle_jax.checkpoint.hf_target import DTYPES
-from eagle_jax.config import DrafterConfig, TargetConfig, aux_layer_ids_for
+from eagle_jax.config import DrafterConfig, aux_layer_ids_for
 from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.flops import attention_flops, matmul_params
 from eagle_jax.modeling.target import Target
 from eagle_jax.sharding import BATCH_AXES, logical_to_spec, put, tree_shardings
 from eagle_jax.training.data import Batcher, DataPosition
@@ -69,27 +70,6 @@ from eagle_jax.training.ttt import simulated_acceptance_length, ttt_loss
 # ------------------------------------------------------------------------------------- throughput
 
 
-def _matmul_params(module: nnx.Module) -> float:
-    """Weights one token multiplies with: every kernel, but of the routed experts of a mixture of experts
-    only the fraction a token activates (num_experts_per_tok of n_routed_experts; shared experts are
-    plain kernels), plus the router."""
-    moe = getattr(module.config, "moe", None)
-    n = 0.0
-    for path, leaf in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        size = float(np.prod(leaf.get_value().shape))
-        if path[-1] == "kernel" and "experts" in path:
-            n += size * moe.num_experts_per_tok / moe.n_routed_experts
-        elif path[-1] == "kernel" or path[-2:] == ("gate", "weight"):
-            n += size
-    return n
-
-
-def _attention_flops(config: TargetConfig | DrafterConfig, keys: float) -> float:
-    """Score and value products of one query over ``keys`` keys: 2 x keys x heads x (qk + v head widths)."""
-    qk, v = (config.mla.qk_head_dim, config.mla.v_head_dim) if config.mla is not None else (config.head_dim, config.head_dim)
-    return 2 * keys * config.num_heads * (qk + v)
-
-
 def train_flops_per_token(target: Target, drafter: Drafter, seq_len: int, ttt_length: int, with_target: bool = True) -> float:
     """Model FLOPs per token of one train step (matmuls only; norms, softmax, RoPE ignored).
 
@@ -101,11 +81,11 @@ def train_flops_per_token(target: Target, drafter: Drafter, seq_len: int, ttt_le
     plus the target's logits over the draft vocabulary from its stored hidden states.
     """
     tc, dc = target.config, drafter.config
-    t_params = _matmul_params(target) + (tc.vocab_size * tc.hidden_size if tc.tie_word_embeddings else 0)
-    t_attn = _attention_flops(tc, seq_len / 2) * tc.num_layers
+    t_params = matmul_params(target) + (tc.vocab_size * tc.hidden_size if tc.tie_word_embeddings else 0)
+    t_attn = attention_flops(tc, seq_len / 2) * tc.num_layers
     fc = dc.fc_in_features * dc.hidden_size
-    layer = _matmul_params(drafter) - fc
-    d_attn = _attention_flops(dc, seq_len / 2 + ttt_length / 2)
+    layer = matmul_params(drafter) - fc
+    d_attn = attention_flops(dc, seq_len / 2 + ttt_length / 2)
     drafter_part = 6 * fc + ttt_length * (6 * layer + 3 * d_attn)
     if not with_target:
         return 2 * dc.draft_vocab_size * tc.hidden_size + drafter_part

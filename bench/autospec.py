@@ -338,10 +338,13 @@ def report(results: dict, plot: Path) -> None:
                 ax.plot(range(1, len(r["depths"]) + 1), r["depths"], marker="o", label=r["order"])
             ax.set_title(f"{dtype}, T={temp:g}, batch {batch}", fontsize=9)
             ax.set_xticks(range(1, max((len(r["depths"]) for r in shown), default=1) + 1))
+            if not shown:  # a grid of the runs' dtypes, temperatures and batch sizes: not every cell ran
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
+                ax.set_xticks([])
         row[0].set_ylabel("drafts per round (mean)")
     for ax in axes[-1]:
         ax.set_xlabel("call in the sequence")
-    axes[0][0].legend(fontsize=7)
+    next(ax for ax in axes.flat if ax.lines).legend(fontsize=7)  # the orders' colours, on the first panel that has them
     fig.suptitle("spec=auto: the depth it ran, call by call", fontsize=10)
     fig.tight_layout()
     fig.savefig(plot, dpi=110)

@@ -236,12 +236,14 @@ def drafter_forward(d: DrafterConfig, batch: int, width: int, context: float, *,
 
 
 def drafter_prefill(d: DrafterConfig, batch: int, prompt_len: int, *, weight_bytes: int, cache_bytes: int) -> Cost:
-    """The drafter over the prompt's target features: fc + layer on every position (causal self-attention),
-    the lm_head at the last position."""
+    """The drafter over the prompt's target features, as the engine runs it (``decoding/prefill.py``): fc and the
+    key/value projections of the 2H input on every position (a pair's cache entry needs only its own), the rest of
+    the layer, its attention over the prompt and the lm_head at the last position only."""
     p = drafter_params(d)
     tokens = batch * prompt_len
-    pairs = batch * prompt_len * (prompt_len + 1) / 2
-    flops = 2 * tokens * (p.fc + p.layer) + 2 * batch * p.lm_head + pairs * attention_flops_per_pair(d, False)
+    kv_weights = 2 * d.hidden_size * kv_numbers_per_token(d, 1)  # the 2H input to the cached keys and values (MLA: latents)
+    flops = 2 * tokens * (p.fc + kv_weights) + 2 * batch * (p.layer - kv_weights + p.lm_head)
+    flops += batch * prompt_len * attention_flops_per_pair(d, False)
     weights = (p.fc + p.layer + p.lm_head + tokens * d.hidden_size) * weight_bytes
     return Cost(flops, weights, 0.0, tokens * kv_numbers_per_token(d, 1) * cache_bytes)
 

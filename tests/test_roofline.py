@@ -61,6 +61,12 @@ def test_verify_width_and_prefill_by_hand():
     p = rl.target_prefill(TINY, 2, 16, weight_bytes=4, cache_bytes=4)
     assert p.flops == 2 * (16 * 2 * 2 * (ATTN + MLP) + 2 * LM_HEAD + 136 * 2 * PAIR)
     assert p.kv_read_bytes == 0 and p.kv_write_bytes == 2 * 16 * KV * 4
+    # the drafter's prefill: fc and the key/value projections on every position, the rest of its layer, its attention
+    # over the prompt and its lm_head at the last position only
+    dc = drafter_config(TINY, draft_vocab=32)
+    dp, kv = rl.drafter_params(dc), 2 * 64 * 16  # 2H = 64 inputs to 2 kv heads x 8 wide, keys and values
+    q = rl.drafter_prefill(dc, 2, 16, weight_bytes=4, cache_bytes=4)
+    assert q.flops == 2 * 2 * 16 * (dp.fc + kv) + 2 * 2 * (dp.layer - kv + dp.lm_head) + 2 * 16 * rl.attention_flops_per_pair(dc, False)
 
 
 def test_chain_and_tree_rounds_are_their_parts():

@@ -14,8 +14,9 @@ from eagle_jax.decoding import autospec
 
 def test_hindsight_counts_the_drafters_prefill():
     """A chain of one draft finishes a call's rounds 3% sooner than plain decoding; counting what speculating
-    paid besides (the drafter's part of the prefill; the probe rounds' excess; chunks' overheads) leaves plain decoding within ``PLAIN_MARGIN`` of it or faster, the better
-    start in a near tie, so such calls go on to skip the drafter, and probe less often the longer that holds."""
+    paid besides (the drafter's part of the prefill; the probe rounds' excess; chunks' overheads) leaves plain
+    decoding within ``PLAIN_MARGIN`` of it or faster, the better start in a near tie, so such calls go on to skip the
+    drafter, and probe less often the longer that holds."""
     costs = autospec.SpanCosts()
     model = costs.model(256)
     model.update(autospec.PLAIN, 4, 1.0, 10)  # 0.1 s per round

@@ -334,13 +334,14 @@ def report(results: dict, plot: Path) -> None:
     for (dtype, temp), row in zip(panels, axes):
         for ax, batch in zip(row, batches):
             shown = [r for r in runs if (r["dtype"], r["temperature"], r["batch"]) == (dtype, temp, batch)]
-            for r in shown:
-                ax.plot(range(1, len(r["depths"]) + 1), r["depths"], marker="o", label=r["order"])
             ax.set_title(f"{dtype}, T={temp:g}, batch {batch}", fontsize=9)
-            ax.set_xticks(range(1, max((len(r["depths"]) for r in shown), default=1) + 1))
             if not shown:  # a grid of the runs' dtypes, temperatures and batch sizes: not every cell ran
                 ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
                 ax.set_xticks([])
+                continue
+            for r in shown:
+                ax.plot(range(1, len(r["depths"]) + 1), r["depths"], marker="o", label=r["order"])
+            ax.set_xticks(range(1, max(len(r["depths"]) for r in shown) + 1))
         row[0].set_ylabel("drafts per round (mean)")
     for ax in axes[-1]:
         ax.set_xlabel("call in the sequence")

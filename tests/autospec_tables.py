@@ -21,8 +21,18 @@ class FixedCosts(autospec.SpanCosts):
     def settled(self, depth, rows):
         return depth in self.fixed
 
+    def stale(self, depth, rows):
+        return False  # fixed: never measured again
+
     def probed(self, rows):
         return True
 
     def cost(self, depth, rows, span):
         return self.fixed.get(depth)
+
+
+def measured_now(costs: autospec.SpanCosts, rows: int) -> None:
+    """Reads ``costs`` at ``rows`` rows as measured by this process just now: none stale (``SpanCosts.stale``), as
+    costs put into its models directly would otherwise be (an earlier process's)."""
+    for depth in (autospec.PLAIN, *autospec.DEPTHS):
+        costs.since[rows, depth] = 0

@@ -22,7 +22,7 @@ from eagle_jax.decoding.engine import WATCH_MIN_ROUNDS, RoundCosts, draft_confid
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.auto_run import AutoRun
-from autospec_tables import FixedCosts
+from autospec_tables import FixedCosts, measured_now
 from engine_models import markov_drafter, markov_pair, markov_target
 
 PROMPTS = [list(np.random.default_rng(7).integers(0, 32, n)) for n in (4, 11, 19)]
@@ -287,6 +287,7 @@ def test_a_call_runs_a_chain_before_it_stops_speculating_only_where_deeper_draft
     run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
     for d, c in {None: 1.1, autospec.PLAIN: 1.0, 1: 1.4, 3: 1.5, 5: 1.6, 7: 1.7}.items():
         costs.model(run.plan.cache_len).update(d, 1, c * autospec.SETTLED_ROUNDS, autospec.SETTLED_ROUNDS)
+    measured_now(costs, 1)
     run.chunks.append((None, autospec.PLAIN_OWN_ROUNDS))
     promising = autospec.AcceptanceEstimate()  # its first draft accepted ~38%, the deeper ones 5% (an earlier prompt)
     promising.trials, promising.hits = np.full(7, 50.0), np.array([19.0, *[2.5] * 6])
@@ -356,12 +357,12 @@ def test_plain_decoding_is_first_measured_on_a_calls_last_rounds(monkeypatch, pa
     assert 1.4 < times[autospec.PLAIN] / min(t for d, t in times.items() if d != autospec.PLAIN) < autospec.PLAIN_WORTH_TRYING
     assert run._next(True, [(tail + 1, keen)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
     model.update(autospec.PLAIN, 1, 1.0, 1)  # measured, as an earlier process left it: measured again on a tail
-    assert costs.plain_stale(1) and run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
+    assert costs.stale(autospec.PLAIN, 1) and run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
     costs.observe_chunk(run.plan.cache_len, autospec.PLAIN, 1, tail, tail * 1.0, first=False)  # measured here: no tail
-    assert not costs.plain_stale(1) and run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS)[0] == 1
-    # PLAIN_STALE_ROUNDS rounds of speculation later, measured again where it is within PLAIN_STALE_CLOSE of the best
-    costs.observe_chunk(run.plan.cache_len, 3, 1, autospec.PLAIN_STALE_ROUNDS, autospec.PLAIN_STALE_ROUNDS * 1.5, first=False)
-    assert costs.plain_stale(1) and run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
+    assert not costs.stale(autospec.PLAIN, 1) and run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS)[0] == 1
+    # STALE_ROUNDS rounds of speculation later, measured again where it is within PLAIN_STALE_CLOSE of the best
+    costs.observe_chunk(run.plan.cache_len, 3, 1, autospec.STALE_ROUNDS, autospec.STALE_ROUNDS * 1.5, first=False)
+    assert costs.stale(autospec.PLAIN, 1) and run._next(True, [(tail + 1, fair)], observed=autospec.PROBE_ROUNDS) == (autospec.PLAIN, tail)
     far = autospec.AcceptanceEstimate()  # first drafts accepted 90%: plain decoding 1.6x a chain of 3's time
     far.observe_probe(0.9, 50)
     times = autospec.finish_times(costs.at(run.plan.cache_len), 1, [(tail + 1, far)])
@@ -413,6 +414,7 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     model.update(3, 1, 1.6 * settled, settled)
     model.update(7, 1, 2.4 * settled, settled)
     model.update(autospec.PLAIN, 1, 0.95 * settled, settled)
+    measured_now(costs, 1)
     assert [costs.at(run.plan.cache_len).cost(d, 1) for d in (1, 5)] == pytest.approx([1.05 + 0.55 / 3, 2.0])
     half = autospec.AcceptanceEstimate()
     half.observe(([[0]] * 8 + [[1]] * 4 + [[2]] * 2 + [[3]] * 2) * 5, 3)  # each draft accepted one time in two: K=1 and K=3 close, K=5 not
@@ -439,6 +441,7 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     model.update(7, 1, 4.0 * settled, settled)
     model.update(autospec.PLAIN, 1, 1.0 * settled, settled)
     model.update(1, 1, 1.6, 1)  # 1.6 s per 1.56 tokens: 2% behind plain decoding; K=3 (modelled) 19% behind
+    measured_now(costs, 1)
     auto.models[True] = costs
     assert auto.choose([half], 1, True, lambda d: run.plan.cache_len).num_speculative_tokens == 1
     assert run._next(True, [(32, half)], observed=8) == (1, autospec.EXPLORE_ROUNDS)
@@ -473,6 +476,38 @@ def test_a_call_explores_one_close_depth(monkeypatch, pair):
     assert depth == autospec.PLAIN  # not K=3: this call explored K=1 already
     run._explored = None  # a later call explores K=3
     assert run._next(True, rows, observed=8) == (3, autospec.EXPLORE_ROUNDS)
+
+
+def test_a_close_chain_measured_long_ago_is_measured_again(monkeypatch, pair):
+    """A chain not chosen does not run, so a cost that a busy moment made dear would stay: a chain of 5 priced 8%
+    above its neighbours' line by two short chunks ran no more, while a chain of 3 ran in its place at 0.94x the fixed
+    chain of 5 (float32, batch 4, greedy). Once its cost is ``STALE_ROUNDS`` rounds old, a close chain runs again to be
+    measured, its new measurement replacing the old, and the clock decides."""
+    autospec.reset()
+    costs = autospec.SpanCosts()
+    monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
+    run = AutoRun(pair[0], pair[1], PROMPTS[:1], 64, _AUTO_KW)
+    run.chunks[:] = [(7, 4), (3, 8)]  # this call's rows ran the deepest chain already (no look deeper: ``deeper_unseen``)
+    span, settled = run.plan.cache_len, autospec.SETTLED_ROUNDS
+    for d, c in {None: 1.05, autospec.PLAIN: 1.0, 1: 1.2, 3: 1.5, 5: 1.9, 7: 2.3}.items():
+        costs.model(span).update(d, 1, c * settled, settled)
+    measured_now(costs, 1)
+    likely = autospec.AcceptanceEstimate()  # every draft accepted ~80%: a chain of 5 within 1.5% of a chain of 3
+    likely.trials, likely.hits = np.full(7, 50.0), np.full(7, 40.0)
+    times = autospec.finish_times(costs.at(span), 1, [(64, likely)])
+    assert min(times, key=times.get) == 3 and times[5] < autospec.EXPLORE_CLOSE * times[3]
+    assert run._next(True, [(64, likely)], observed=8)[0] == 3  # settled: the clock decided
+    costs.observe_chunk(span, 3, 1, autospec.STALE_ROUNDS, autospec.STALE_ROUNDS * 1.5, first=False)
+    assert costs.stale(5, 1) and not costs.stale(3, 1)
+    assert run._next(True, [(64, likely)], observed=8) == (5, autospec.EXPLORE_ROUNDS)
+    costs.observe_chunk(span, 5, 1, autospec.EXPLORE_ROUNDS, autospec.EXPLORE_ROUNDS * 1.75, first=False)
+    assert costs.cost(5, 1, span) == pytest.approx(1.75, rel=0.05)  # not a median with the 1.9 of long ago
+    assert run._next(True, [(64, likely)], observed=8)[0] == 5
+    far = autospec.AcceptanceEstimate()  # drafts past the third rarely accepted: only a chain of 3 pays
+    far.trials, far.hits = np.full(7, 50.0), np.array([40.0, 40.0, 40.0, 5.0, 5.0, 5.0, 5.0])
+    costs.observe_chunk(span, 3, 1, autospec.STALE_ROUNDS, autospec.STALE_ROUNDS * 1.5, first=False)
+    run._explored = None
+    assert costs.stale(1, 1) and run._next(True, [(64, far)], observed=8)[0] == 3  # a chain of 1 stale, but far from the best
 
 
 def test_plain_where_speculation_never_pays_skips_the_drafter(monkeypatch, fixed_costs, pair):

@@ -62,32 +62,38 @@ def test_hindsight_counts_the_drafters_prefill():
         assert costs.plain_settled(2, alike=True) == (calls >= 2) and costs.plain_settled(2) == (calls >= 4)
 
 
-def test_plain_decodings_cost_measured_long_ago_is_measured_anew():
-    """The depths that run follow the machine's speed; plain decoding, measured once, would keep that moment's. After
-    ``PLAIN_STALE_ROUNDS`` rounds at a batch size (probe rounds count, and plain decoding's own program's, which times
-    no round apart; other batch sizes' do not), or where an earlier process measured it, its cost is stale, and its
-    next measurement replaces the old ones at every span."""
+def test_a_cost_measured_long_ago_is_measured_anew():
+    """The depths that run follow the machine's speed; a depth that is not chosen, measured once, would keep that
+    moment's. After ``STALE_ROUNDS`` rounds at a batch size since it was measured (probe rounds count, and plain
+    decoding's own program's, which times no round apart; other batch sizes' do not), or where an earlier process
+    measured it, its cost is stale, and its next measurement replaces the old ones at every span."""
     costs = autospec.SpanCosts()
-    assert not costs.plain_stale(4)  # never measured: measured as such, not as stale
+    assert not costs.stale(autospec.PLAIN, 4)  # never measured: measured as such, not as stale
     costs.model(512).update(autospec.PLAIN, 4, 16 * 0.012, 16)  # kept by an earlier process, at another span
-    assert costs.plain_stale(4)
+    costs.model(512).update(5, 4, 16 * 0.030, 16)
+    assert costs.stale(autospec.PLAIN, 4) and costs.stale(5, 4)
     costs.observe_chunk(256, autospec.PLAIN, 4, 16, 16 * 0.010, first=False)
     assert costs.cost(autospec.PLAIN, 4, 256) == pytest.approx(0.010) and not costs.model(512).measured(autospec.PLAIN, 4)
-    assert not costs.plain_stale(4)
+    assert not costs.stale(autospec.PLAIN, 4) and costs.stale(5, 4)
     costs.observe_chunk(256, None, 4, 4, 4 * 0.013, first=False)
-    costs.observe_chunk(256, 3, 4, autospec.PLAIN_STALE_ROUNDS - 5, (autospec.PLAIN_STALE_ROUNDS - 5) * 0.020, first=False)
+    costs.observe_chunk(256, 3, 4, autospec.STALE_ROUNDS - 5, (autospec.STALE_ROUNDS - 5) * 0.020, first=False)
     costs.observe_chunk(256, 3, 1, 64, 64 * 0.006, first=False)  # batch 1's rounds
-    assert not costs.plain_stale(4)
+    assert not costs.stale(autospec.PLAIN, 4) and not costs.stale(3, 4)
     costs.observe_chunk(256, 3, 4, 1, 0.020, first=False)
-    assert costs.plain_stale(4)
+    assert costs.stale(autospec.PLAIN, 4) and not costs.stale(3, 4)
     costs.observe_chunk(256, autospec.PLAIN, 4, 16, 16 * 0.012, first=False)  # the machine slowed down: 12 ms, not a median with 10
-    assert costs.cost(autospec.PLAIN, 4, 256) == pytest.approx(0.012) and not costs.plain_stale(4)
+    assert costs.cost(autospec.PLAIN, 4, 256) == pytest.approx(0.012) and not costs.stale(autospec.PLAIN, 4)
     costs.observe_chunk(256, autospec.PLAIN, 4, 16, 16 * 0.010, first=False)  # measured again while fresh: both count
     assert costs.model(256).window_rounds(4, autospec.PLAIN) == 32
-    costs.aged(4, autospec.PLAIN_STALE_ROUNDS - 1)  # rounds of plain decoding's own program: no round timed apart
-    assert not costs.plain_stale(4)
+    costs.aged(4, autospec.STALE_ROUNDS - 1)  # rounds of plain decoding's own program: no round timed apart
+    assert not costs.stale(autospec.PLAIN, 4)
     costs.aged(4, 1)
-    assert costs.plain_stale(4)
+    assert costs.stale(autospec.PLAIN, 4)
+    # a chain, likewise: the earlier process's 30 ms, at another span, replaced by the 25 ms measured now
+    assert costs.settled(5, 4)
+    costs.observe_chunk(256, 5, 4, 4, 4 * 0.025, first=False)
+    assert not costs.model(512).measured(5, 4) and costs.cost(5, 4, 256) == pytest.approx(0.025)
+    assert not costs.stale(5, 4) and not costs.settled(5, 4)  # measured over 4 rounds: not settled until 8
 
 
 def test_hindsight_reads_a_rows_first_draft_over_the_prompts_seen_alike():

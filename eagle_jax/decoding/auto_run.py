@@ -176,11 +176,11 @@ class AutoRun:
             return self._look(costs, rows)
         if depth == autospec.PLAIN and not plain_known:
             return autospec.PLAIN, autospec.EXPLORE_ROUNDS  # measured (the rest of this call decodes plainly)
-        # Plain decoding not measured yet, or long ago (``SpanCosts.plain_stale``), but it may win: it is measured on the
+        # Plain decoding not measured yet, or long ago (``SpanCosts.stale``), but it may win: it is measured on the
         # call's last rounds (``tail``), where dropping the drafter costs nothing. Measured where the call had its say,
         # it took the rest of the call, 1.25x what a chain of 1 would have (float32, batch 1, T=1).
         reach = autospec.PLAIN_STALE_CLOSE if plain_known else autospec.PLAIN_WORTH_TRYING
-        may_win = (not plain_known or self.costs.plain_stale(batch)) and times[autospec.PLAIN] <= reach * times[depth]
+        may_win = (not plain_known or self.costs.stale(autospec.PLAIN, batch)) and times[autospec.PLAIN] <= reach * times[depth]
         depth, n = self._spend(costs, rows, times, depth, observed)
         if may_win and depth != autospec.PLAIN:
             tail = min(autospec.PLAIN_TAIL_ROUNDS, self.most_rounds or autospec.PLAIN_TAIL_ROUNDS)
@@ -228,10 +228,10 @@ class AutoRun:
                 return hoped, self._explore_rounds(costs, hoped)
         if not observed and times[depth] > autospec.PROBE_FIRST_BELOW * times[autospec.PLAIN]:
             return self._look(costs, rows)  # a close call: this call's rows decide
-        # A close depth whose cost is not known well yet runs to be measured: one such depth per call (it may run
-        # again until settled), the next on a later call. At bfloat16 batch 12 a call explored K=3 and then
-        # K=5, each worse than plain decoding, and took 1.31x plain's time.
-        skip = lambda d: self.costs.settled(d, batch) or self._explored not in (None, d)  # noqa: E731
+        # A close depth whose cost is not known well yet, or measured long ago (``SpanCosts.stale``), runs to be
+        # measured: one such depth per call (it may run again until settled), the next on a later call. At bfloat16
+        # batch 12 a call explored K=3 and then K=5, each worse than plain decoding, and took 1.31x plain's time.
+        skip = lambda d: (self.costs.settled(d, batch) and not self.costs.stale(d, batch)) or self._explored not in (None, d)  # noqa: E731
         if (rival := autospec.close_unsettled(times, skip)) is not None:
             self._explored = rival
             return rival, self._explore_rounds(costs, rival)

@@ -39,8 +39,8 @@ only after a fresh look at the call's first drafts (``PROBE_ROUNDS`` rounds, or 
 differ: probe rounds, or a chain of 1 where its rounds cost about a probe's, ``AutoRun._look``) has
 confirmed that speculation does not pay, and the chain that would pay were its drafts past the first accepted
 as often as the first (the probe sees the first only) has run a few rounds, if there is one; or, to be measured where it may win, on a call's last few
-rounds, where the call no longer needs the drafter (again once its measurement is ``PLAIN_STALE_ROUNDS`` old: the
-depths that run follow the machine's speed, and plain decoding's cost must too); each call starts with the drafter
+rounds, where the call no longer needs the drafter (again once its measurement is ``STALE_ROUNDS`` old: the
+depths that run follow the machine's speed, and the costs of those that do not must too; a chain's too); each call starts with the drafter
 fed, so a later call speculates again as soon as its own prompts allow.
 
 The opt-in adaptive chains calibrate their costs apart (``decoding/adaptive_costs.py``).
@@ -126,15 +126,19 @@ REPROBE_BACKOFF = 4
 # one (bfloat16, batch 1, the bundled pair): at 1.3 a fresh process at T=1, where a chain of 1 ties plain decoding,
 # never measured plain decoding, so never chose it.
 PLAIN_WORTH_TRYING = 1.5
-# Once measured, plain decoding runs only where chosen, while the depth that runs is measured as it runs and follows
-# the machine, whose speed moves by up to ~20% over minutes here: plain decoding read at 13.6-14.4 ms a round,
-# measured minutes before, ran at 11.6-12.2, and a chain of 3 ran every call of three sequences at 1.15x plain
-# decoding's time (bfloat16, batch 12, greedy). So plain decoding is measured again the same way, on a call's last
-# rounds, its new measurement replacing the old, after PLAIN_STALE_ROUNDS rounds at a batch size since it was last
-# measured (those of calls that decode plainly from their start count: their one program times no round apart; an
-# earlier process's measurement counts as that old) ...
-PLAIN_STALE_ROUNDS = 128
-# ... where it is expected to finish within this factor of the best depth: past that, no drift makes it win.
+# A depth that is not chosen runs no more, while the one that runs is measured as it runs and follows the machine,
+# whose speed moves by up to ~20% over minutes here: plain decoding read at 13.6-14.4 ms a round, measured minutes
+# before, ran at 11.6-12.2, and a chain of 3 ran every call of three sequences at 1.15x plain decoding's time
+# (bfloat16, batch 12, greedy); a chain of 5 priced 8% above the line through chains of 3 and 7 by two short chunks
+# at a call's end, never ran again while a chain of 3 ran in its place, 0.94x the fixed chain of 5 (float32, batch 4,
+# greedy). So a depth's cost is stale after STALE_ROUNDS rounds at a batch size since it was last measured (of any
+# depth, calls that decode plainly from their start included: their one program times no round apart; an earlier
+# process's measurement counts as that old), and a stale one is measured again where it may win, its new measurement
+# replacing the old ones at every span: plain decoding on a call's last rounds (below), a chain as one not measured
+# enough (``close_unsettled``) ...
+STALE_ROUNDS = 128
+# ... plain decoding where it is expected to finish within this factor of the best depth: past that, no drift makes
+# it win ...
 PLAIN_STALE_CLOSE = 1.25
 # ... on this many last rounds, in one chunk: a short chunk's rounds are its time less the fitted overhead, and
 # 4-round ones priced plain decoding below its long chunks' cost (float32 batch 4 T=1: plain decoding settled
@@ -188,7 +192,7 @@ class SpanCosts:
         self.cache_name: str | None = None  # the file these costs are kept in (``keep``): "" none, None not asked yet
         self.forgotten: set[tuple[int, int]] = set()  # (rows, depth) of chains measured anew (``forget_contradicted_chain``)
         self.drafter_prefill_share: Callable[[int], float] | None = None  # by prompt length: ``flops.prefill_drafter_share``
-        self.since_plain: dict[int, int] = {}  # per batch size: rounds since plain decoding was measured (``plain_stale``)
+        self.since: dict[tuple[int, int], int] = {}  # (rows, depth): rounds at those rows since the depth was measured (``stale``)
         self.recent_rows: deque[AcceptanceEstimate] = deque(maxlen=FIRST_CHOICE_ROWS)  # the latest finished rows' estimates
         self.acceptance: AcceptanceEstimate | None = None  # the pair's acceptance, kept on disk with these costs (``keep``)
 
@@ -253,13 +257,10 @@ class SpanCosts:
         cache slots took ``seconds``; ``first``: the first after its call's prefill. Its rounds' cost is its time
         less the chunk's overhead, which this chunk may refit: every cost is then derived anew with it."""
         refitted = self.overhead.observe(rows, (span, depth), rounds, seconds, first)
-        if depth == PLAIN:
-            if self.plain_stale(rows):  # measured anew: what was measured before read another state of the machine
-                for m in self.by_span.values():
-                    m.forget(rows, PLAIN)
-            self.since_plain[rows] = 0
-        else:
-            self.aged(rows, rounds)
+        if depth is not None and self.stale(depth, rows):  # measured anew: what was measured before read another state of the machine
+            for m in self.by_span.values():
+                m.forget(rows, depth)
+        self.aged(rows, rounds, depth)
         self.model(span).update(depth, rows, seconds, rounds, first)
         for m in self.by_span.values():
             if refitted:
@@ -291,14 +292,15 @@ class SpanCosts:
         """Whether ``depth`` ran at ``rows`` rows at some span."""
         return any(m.measured(depth, rows) for m in self.by_span.values())
 
-    def aged(self, rows: int, rounds: int) -> None:
-        """``rounds`` rounds at ``rows`` rows ran that did not measure plain decoding (``plain_stale``)."""
-        self.since_plain[rows] = self.since_plain.get(rows, PLAIN_STALE_ROUNDS) + rounds
+    def aged(self, rows: int, rounds: int, measured: int | None = None) -> None:
+        """``rounds`` rounds at ``rows`` rows ran that measured ``measured`` (None: no depth's cost) and no other (``stale``)."""
+        for depth in (PLAIN, *DEPTHS):
+            self.since[rows, depth] = 0 if depth == measured else self.since.get((rows, depth), STALE_ROUNDS) + rounds
 
-    def plain_stale(self, rows: int) -> bool:
-        """Whether plain decoding's cost at ``rows`` rows is measured, but ``PLAIN_STALE_ROUNDS`` rounds or more ago
-        (of any depth, plain decoding's own program's included), or by an earlier process."""
-        return self.measured(PLAIN, rows) and self.since_plain.get(rows, PLAIN_STALE_ROUNDS) >= PLAIN_STALE_ROUNDS
+    def stale(self, depth: int, rows: int) -> bool:
+        """Whether ``depth``'s cost at ``rows`` rows is measured, but ``STALE_ROUNDS`` rounds or more ago (of any depth,
+        plain decoding's own program's included), or by an earlier process."""
+        return self.measured(depth, rows) and self.since.get((rows, depth), STALE_ROUNDS) >= STALE_ROUNDS
 
     def settled(self, depth: int, rows: int) -> bool:
         """Whether ``depth`` ran at least ``SETTLED_ROUNDS`` measured rounds at ``rows`` rows (over every span)."""

@@ -482,7 +482,7 @@ def test_a_close_chain_measured_long_ago_is_measured_again(monkeypatch, pair):
     """A chain not chosen does not run, so a cost that a busy moment made dear would stay: a chain of 5 priced 8%
     above its neighbours' line by two short chunks ran no more, while a chain of 3 ran in its place at 0.94x the fixed
     chain of 5 (float32, batch 4, greedy). Once its cost is ``STALE_ROUNDS`` rounds old, a close chain runs again to be
-    measured, its new measurement replacing the old, and the clock decides."""
+    measured, ``SETTLED_ROUNDS`` rounds in one chunk, and the clock decides."""
     autospec.reset()
     costs = autospec.SpanCosts()
     monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
@@ -499,9 +499,9 @@ def test_a_close_chain_measured_long_ago_is_measured_again(monkeypatch, pair):
     assert run._next(True, [(64, likely)], observed=8)[0] == 3  # settled: the clock decided
     costs.observe_chunk(span, 3, 1, autospec.STALE_ROUNDS, autospec.STALE_ROUNDS * 1.5, first=False)
     assert costs.stale(5, 1) and not costs.stale(3, 1)
-    assert run._next(True, [(64, likely)], observed=8) == (5, autospec.EXPLORE_ROUNDS)
-    costs.observe_chunk(span, 5, 1, autospec.EXPLORE_ROUNDS, autospec.EXPLORE_ROUNDS * 1.75, first=False)
-    assert costs.cost(5, 1, span) == pytest.approx(1.75, rel=0.05)  # not a median with the 1.9 of long ago
+    assert run._next(True, [(64, likely)], observed=8) == (5, settled)  # as many rounds as its cost rests on: one chunk
+    costs.observe_chunk(span, 5, 1, settled, settled * 1.75, first=False)
+    assert costs.cost(5, 1, span) == pytest.approx(1.75, rel=0.05) and not costs.stale(5, 1)
     assert run._next(True, [(64, likely)], observed=8)[0] == 5
     far = autospec.AcceptanceEstimate()  # drafts past the third rarely accepted: only a chain of 3 pays
     far.trials, far.hits = np.full(7, 50.0), np.array([40.0, 40.0, 40.0, 5.0, 5.0, 5.0, 5.0])

@@ -234,7 +234,7 @@ class AutoRun:
         skip = lambda d: (self.costs.settled(d, batch) and not self.costs.stale(d, batch)) or self._explored not in (None, d)  # noqa: E731
         if (rival := autospec.close_unsettled(times, skip)) is not None:
             self._explored = rival
-            return rival, self._explore_rounds(costs, rival)
+            return rival, self._explore_rounds(costs, rival, again=self.costs.settled(rival, batch))
         if depth == autospec.PLAIN:  # plain decoding proper cannot be left within the call: no look, no boundary
             return depth, self.most_rounds or self.plan.max_rounds
         # A deeper chain that would win were its deeper drafts accepted as the chosen ones are runs a look, once a
@@ -260,14 +260,17 @@ class AutoRun:
             return depth, min(autospec.CHUNK_ROUNDS, most)
         return depth, min(max(autospec.CHUNK_ROUNDS, math.ceil(1.5 * left)), most)
 
-    def _explore_rounds(self, costs: autospec.AtSpan, depth: int) -> int:
+    def _explore_rounds(self, costs: autospec.AtSpan, depth: int, again: bool = False) -> int:
         """Rounds that measure ``depth``: ``EXPLORE_ROUNDS``, in one chunk up to ``SETTLED_ROUNDS`` where a chunk's
         overhead is a round's cost or more (bfloat16 batch 12 on a CPU paid ~20 ms a chunk, ~18 ms a round,
         before its cache writes were scattered as bits), since a settled depth takes two such chunks otherwise;
-        never past a stream's chunk (``most_rounds``) beyond ``EXPLORE_ROUNDS``, since its reader waits for each
-        chunk."""
+        ``SETTLED_ROUNDS`` where ``again`` (a settled cost measured again: ``SpanCosts.stale``), whose one chunk
+        then weighs as much as a settled depth's; never past a stream's chunk (``most_rounds``) beyond
+        ``EXPLORE_ROUNDS``, since its reader waits for each chunk."""
         if self.most_rounds is not None:
             return autospec.EXPLORE_ROUNDS
+        if again:
+            return autospec.SETTLED_ROUNDS
         per_round = costs.cost(depth, self.plan.batch) or math.inf
         share = self.costs.overhead.seconds(self.plan.batch) / per_round
         return min(autospec.SETTLED_ROUNDS, autospec.EXPLORE_ROUNDS * (1 + round(share)))

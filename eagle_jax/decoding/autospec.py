@@ -257,7 +257,7 @@ class SpanCosts:
         cache slots took ``seconds``; ``first``: the first after its call's prefill. Its rounds' cost is its time
         less the chunk's overhead, which this chunk may refit: every cost is then derived anew with it."""
         refitted = self.overhead.observe(rows, (span, depth), rounds, seconds, first)
-        if depth is not None and self.stale(depth, rows):  # measured anew: what was measured before read another state of the machine
+        if depth == PLAIN and self.stale(depth, rows):  # measured anew: what was measured before read another state of the machine
             for m in self.by_span.values():
                 m.forget(rows, depth)
         self.aged(rows, rounds, depth)

@@ -339,8 +339,9 @@ def test_plain_decoding_is_first_measured_on_a_calls_last_rounds(monkeypatch, pa
     monkeypatch.setattr(autospec, "cost_model", lambda key: costs)
     run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
     model = costs.model(run.plan.cache_len)
-    model.update(None, 1, 1.0, 1)  # probe rounds 1.0 s, K=3 1.5 s: K=1 ~1.17 s, emitting ~1.3 tokens
+    model.update(None, 1, 1.0, 1)  # probe rounds 1.0 s, K=3 1.5 s, K=1 ~1.17 s, emitting ~1.3 tokens
     model.update(3, 1, 1.5, 1)
+    model.update(1, 1, (1.0 + 0.5 / 3) * autospec.SETTLED_ROUNDS, autospec.SETTLED_ROUNDS)
     fair = autospec.AcceptanceEstimate()
     fair.observe_probe(0.3, 50)
     tail = autospec.PLAIN_TAIL_ROUNDS
@@ -419,7 +420,7 @@ def test_close_depths_are_measured_not_modelled(monkeypatch, pair):
     half = autospec.AcceptanceEstimate()
     half.observe(([[0]] * 8 + [[1]] * 4 + [[2]] * 2 + [[3]] * 2) * 5, 3)  # each draft accepted one time in two: K=1 and K=3 close, K=5 not
     depth, n = run._next(True, [(32, half)], observed=8)
-    assert depth == 1 and n > autospec.EXPLORE_ROUNDS  # the best runs (and is measured)
+    assert (depth, n) == (1, autospec.EXPLORE_ROUNDS)  # the best, modelled: measured before it takes a long chunk
     model.update(1, 1, 1.35, 1)  # dearer than modelled: K=3 (settled) wins, K=1 is 5% behind on one round: it runs again
     assert run._next(True, [(32, half)], observed=8) == (1, autospec.EXPLORE_ROUNDS)
     model.update(1, 1, 1.45 * (settled - 1), settled - 1)  # settled, 13% behind; K=5 (19% behind) never ran

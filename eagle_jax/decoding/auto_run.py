@@ -237,6 +237,12 @@ class AutoRun:
             return rival, self._explore_rounds(costs, rival, again=self.costs.settled(rival, batch))
         if depth == autospec.PLAIN:  # plain decoding proper cannot be left within the call: no look, no boundary
             return depth, self.most_rounds or self.plan.max_rounds
+        # A choice whose cost is modelled, or measured over few rounds, is measured before it takes a long chunk: a
+        # chain of 7 forgotten as above the line through chains of 3 and 5 (two noisy costs, read as equal) was
+        # modelled on that line at a chain of 3's cost and ran a whole call at 1.2-1.4x a chain of 3's time (float32,
+        # batch 4, greedy).
+        if not self.costs.settled(depth, batch):
+            return depth, self._explore_rounds(costs, depth)
         # A deeper chain that would win were its deeper drafts accepted as the chosen ones are runs a look, once a
         # call, while none of this call's chunks ran deeper than the choice: where prompts differ, the deeper drafts'
         # estimate is some earlier prompt's. Where they were seen alike, it holds for this one too.

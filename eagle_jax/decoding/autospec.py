@@ -13,7 +13,8 @@ apart, because they change at different speeds:
   without a depth's cost reads it through one table of every span's, ``span_levels``), so a new
   batch size, span or depth costs no exploration beyond one probe: only the deepest chain runs once (``EXPLORE_ROUNDS`` rounds of real work)
   before any choice, to measure what a drafter step costs, and a depth modelled or measured over few
-  rounds runs a few more where it is expected close to the best (``EXPLORE_CLOSE``); a chain measured
+  rounds, or long ago (``STALE_ROUNDS``), runs a few more where it is expected close to the best (``EXPLORE_CLOSE``),
+  and as the choice, a few before the rest (``AutoRun._spend``); a chain measured
   far above the line through the others is forgotten, once a process, and so modelled and measured again
   (``CHAIN_CONTRADICTED``). A ``generate`` chunk's time apart from its
   rounds (dispatch, host sync, each execution's one-time work, more after a prefill) is fitted per batch size
@@ -40,7 +41,7 @@ differ: probe rounds, or a chain of 1 where its rounds cost about a probe's, ``A
 confirmed that speculation does not pay, and the chain that would pay were its drafts past the first accepted
 as often as the first (the probe sees the first only) has run a few rounds, if there is one; or, to be measured where it may win, on a call's last few
 rounds, where the call no longer needs the drafter (again once its measurement is ``STALE_ROUNDS`` old: the
-depths that run follow the machine's speed, and the costs of those that do not must too; a chain's too); each call starts with the drafter
+depths that run follow the machine's speed, and the costs of those that do not must too); each call starts with the drafter
 fed, so a later call speculates again as soon as its own prompts allow.
 
 The opt-in adaptive chains calibrate their costs apart (``decoding/adaptive_costs.py``).
@@ -130,12 +131,14 @@ PLAIN_WORTH_TRYING = 1.5
 # whose speed moves by up to ~20% over minutes here: plain decoding read at 13.6-14.4 ms a round, measured minutes
 # before, ran at 11.6-12.2, and a chain of 3 ran every call of three sequences at 1.15x plain decoding's time
 # (bfloat16, batch 12, greedy); a chain of 5 priced 8% above the line through chains of 3 and 7 by two short chunks
-# at a call's end, never ran again while a chain of 3 ran in its place, 0.94x the fixed chain of 5 (float32, batch 4,
+# at a call's end ran no more, while a chain of 3 ran in its place at 0.94x the fixed chain of 5 (float32, batch 4,
 # greedy). So a depth's cost is stale after STALE_ROUNDS rounds at a batch size since it was last measured (of any
 # depth, calls that decode plainly from their start included: their one program times no round apart; an earlier
-# process's measurement counts as that old), and a stale one is measured again where it may win, its new measurement
-# replacing the old ones at every span: plain decoding on a call's last rounds (below), a chain as one not measured
-# enough (``close_unsettled``) ...
+# process's measurement counts as that old), and a stale one is measured again where it may win: plain decoding on
+# a call's last rounds (below), its new measurement replacing the old ones at every span; a chain as one measured
+# over too few rounds (``close_unsettled``), for as many rounds as a settled cost rests on, in one chunk, its
+# measurement joining the old ones (replacing them, one busy moment's 4-round chunk priced a chain of 3 at 1.17x
+# and one of 7 at 1.25x its cost until they were stale again) ...
 STALE_ROUNDS = 128
 # ... plain decoding where it is expected to finish within this factor of the best depth: past that, no drift makes
 # it win ...

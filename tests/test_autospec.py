@@ -589,24 +589,45 @@ def test_a_chunks_watch_is_the_band_of_acceptance_where_its_choice_pays(fixed_co
     half = autospec.AcceptanceEstimate()
     half.observe([[1], [0]] * 20, 1)
     mean, var = half.accepted_moments(1)
-    lo, hi, sd = autospec.watch(fixed_costs.at(0), 1, [(64, half)], 1)
+    (lo, hi, sd), row = autospec.watch(fixed_costs.at(0), 1, [(64, half)], 1)
     assert 1.1 / (1 + autospec.WATCH_TOLERANCE) - 1 <= lo <= 1.2 * (1.1 / (1 + autospec.WATCH_TOLERANCE) - 1)
     assert lo < mean < hi and sd == pytest.approx(var**0.5, rel=1e-5)
+    assert row[0] == pytest.approx(lo) and row[1] == np.inf and row[2] == pytest.approx(sd)  # one row: the batch's band
     for depth in (None, autospec.PLAIN):
-        assert np.array_equal(autospec.watch(fixed_costs.at(0), 1, [(64, half)], depth), autospec.NEVER)
+        assert np.array_equal(autospec.watch(fixed_costs.at(0), 1, [(64, half)], depth), autospec.never(1))
     # a depth whose cost is the only one known has nothing to be compared with: no band
     fixed_costs.fixed = {1: 1.1}
-    assert np.array_equal(autospec.watch(fixed_costs.at(0), 1, [(64, half)], 1), autospec.NEVER)
+    assert np.array_equal(autospec.watch(fixed_costs.at(0), 1, [(64, half)], 1), autospec.never(1))
+
+
+def test_each_row_of_a_batch_is_watched_at_the_bands_lower_end(fixed_costs):
+    """A batch ends with its slowest row, whose shortfall the rows' mean hides while the others accept well. Each row
+    not done is watched at the band's lower end (its own drafts accepted there, its own spread); a row done, not at
+    all."""
+    fixed_costs.fixed.update({3: 1.6, 5: 2.2, 7: 2.8})  # a chain of 1 the best choice
+    slow, quick = autospec.AcceptanceEstimate(), autospec.AcceptanceEstimate()
+    slow.observe([[1], [0]] * 20, 1)
+    quick.observe([[1]] * 40, 1)
+    rows = [(64, slow), (64, quick)]
+    out = autospec.watch(fixed_costs.at(0), 3, rows, 1, active=[0, 2])
+    assert out.shape == (4, 3) and np.array_equal(out[2], autospec.never(1)[0])  # row 1 is done
+    lo, first, third = out[0, 0], out[1], out[3]
+    assert 0 < first[0] < lo < third[0] and first[1] == third[1] == np.inf  # the slow row's band ends lower
+    own = [est.accepted_moments(1)[1] ** 0.5 for _, est in autospec.toward_the_batch(rows)]
+    assert [first[2], third[2]] == pytest.approx(own, rel=1e-5)  # each row's own spread, not the spread among rows
 
 
 def test_a_watched_chunk_ends_once_its_rows_leave_the_band(pair):
-    """Engine ``departed``: a chunk whose rows accept drafts below (or above) its watch's band stops after
-    WATCH_MIN_ROUNDS rounds; unwatched, the same chunk runs to its limit. Its tokens are plain decoding's."""
+    """Engine ``departed``: a chunk whose rows accept drafts below (or above) its watch's band, or one of whose rows
+    accepts below its own end of it, stops after WATCH_MIN_ROUNDS rounds; unwatched, the same chunk runs to its limit.
+    Its tokens are plain decoding's."""
     autospec.reset()
     run = AutoRun(pair[0], pair[1], PROMPTS[:1], 32, _AUTO_KW)
     plain = eagle_jax.generate(pair[0], None, PROMPTS[:1], max_new_tokens=32, eos_token_id=[]).tokens[0]
-    for band, rounds in (((10.0, 20.0), WATCH_MIN_ROUNDS), ((-np.inf, -1.0), WATCH_MIN_ROUNDS), ((-np.inf, np.inf), 12)):
-        st, _ = run._chunk(3, run._begin(True), 12, True, np.array([*band, 0.1], np.float32))
+    unwatched = [-np.inf, np.inf, 0.0]
+    for band, row, rounds in (((10.0, 20.0), unwatched, WATCH_MIN_ROUNDS), ((-np.inf, -1.0), unwatched, WATCH_MIN_ROUNDS),
+                              ((-np.inf, np.inf), unwatched, 12), ((-np.inf, np.inf), [10.0, np.inf, 0.1], WATCH_MIN_ROUNDS)):
+        st, _ = run._chunk(3, run._begin(True), 12, True, np.array([[*band, 0.1], row], np.float32))
         n = int(st.n_out[0])
         assert int(st.rounds) == rounds and n >= rounds and list(np.asarray(st.out[0, :n])) == plain[:n]
 

@@ -95,7 +95,7 @@ class AutoRun:
         batch = self.plan.batch
         return self.costs.plain_settled(batch, prompts_alike(self.carry)) and self.estimate.unobserved < self.costs.reprobe_rounds(batch)
 
-    def _chunk(self, depth: int | None, st, limit: int, fed: bool, watch: np.ndarray = autospec.NEVER):
+    def _chunk(self, depth: int | None, st, limit: int, fed: bool, watch: np.ndarray | None = None):
         """Rounds at ``depth`` (None: without drafts, drafter fed; PLAIN with ``fed`` False: plain
         decoding proper) until ``limit`` rounds in all, or until they depart from ``watch``
         (``autospec.watch``); returns (state, whether the program was compiled for this chunk)."""
@@ -107,6 +107,7 @@ class AutoRun:
             drf = None if d_graph is None else nnx.merge(d_graph, d_state)
             return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit, watch)
 
+        watch = autospec.never(self.plan.batch) if watch is None else watch
         args = (self.t_state, self.d_state if fed else None, st, jnp.int32(limit), jnp.asarray(watch))
         fresh = False
         if (depth, fed) not in self._programs:
@@ -153,7 +154,7 @@ class AutoRun:
         for i, depth in enumerate((None, *autospec.DEPTHS)):
             st, _ = self._chunk(depth, st, i + 1, True)
         for depth in autospec.DEPTHS:
-            jax.block_until_ready(self._start_and_chunk(depth, 1, autospec.NEVER)[0].out)
+            jax.block_until_ready(self._start_and_chunk(depth, 1, autospec.never(self.plan.batch))[0].out)
         jax.block_until_ready(self._chunk(autospec.PLAIN, self._begin(False), 1, False)[0].out)
 
     def _next(self, fed: bool, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> tuple[int | None, int]:
@@ -330,9 +331,9 @@ class AutoRun:
                 done_rows, n_out = jax.device_get((st.done, st.n_out))
                 if np.any(done_rows):  # a row ended with its first token: chosen again on the rows left
                     continue
-            watch = autospec.NEVER if self._unwatched else autospec.watch(
+            watch = autospec.never(batch) if self._unwatched else autospec.watch(
                 self.costs.at(self.plan.cache_len), batch, self._read_rows or self._as_chosen(remaining, observed), depth,
-                self.costs.overhead.seconds(batch))
+                self.costs.overhead.seconds(batch), active=np.flatnonzero(~done_rows))
             if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
                 fed = False
                 st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)

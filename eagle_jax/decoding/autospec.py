@@ -31,7 +31,7 @@ expected tokens per second, ``expected_tokens(K) / cost(K)`` (``choose_depth``),
 where it is within ``WATCH_TOLERANCE`` of it (``keep_close``). A ``generate`` chunk at a depth chosen
 anew runs ``CHUNK_ROUNDS`` (a look; none where prompts are alike); chosen again, it takes the rounds its
 call is expected to need (up to ``MAX_CHUNK_ROUNDS``) and ends early in the compiled loop once its rows
-accept drafts outside the band where its depth pays (``watch``, engine ``departed``). One bad prompt therefore
+accept drafts outside the band where its depth pays, or one row falls below it (``watch``, engine ``departed``). One bad prompt therefore
 costs a few rounds, not the process: the choice is made again wherever what the current prompts do
 says it may change. A chain observes only its own drafts, so where prompts differ a deeper chain that would win
 were its deeper drafts accepted as the chain's deepest runs a few rounds first, once a call (``deeper_unseen``): the
@@ -499,23 +499,33 @@ def toward_the_batch(rows: Sequence[tuple[int, AcceptanceEstimate]]) -> list[tup
     return out
 
 
-NEVER = np.array([-np.inf, np.inf, 0.0], np.float32)  # a watch no rounds depart from
+_UNWATCHED = np.array([-np.inf, np.inf, 0.0], np.float32)  # a band no rounds depart from
 _SCALES = np.geomspace(1 / 8, 8, 49)  # acceptance scaled by these to find where a choice stops paying
 
 
+def never(batch: int) -> np.ndarray:
+    """A watch (``watch``) that no rounds of a ``batch``-row chunk depart from."""
+    return np.tile(_UNWATCHED, (1 + batch, 1))
+
+
 def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, AcceptanceEstimate]], depth: int | None,
-          switch_s: float = 0.0) -> np.ndarray:
-    """What a ``generate`` chunk of ``depth`` drafts over ``rows`` (tokens left, estimate) is watched with
-    (engine ``departed``): (lo, hi, sd), the band of drafts accepted per row and round within which
-    ``depth`` stays within ``WATCH_TOLERANCE`` of the best choice, and ``switch_s`` more (what a new chunk costs
-    apart from its rounds: ~1 round at bfloat16 batch 12 on a CPU before its cache writes were scattered as
-    bits, where ending chunks on 2% turned a call into five chunks), and the standard deviation of one row-round's count. The band scales every row's acceptance alike (all drafts, all rows: what a
-    prompt unlike the ones before does) and reads where another depth would finish the call sooner by
-    more than the tolerance. A chunk whose rows leave it ends early, so its choice is made again;
-    ``NEVER`` for rounds without drafts and for a depth run to be measured (not the choice)."""
+          switch_s: float = 0.0, active: Sequence[int] | None = None) -> np.ndarray:
+    """What a ``generate`` chunk of ``depth`` drafts over ``rows`` (tokens left, estimate: the rows of its ``batch``
+    not done, at indices ``active``, by default the first ones) is watched with (engine ``departed``): [1 + batch, 3].
+    Its first line (lo, hi, sd): the band of drafts accepted per row and round within which ``depth`` stays within
+    ``WATCH_TOLERANCE`` of the best choice, and ``switch_s`` more (what a new chunk costs apart from its rounds: ~1
+    round at bfloat16 batch 12 on a CPU before its cache writes were scattered as bits, where ending chunks on 2%
+    turned a call into five chunks), and the standard deviation of one row-round's count. The band scales every row's
+    acceptance alike (all drafts, all rows: what a prompt unlike the ones before does) and reads where another depth
+    would finish the call sooner by more than the tolerance. Line 1 + b: (lo, inf, sd) of row b alone, at the band's
+    lower end: a batch ends with its slowest row, whose shortfall the rows' mean hides while the others accept well
+    (float32, batch 4, greedy: one row accepting 0.7 drafts a round at a chain of 5, three 2.4-4.9, and the chain ran
+    38 rounds where a chain of 1 finished 1.2x sooner). A chunk whose rows leave their band ends early, so its
+    choice is made again; ``never`` for rounds without drafts and for a depth run to be measured (not the choice)."""
     price = {d: c for d in (PLAIN, *DEPTHS) if (c := costs.cost(d, batch))}
+    out = never(batch)
     if depth in (None, PLAIN) or depth not in price or len(price) < 2 or not rows:
-        return NEVER  # nothing to compare with: no band
+        return out  # nothing to compare with: no band
     rows = toward_the_batch(rows)
     left = np.array([n for n, _ in rows], float)
     p = np.stack([est.p for _, est in rows])
@@ -527,7 +537,7 @@ def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, Accep
     fine = mine <= (1.0 + WATCH_TOLERANCE) * np.delete(finish, ds.index(depth), axis=1).min(axis=1) + switch_s
     at = len(_SCALES) // 2  # the scale 1: the rows as estimated
     if not fine[at]:
-        return NEVER
+        return out
     lo, hi = at, at
     while lo > 0 and fine[lo - 1]:
         lo -= 1
@@ -536,7 +546,12 @@ def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, Accep
     mean = reach[:, :, depth - 1].mean(axis=1)
     moments = np.array([est.accepted_moments(depth) for _, est in rows])
     sd = math.sqrt(float(moments[:, 1].mean() + moments[:, 0].var()))
-    return np.array([mean[lo] if lo > 0 else -np.inf, mean[hi] if hi < len(_SCALES) - 1 else np.inf, sd], np.float32)
+    out[0] = [mean[lo] if lo > 0 else -np.inf, mean[hi] if hi < len(_SCALES) - 1 else np.inf, sd]
+    if lo > 0:
+        at_rows = list(range(len(rows))) if active is None else list(active)
+        out[[1 + b for b in at_rows], 0] = reach[lo, :, depth - 1]
+        out[[1 + b for b in at_rows], 2] = np.sqrt(np.maximum(moments[:, 1], 0.0))
+    return out
 
 
 def close_unsettled(times: dict[int, float], settled: Callable[[int], bool]) -> int | None:

@@ -543,19 +543,27 @@ def growing_spans(plan: Plan) -> tuple[int, ...]:
 
 WATCH_MIN_ROUNDS = 4  # a watched chunk runs at least this many rounds (``departed``)
 WATCH_Z = 1.0  # ... and ends once its rows' mean leaves the band by this many standard errors
+# ... or one row's own mean falls below its end of the band by this many of that row's: tested on each row, every
+# round, a looser test would end chunks on noise
+WATCH_ROW_Z = 2.0
 
 
 def departed(st: LoopState, start: Array, watch: Array) -> Array:
-    """Whether the rounds since round ``start`` accepted drafts outside the band their choice assumed:
-    ``watch`` = (lo, hi, sd) of drafts accepted per row and round (``autospec.watch``). Over the n
-    row-rounds that ran, the mean is below lo or above hi by more than WATCH_Z sd / sqrt(n): a
-    departure, not the noise of a few rounds."""
+    """Whether the rounds since round ``start`` accepted drafts outside the band their choice assumed
+    (``autospec.watch``): over the n row-rounds that ran, the mean is below lo or above hi (``watch[0]`` = (lo,
+    hi, sd) of drafts accepted per row and round) by more than WATCH_Z sd / sqrt(n), a departure, not the noise
+    of a few rounds; or a row's own mean, over its n_b rounds, is below its lo (``watch[1 + b]`` = (lo, _, sd)) by
+    more than WATCH_ROW_Z sd / sqrt(n_b): the slowest row sets when a batch ends."""
     r = jnp.arange(st.accepted.shape[1])[None, :]
     ran = (r >= start) & (r < st.rounds) & (st.accepted >= 0)
-    n = jnp.maximum(ran.sum(), 1).astype(jnp.float32)
-    mean = jnp.where(ran, st.accepted, 0).sum() / n
-    off = jnp.maximum(watch[0] - mean, mean - watch[1])
-    return (st.rounds - start >= WATCH_MIN_ROUNDS) & (off > WATCH_Z * watch[2] / jnp.sqrt(n))
+    got = jnp.where(ran, st.accepted, 0).astype(jnp.float32)
+    n_row = ran.sum(axis=1)
+    n = jnp.maximum(n_row.sum(), 1).astype(jnp.float32)
+    mean = got.sum() / n
+    off = jnp.maximum(watch[0, 0] - mean, mean - watch[0, 1])
+    each = jnp.maximum(n_row, 1).astype(jnp.float32)
+    short = (watch[1:, 0] - got.sum(axis=1) / each > WATCH_ROW_Z * watch[1:, 2] / jnp.sqrt(each)) & (n_row >= WATCH_MIN_ROUNDS)
+    return (st.rounds - start >= WATCH_MIN_ROUNDS) & ((off > WATCH_Z * watch[0, 2] / jnp.sqrt(n)) | jnp.any(short))
 
 
 def run_rounds(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, limit: Array,

@@ -292,13 +292,18 @@ class AutoRun:
         through a chain of 3 to a chain of 7, 1.17-1.21x a fixed chain of 7 on that call (bfloat16, greedy)."""
         recent = self.costs.recent_rows
         if observed or self.plan.batch > 1 or prompts_alike(self.carry) or len(recent) < autospec.FIRST_CHOICE_ROWS:
-            rows = autospec.toward_the_batch(self._as_chosen(rows, observed))
+            rows = autospec.toward_the_batch(self._as_chosen(rows, observed), self._row_pool())
             times = autospec.finish_times(costs, self.plan.batch, rows)
         else:
             each = [autospec.finish_times(costs, 1, [(rows[0][0], est)]) for est in recent]
             times = {d: float(np.mean([t[d] for t in each])) for d in each[0]}
         self._read_rows = rows
         return times, rows
+
+    def _row_pool(self) -> float:
+        """Rounds of the batch's pooled evidence each row's estimate is read with (``autospec.ROW_POOL_ROUNDS``): only
+        where prompts were seen alike."""
+        return autospec.ROW_POOL_ROUNDS if prompts_alike(self.carry) else 0.0
 
     def _as_chosen(self, rows: list[tuple[int, autospec.AcceptanceEstimate]], observed: int) -> list[tuple[int, autospec.AcceptanceEstimate]]:
         """The rows a choice reads: before this call's own evidence, the last call's rows (their estimates)."""
@@ -333,7 +338,7 @@ class AutoRun:
                     continue
             watch = autospec.never(batch) if self._unwatched else autospec.watch(
                 self.costs.at(self.plan.cache_len), batch, self._read_rows or self._as_chosen(remaining, observed), depth,
-                self.costs.overhead.seconds(batch), active=np.flatnonzero(~done_rows))
+                self.costs.overhead.seconds(batch), active=np.flatnonzero(~done_rows), pool=self._row_pool())
             if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
                 fed = False
                 st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)

@@ -617,6 +617,24 @@ def test_each_row_of_a_batch_is_watched_at_the_bands_lower_end(fixed_costs):
     assert [first[2], third[2]] == pytest.approx(own, rel=1e-5)  # each row's own spread, not the spread among rows
 
 
+def test_a_batchs_rows_read_their_pooled_evidence_only_where_prompts_are_alike(pair, fixed_costs):
+    """Where prompts were seen alike (sampling), each row's estimate is read with ``ROW_POOL_ROUNDS`` rounds of the
+    batch's pooled evidence: the slowest of several noisy estimates reads low. Where they differ, a row's own rounds
+    speak: pooled, a row that accepts little among rows that accept well reads as accepting well, and the batch's
+    end (that row's) is priced too soon."""
+    run = AutoRun(pair[0], pair[1], PROMPTS[:2], 64, _AUTO_KW)
+    slow, quick = autospec.AcceptanceEstimate(), autospec.AcceptanceEstimate()
+    slow.observe([[0]] * 12, 5)
+    quick.observe([[5]] * 12, 5)
+    rows = [(64, slow), (64, quick)]
+    run.carry = autospec.CARRY_ROUNDS  # differ
+    _, read = run._times(fixed_costs.at(0), rows, observed=12)
+    assert [est.p[0] for _, est in read] == [slow.p[0], quick.p[0]]
+    run.carry = 2 * autospec.CARRY_ROUNDS  # alike
+    _, read = run._times(fixed_costs.at(0), rows, observed=12)
+    assert slow.p[0] < read[0][1].p[0] and read[1][1].p[0] < quick.p[0]
+
+
 def test_a_watched_chunk_ends_once_its_rows_leave_the_band(pair):
     """Engine ``departed``: a chunk whose rows accept drafts below (or above) its watch's band, or one of whose rows
     accepts below its own end of it, stops after WATCH_MIN_ROUNDS rounds; unwatched, the same chunk runs to its limit.

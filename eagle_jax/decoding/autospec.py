@@ -550,9 +550,9 @@ def watch(costs: CostModel | AtSpan, batch: int, rows: Sequence[tuple[int, Accep
     sd = math.sqrt(float(moments[:, 1].mean() + moments[:, 0].var()))
     out[0] = [mean[lo] if lo > 0 else -np.inf, mean[hi] if hi < len(_SCALES) - 1 else np.inf, sd]
     if lo > 0:
-        at_rows = list(range(len(rows))) if active is None else list(active)
-        out[[1 + b for b in at_rows], 0] = reach[lo, :, depth - 1]
-        out[[1 + b for b in at_rows], 2] = np.sqrt(np.maximum(moments[:, 1], 0.0))
+        lines = 1 + (np.arange(len(rows)) if active is None else np.asarray(active))
+        out[lines, 0] = reach[lo, :, depth - 1]
+        out[lines, 2] = np.sqrt(np.maximum(moments[:, 1], 0.0))
     return out
 
 

@@ -10,8 +10,12 @@ the setting.
 """
 
 import os
+from importlib.metadata import version
 
-FAST_COMPILE_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
+FAST_COMPILE_FLAGS = {"--xla_backend_optimization_level": "0"}
+# XLA aborts the process on a flag it does not know, and jaxlib 0.11 no longer knows this one.
+if tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (0, 11):
+    FAST_COMPILE_FLAGS["--xla_cpu_use_fusion_emitters"] = "false"
 
 if not os.environ.get("EAGLE_JAX_TEST_XLA_OPT"):
     flags = os.environ.get("XLA_FLAGS", "")

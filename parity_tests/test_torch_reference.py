@@ -92,6 +92,21 @@ def test_norm_placement():
     torch.testing.assert_close(la, a.lm_head(a.norm(na)), atol=ATOL, rtol=0)
 
 
+YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=6, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
+MLA = dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(rope_scaling=dict(type="linear", factor=2.0)), dict(MLA),
+                                dict(MLA, rope_scaling=YARN)], ids=["default", "linear", "mla", "mla_yarn"])
+@torch.no_grad()
+def test_reference_runs_on_its_inputs_device(kw):
+    """Every table the reference builds lands on its inputs' device: the parity tests' cuda cases move
+    the model and inputs to the GPU (on the meta device here, which raises the same mismatch error)."""
+    m = make(**kw).to("meta")
+    logits, nxt = m(torch.zeros(2, 5, m.cfg.fc_in, device="meta"), torch.zeros(2, 5, dtype=torch.long, device="meta"))
+    assert logits.device.type == nxt.device.type == "meta"
+
+
 @torch.no_grad()
 def test_fc_norm_is_applied():
     m = make(fc_norm=True)

@@ -306,7 +306,7 @@ def rope_cos_sin(
     sc = cfg.rope_scaling
     if sc is not None and sc["type"] == "yarn":
         inv_freq, attn = _yarn_inv_freq(cfg, d)
-        freqs = pos[..., None] * inv_freq
+        freqs = pos[..., None] * inv_freq.to(pos.device)  # built on the host: the positions may be on a GPU
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * attn).to(dtype), (emb.sin() * attn).to(dtype)
     if sc is not None and sc["type"] == "dynamic":

@@ -89,7 +89,7 @@ def test_source_file_filter(tmp_path: Path) -> None:
     assert all(r.startswith("pkg") and "/m" in r for r in rels)
 
 
-def test_manifest_roundtrip_and_mismatch(tmp_path: Path) -> None:
+def test_manifest_roundtrip_and_mismatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = _make_tree(tmp_path)
     manifest_path = tmp_path / "data" / "manifest.json"
     files = stdlib_source_files(root)
@@ -107,6 +107,10 @@ def test_manifest_roundtrip_and_mismatch(tmp_path: Path) -> None:
     train = load_corpus(manifest_path, "train", root=root)
     assert len(train) == n_train
     assert len(load_corpus(manifest_path, "heldout", root=root)) == n_heldout
+    # A copy of the files elsewhere (another interpreter's machine) is named by the environment.
+    monkeypatch.setenv("EAGLE_JAX_CORPUS_ROOT", str(root))
+    assert load_corpus(manifest_path, "heldout") == load_corpus(manifest_path, "heldout", root=root)
+    monkeypatch.delenv("EAGLE_JAX_CORPUS_ROOT")
     # Relative file lists give the same manifest.
     rel_files = [f.relative_to(root) for f in files]
     assert build_manifest(tmp_path / "m2.json", root=root, files=rel_files)["files"] == manifest["files"]

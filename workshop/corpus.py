@@ -12,7 +12,6 @@ on a different Python version fails loudly instead of silently training on other
 from __future__ import annotations
 
 import ast
-import bisect
 import hashlib
 import json
 import os
@@ -28,6 +27,10 @@ MANIFEST_FORMAT = 1
 MAX_FILE_BYTES = 200_000
 HELDOUT_PERCENT = 5
 SPLITS = ("train", "heldout")
+# Where load_corpus reads the files when no root is given, in place of the running interpreter's own
+# (a machine whose Python is not the manifest's, e.g. a GPU host benchmarking the bundled pair, reads a
+# copy of the manifest's files from there).
+CORPUS_ROOT_ENV = "EAGLE_JAX_CORPUS_ROOT"
 
 # Directory names excluded anywhere in the relative path.
 _EXCLUDED_DIR_NAMES = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests"})
@@ -227,19 +230,21 @@ def load_corpus(
     """Read the texts of ``split`` listed in the manifest, verifying every file's sha256.
 
     Raises ``CorpusMismatchError`` naming the offending file if one is missing or changed
-    (e.g. when running on a different Python version than the manifest was built with).
+    (e.g. when running on a different Python version than the manifest was built with; then point
+    ``EAGLE_JAX_CORPUS_ROOT`` at a copy of the manifest's files, as ``root`` would).
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     manifest = json.loads(Path(manifest_path).read_text(encoding="utf-8"))
     from_packages = manifest.get("source") == "python-packages"
+    root = root if root is not None else os.environ.get(CORPUS_ROOT_ENV) or None
     root_path = Path(root) if root is not None else package_root() if from_packages else stdlib_root()
     built_with = manifest.get("python", {}).get("version", "?")
     hint = f" (manifest built with Python {built_with}, running Python {platform.python_version()}"
     if from_packages:
         pinned = ", ".join(f"{p}=={v['version']}" for p, v in manifest["packages"].items())
         hint += f"; it pins {pinned}"
-    hint += f"; corpus root {root_path.name!r})"
+    hint += f"; corpus root {root_path.name!r}; {CORPUS_ROOT_ENV} names another)"
     texts = []
     for entry in manifest["files"]:
         if entry["split"] != split:

@@ -3,6 +3,7 @@ decoding against chain speculation through ``eagle_jax.generate`` on the bundled
 
     python -m bench.gpu                                   # parity cases + speed, float32, results in bench/results/gpu.json
     python -m bench.gpu --no-parity --dtypes float32 bfloat16 --ks 3 5 7
+    python -m bench.gpu --no-parity --no-speed --precompile-workers 1 16   # a server's compiles, one vs 16 at a time
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.gpu   # compiles in seconds, not minutes (BENCHMARKS.md)
 
 Speed: greedy, held-out code prompts (their last ``--prompt-len`` tokens), ``--max-new`` new tokens, no stop
@@ -61,6 +62,26 @@ def run_parity(timeout_s: int, workers: int) -> dict:
             "failed": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]}
 
 
+def precompile_once(workers: int) -> dict:
+    """Precompiles a small serving engine of the bundled pair (8 slots of 512 tokens, plain and a chain of 3: ~30
+    programs) with ``workers`` compiles at once, in this process; its seconds and programs."""
+    from eagle_jax.serving.slots import SlotEngine
+
+    target, drafter, _, _, _ = load_pair_or_random(None, None, None, 16)
+    engine = SlotEngine(target, drafter, slots=8, max_len=512, specs=(None, SpecConfig(num_speculative_tokens=3)), rounds_per_step=4)
+    t0 = time.perf_counter()
+    engine.precompile(warm_up=False, workers=workers)
+    return {"workers": workers, "programs": len(engine.compile_events), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def precompile_seconds(workers: int) -> dict:
+    """``precompile_once`` in a fresh process (nothing compiled before it, nothing shared with other counts)."""
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--precompile-child", str(workers)], capture_output=True, text=True, check=True)
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def measure_speed(dtype: str, batches: list[int], ks: list[int], max_new: int, prompt_len: int, batch1_prompts: int, repeats: int) -> list[dict]:
     """Rows of plain and chain-K decoding at each batch size (module docstring)."""
     target, drafter, _, prompts, _ = load_pair_or_random(None, None, None, prompt_len, dtype)
@@ -116,13 +137,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--batch1-prompts", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--precompile-workers", type=int, nargs="*", default=[],
+                    help="also time a small serving engine's precompile at each of these worker counts (fresh processes)")
     ap.add_argument("--out", default="bench/results/gpu.json")
+    ap.add_argument("--precompile-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.precompile_child:
+        print(json.dumps(precompile_once(args.precompile_child)))
+        return {}
     results = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "max_new": args.max_new, "prompt_len": args.prompt_len}
     print(f"device: {results['device_kind']} ({results['device']}), jax {jax.__version__}, XLA_FLAGS={results['xla_flags']!r}", flush=True)
     if not args.no_parity:
         results["parity"] = run_parity(args.parity_timeout, args.parity_workers)
+        write_json(args.out, results)
+    if args.precompile_workers:
+        results["precompile"] = [precompile_seconds(w) for w in args.precompile_workers]
         write_json(args.out, results)
     if not args.no_speed:
         results["speed"] = []

@@ -1,6 +1,7 @@
 """A server's start, cold and from a warm compilation cache, and its first requests (bundled pair).
 
     python -m bench.startup [--concurrency 4] [--requests 8] [--max-new 128] [--out bench/results/startup.json]
+    python -m bench.startup --compile-workers 1      # programs compiled one at a time (default: the server's)
 
 Two fresh processes in turn build the bundled profile's service as ``eagle-jax-serve`` does (every
 program compiled before it listens, ``--precompile``), over one compilation-cache directory that starts
@@ -41,7 +42,7 @@ def child(args) -> None:
     t0 = time.perf_counter()
     svc = build_service(profile["target"], profile["drafter"], spec=profile["spec"], slots=profile["slots"], max_len=profile["max_len"],
                         rounds_per_step=profile["rounds_per_step"], dtype=profile["dtype"], model_name="target", precompile=True,
-                        prefix_cache=args.prefix_cache)
+                        compile_workers=args.compile_workers, prefix_cache=args.prefix_cache)
     ready = time.perf_counter() - t0
     engine = svc.scheduler.engine
     compiled = len(engine.compile_events)
@@ -68,6 +69,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
                     help="serve with prefix caching (off by default: the second sweep repeats the first's prompts, so "
                          "with it on the second sweep's prefills are cache hits and the sweeps no longer compare startup alone)")
+    ap.add_argument("--compile-workers", type=int, default=None, help="programs compiled at once (default: the server's)")
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -79,7 +81,8 @@ def main(argv=None) -> None:
             out = Path(tmp) / "child.json"
             cmd = [sys.executable, "-m", "bench.startup", "--cache", str(Path(tmp) / "xla"), "--child-out", str(out),
                    "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
-                   "--concurrency", str(args.concurrency), "--requests", str(args.requests), "--max-new", str(args.max_new)]
+                   "--concurrency", str(args.concurrency), "--requests", str(args.requests), "--max-new", str(args.max_new),
+                   *([] if args.compile_workers is None else ["--compile-workers", str(args.compile_workers)])]
             subprocess.run(cmd, check=True)
             runs[phase] = json.loads(out.read_text())
             r = runs[phase]

@@ -361,14 +361,17 @@ def test_precompiling_past_the_memory_map_limit_is_a_clear_error(pair, tmp_path,
 
 
 def test_warm_up_runs_every_program_once_and_frees_the_slots(pair, eos):
-    """``precompile`` then runs each program once (a program's first run pays one-time costs the first
-    requests would otherwise pay): every step over live rows, and afterwards every slot is free and a
-    request's output is what it would have been."""
+    """``precompile`` (here two programs at a time) compiles each program of its set once, then runs each
+    once (a program's first run pays one-time costs the first requests would otherwise pay): every step over
+    live rows, and afterwards every slot is free and a request's output is what it would have been."""
     target, drafter = pair
     engine = SlotEngine(target, drafter, slots=2, max_len=64, specs=(None, SpecConfig(num_speculative_tokens=2)), rounds_per_step=2,
                         eos_ids=(eos,))
-    engine.precompile(warm_up=False)
+    with pytest.raises(ConfigError, match="compile workers must be >= 1"):
+        engine.precompile(workers=0)
+    engine.precompile(warm_up=False, workers=2)
     keys = engine.program_set()
+    assert sorted(map(repr, engine.programs.keys())) == sorted(map(repr, keys)) and len(engine.compile_events) == len(keys)
     runs, emitted = {}, {}
 
     def counting(key, program):

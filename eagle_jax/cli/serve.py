@@ -54,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every program serving may run before listening (one log line each), and run each "
                          "once, so that no request waits for a compile or a first run (default: on)")
+    ap.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                    help="programs precompiled at once (default: one per core, at most 8; one on a GPU, where XLA times "
+                         "candidate kernels on the device while it compiles)")
     ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
                     help="JAX's persistent compilation cache: a restart loads the compiled programs (default: "
                          "<cache dir>/xla, the cache dir being $EAGLE_JAX_CACHE, $XDG_CACHE_HOME/eagle_jax or ~/.cache/eagle_jax)")
@@ -117,7 +120,7 @@ def service_settings(args: argparse.Namespace | list[str]) -> dict:
         rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), step_ms=float(pick(args.step_ms, "step_ms", STEP_MS)),
         dtype=pick(args.dtype, "dtype", "float32"),
         max_queue=args.max_queue, model_name=args.model_name, tokenizer_dir=pick(args.tokenizer, "tokenizer"),
-        exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile,
+        exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile, compile_workers=args.compile_workers,
         prefix_cache=args.prefix_cache, prefix_pool_rows=args.prefix_cache_rows,
         **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}),
     )

@@ -23,7 +23,7 @@ from eagle_jax.serving.http_app import Service, create_app
 from eagle_jax.serving.metrics import Metrics
 from eagle_jax.serving.program_cache import describe
 from eagle_jax.serving.scheduler import STEP_MS
-from eagle_jax.serving.slots import DEFAULT_CHUNK
+from eagle_jax.serving.slots import DEFAULT_CHUNK, default_compile_workers
 
 log = logging.getLogger("serve")
 
@@ -90,6 +90,7 @@ def build_service(
     model_name: str | None = None,
     tokenizer_dir: str | Path | None = None,
     precompile: bool = True,
+    compile_workers: int | None = None,
     exact: bool = False,
     prefill_chunk: int = DEFAULT_CHUNK,
     prefix_cache: bool = True,
@@ -110,7 +111,7 @@ def build_service(
     log.info("loaded %s with %s", target_dir, drafter_dir or "no drafter")
     return make_service(target, drafter, tokenizer, parse_spec(spec, drafter is not None), eos_ids(target, tokenizer),
                         slots=slots, max_len=max_len, rounds_per_step=rounds_per_step, max_queue=max_queue,
-                        model_name=model_name or served_name(target_dir), precompile=precompile, exact=exact,
+                        model_name=model_name or served_name(target_dir), precompile=precompile, compile_workers=compile_workers, exact=exact,
                         prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, prefix_pool_rows=prefix_pool_rows, step_ms=step_ms)
 
 
@@ -125,11 +126,11 @@ def served_name(target: str | Path) -> str:
 
 def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth, eos_ids: tuple[int, ...], *, slots: int = 16,
                  max_len: int | None = None, rounds_per_step: int = 4, max_queue: int = 256, model_name: str = "model",
-                 precompile: bool = True, exact: bool = False, prefill_chunk: int = DEFAULT_CHUNK, prefix_cache: bool = True,
-                 prefix_pool_rows: int = 4, step_ms: float = STEP_MS) -> Service:
+                 precompile: bool = True, compile_workers: int | None = None, exact: bool = False, prefill_chunk: int = DEFAULT_CHUNK,
+                 prefix_cache: bool = True, prefix_pool_rows: int = 4, step_ms: float = STEP_MS) -> Service:
     """A ``Service`` over models already loaded (benchmarks build several over one pair). ``precompile``:
-    compile every program serving may run first (``SlotEngine.precompile``; else each compiles when first
-    needed, while serving). ``exact``: the target computes in float32 whatever its weights' dtype
+    compile every program serving may run first (``SlotEngine.precompile``, ``compile_workers`` at once, default
+    ``default_compile_workers()``; else each compiles when first needed, while serving). ``exact``: the target computes in float32 whatever its weights' dtype
     (``generate``'s exact mode). ``prefill_chunk``: the prompt tokens prefilled between two steps at
     most (longer prompts go in chunks); ``prefix_cache``: prompts start from the longest prefix a cache
     row holds, with ``prefix_pool_rows`` rows beside the slots keeping what freed slots held. ``step_ms``: a
@@ -154,9 +155,10 @@ def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth,
         log.info("prefix caching: the slots and %d pool rows (%.1f MiB each)", engine.pool_rows, row_mb)
     if precompile:
         t0 = time.perf_counter()
-        engine.precompile()
-        log.info("%d programs ready and run once in %.1f s (%d compiled, the rest from the compilation cache or already built)",
-                 len(engine.program_set()), time.perf_counter() - t0, len(engine.compile_events))
+        workers = default_compile_workers() if compile_workers is None else compile_workers
+        engine.precompile(workers=workers)
+        log.info("%d programs ready and run once in %.1f s (%d compiled, %d at a time; the rest from the compilation cache or "
+                 "already built)", len(engine.program_set()), time.perf_counter() - t0, len(engine.compile_events), workers)
     return Service(scheduler, tokenizer, model_name, metrics)
 
 

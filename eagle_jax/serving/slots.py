@@ -22,7 +22,9 @@ computes the same tokens) runs the step while its own compiles in the background
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -51,6 +53,13 @@ CHUNK_SIZES = (32, 128)  # prefill chunk programs below the engine's ``chunk`` (
 # Prompt tokens one step's prefill computes at most while streams decode: smaller keeps running streams
 # smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill").
 DEFAULT_CHUNK = 512
+def default_compile_workers() -> int:
+    """Programs ``precompile`` compiles at once by default: one per core, at most 8 (each compile holds its own
+    memory); one on a GPU, where XLA times candidate kernels on the device while compiling, and concurrent
+    compiles would time each other's."""
+    return 1 if jax.default_backend() == "gpu" else max(1, min(8, os.cpu_count() or 1))
+
+
 DEFAULT_MAX_LEN = 4096  # a slot's tokens when no max_len is given (the target's context if shorter)
 
 
@@ -212,24 +221,21 @@ class SlotEngine:
         rows = sorted({self.rows_for([r - 1]) for r in range(1, self.slots + 1)})
         return keys + [("step", spec, False, span, r) for spec in self.specs for r in rows for span in self.spans]
 
-    def precompile(self, scoring: bool = True, warm_up: bool = True) -> None:
+    def precompile(self, scoring: bool = True, warm_up: bool = True, workers: int = 1) -> None:
         """Compiles ``program_set`` (``on_compile`` hears each), so that serving never compiles: every step
         and prompt then finds its own program. With JAX's persistent compilation cache on (the server's
-        default) a restart loads them instead. ``warm_up``: then runs each once (``warm_up``)."""
+        default) a restart loads them instead. ``workers``: programs compiled at once (XLA compiles outside
+        Python's lock; tracing stays one at a time). ``warm_up``: then runs each once (``warm_up``)."""
+        if workers < 1:
+            raise ConfigError(f"compile workers must be >= 1, got {workers}")
         keys = self.program_set(scoring)
-        check_map_limit(len([k for k in keys if k not in self.programs]))
+        todo = [k for k in keys if k not in self.programs]
+        check_map_limit(len(todo))
         self._precompiled = True
-        for key in keys:
-            if key in self.programs:
-                continue
-            if key[0] == "score":
-                self._score_program(key[1])
-            elif key[0] == "copy":
-                self._copy_program(key)
-            elif key[0] == "row":
-                self._row_program()
-            else:
-                self.programs.get(key, self._build(key), self._example_args(key))
+        recipes = [(key, *self._recipe(key)) for key in todo]  # example arguments read the engine's state here, once
+        with ThreadPoolExecutor(max(1, min(workers, len(recipes))), thread_name_prefix="eagle_jax-precompile") as pool:
+            for done in [pool.submit(self.programs.compiled, *recipe) for recipe in recipes]:
+                done.result()  # the first failure, raised here once every compile has ended
         if warm_up:
             self.warm_up(keys)
 
@@ -255,6 +261,18 @@ class SlotEngine:
                 self.state = self.programs.programs[key](*self._example_args(key))[0]
         jax.block_until_ready(self.state)
         self.reset()
+
+    def _recipe(self, key: tuple) -> tuple[Callable, tuple, tuple[int, ...]]:
+        """What compiling ``key``'s program takes: (the function, example arguments, donated arguments)."""
+        if key[0] == "score":
+            compute = jnp.float32 if self.exact else None
+            return (lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute),
+                    (self._t_state, jax.ShapeDtypeStruct((1, key[1]), jnp.int32)), ())
+        if key[0] == "copy":
+            return copy_program(key[1], key[2]), (self.state, self.pool, jnp.int32(0), jnp.int32(0), jnp.int32(0)), (0, 1)
+        if key[0] == "row":  # it reads the state, donates nothing
+            return row_program(), (self.state, jnp.int32(0)), ()
+        return self._build(key), self._example_args(key), (2,)
 
     def _build(self, key: tuple):
         """The function ``key``'s program compiles (inserts, the fork, prefill chunks, steps)."""
@@ -464,12 +482,10 @@ class SlotEngine:
         self.state, self.pool = program(self.state, self.pool, jnp.int32(src[1]), jnp.int32(dst[1]), jnp.int32(held))
 
     def _row_program(self):
-        """``row_program`` compiled (it reads the state, donates nothing)."""
-        return self.programs.compiled(("row",), row_program(), (self.state, jnp.int32(0)), donate_argnums=())
+        return self.programs.compiled(("row",), *self._recipe(("row",)))
 
     def _copy_program(self, key: tuple):
-        args = (self.state, self.pool, jnp.int32(0), jnp.int32(0), jnp.int32(0))
-        return self.programs.compiled(key, copy_program(key[1], key[2]), args, donate_argnums=(0, 1))
+        return self.programs.compiled(key, *self._recipe(key))
 
     # ------------------------------------------------------------------ scoring
 
@@ -485,9 +501,7 @@ class SlotEngine:
         return TokenLogprobs(*(np.asarray(x[0, : len(ids)]) for x in out))
 
     def _score_program(self, p: int):
-        compute = jnp.float32 if self.exact else None
-        return self.programs.compiled(("score", p), lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute),
-                                      (self._t_state, jax.ShapeDtypeStruct((1, p), jnp.int32)), donate_argnums=())
+        return self.programs.compiled(("score", p), *self._recipe(("score", p)))
 
     # ------------------------------------------------------------------ step
 

@@ -360,6 +360,25 @@ def test_precompiling_past_the_memory_map_limit_is_a_clear_error(pair, tmp_path,
     real(1, str(limit))  # a few programs fit
 
 
+def test_a_failed_compile_stops_precompile_with_its_error(pair):
+    """Compiling several programs at once, one compile's error is what ``precompile`` raises (the programs
+    not yet started are dropped), so a server does not start on a partial set."""
+    engine = SlotEngine(*pair, slots=2, max_len=64)
+    asked, real = [], engine.programs.compiled
+
+    def compiled(key, build, args, donate_argnums=(2,)):
+        asked.append(key)
+        if key == ("fork",):
+            raise RuntimeError("XLA could not compile the fork")
+        if key == ("row",):  # the prefill chunks' example arguments read a cache row with it
+            return real(key, build, args, donate_argnums)
+
+    engine.programs.compiled = compiled
+    with pytest.raises(RuntimeError, match="could not compile the fork"):
+        engine.precompile(warm_up=False, workers=2)
+    assert ("fork",) in asked and set(asked) <= set(engine.program_set())
+
+
 def test_warm_up_runs_every_program_once_and_frees_the_slots(pair, eos):
     """``precompile`` (here two programs at a time) compiles each program of its set once, then runs each
     once (a program's first run pays one-time costs the first requests would otherwise pay): every step over

@@ -53,14 +53,14 @@ CHUNK_SIZES = (32, 128)  # prefill chunk programs below the engine's ``chunk`` (
 # Prompt tokens one step's prefill computes at most while streams decode: smaller keeps running streams
 # smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill").
 DEFAULT_CHUNK = 512
+DEFAULT_MAX_LEN = 4096  # a slot's tokens when no max_len is given (the target's context if shorter)
+
+
 def default_compile_workers() -> int:
     """Programs ``precompile`` compiles at once by default: one per core, at most 8 (each compile holds its own
     memory); one on a GPU, where XLA times candidate kernels on the device while compiling, and concurrent
     compiles would time each other's."""
     return 1 if jax.default_backend() == "gpu" else max(1, min(8, os.cpu_count() or 1))
-
-
-DEFAULT_MAX_LEN = 4096  # a slot's tokens when no max_len is given (the target's context if shorter)
 
 
 def slot_len(target_config, max_len: int | None = None) -> int:
@@ -233,9 +233,12 @@ class SlotEngine:
         check_map_limit(len(todo))
         self._precompiled = True
         recipes = [(key, *self._recipe(key)) for key in todo]  # example arguments read the engine's state here, once
-        with ThreadPoolExecutor(max(1, min(workers, len(recipes))), thread_name_prefix="eagle_jax-precompile") as pool:
+        pool = ThreadPoolExecutor(max(1, min(workers, len(recipes))), thread_name_prefix="eagle_jax-precompile")
+        try:
             for done in [pool.submit(self.programs.compiled, *recipe) for recipe in recipes]:
-                done.result()  # the first failure, raised here once every compile has ended
+                done.result()
+        finally:  # a failure is raised once the compiles under way end; the ones not started are dropped
+            pool.shutdown(cancel_futures=True)
         if warm_up:
             self.warm_up(keys)
 

@@ -4,7 +4,7 @@ decoding against chain speculation through ``eagle_jax.generate`` on the bundled
     python -m bench.gpu                                   # parity cases + speed, float32, results in bench/results/gpu.json
     python -m bench.gpu --no-parity --dtypes float32 bfloat16 --ks 3 5 7
     python -m bench.gpu --no-parity --no-speed --precompile-workers 1 16   # a server's compiles, one vs 16 at a time
-    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.gpu   # compiles in seconds, not minutes (BENCHMARKS.md)
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.gpu   # a program in 6-12 s on an H200, not 35+ (BENCHMARKS.md)
 
 Speed: greedy, held-out code prompts (their last ``--prompt-len`` tokens), ``--max-new`` new tokens, no stop
 token. Batch 1 decodes ``--batch1-prompts`` prompts one after another (one favourable prompt proves
@@ -14,8 +14,9 @@ a row reports the median pass, every pass, the acceptance length and how many ro
 output token for token. Times include prefill, as a caller meets them. Rows print as they are measured, so
 a run cut short keeps what it measured.
 
-Parity: ``pytest parity_tests -k cuda`` with the suite's CPU compile shortcuts off (``EAGLE_JAX_TEST_XLA_OPT``);
-the cases skip, with the reason, where torch or JAX sees no GPU. A machine whose Python is not the one the
+Parity: ``pytest parity_tests -k cuda`` with the suite's CPU compile shortcuts off (``EAGLE_JAX_TEST_XLA_OPT``) and
+JAX's preallocation of GPU memory off (the workers share one GPU); its errors (``parity_tests/.last_parity_errors.json``)
+are kept in the results. The cases skip, with the reason, where torch or JAX sees no GPU. A machine whose Python is not the one the
 held-out manifest was built with reads a copy of those files named by ``EAGLE_JAX_CORPUS_ROOT``.
 """
 
@@ -28,6 +29,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -35,6 +37,8 @@ import numpy as np
 import eagle_jax
 from bench.common import load_pair_or_random, write_json
 from eagle_jax.config import SpecConfig
+
+PARITY_ERRORS = Path(__file__).resolve().parent.parent / "parity_tests" / ".last_parity_errors.json"
 
 
 def pytest_summary(lines: list[str]) -> str:
@@ -44,13 +48,14 @@ def pytest_summary(lines: list[str]) -> str:
 
 
 def run_parity(timeout_s: int, workers: int) -> dict:
-    """The parity suite's cuda cases in a subprocess; the counts from pytest's last line."""
+    """The parity suite's cuda cases in a subprocess: pytest's counts, its failures and the errors measured."""
     cmd = [sys.executable, "-m", "pytest", "parity_tests", "-k", "cuda", "-o", "addopts=", "-q", "-rfEs", "-p", "no:cacheprovider"]
     if workers > 1:
         cmd += ["-n", str(workers), "--dist", "loadfile"]
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "EAGLE_JAX_TEST_XLA_OPT": "1"})
+        env = {**os.environ, "EAGLE_JAX_TEST_XLA_OPT": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         out, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
@@ -58,12 +63,14 @@ def run_parity(timeout_s: int, workers: int) -> dict:
     print("\n".join(ln for ln in lines if ln.startswith(("FAILED", "ERROR", "SKIPPED"))) or "", flush=True)
     summary = pytest_summary(lines)
     print(f"parity: {summary} (rc {rc}, {time.perf_counter() - t0:.0f} s)", flush=True)
+    errors = PARITY_ERRORS.read_text() if PARITY_ERRORS.exists() and PARITY_ERRORS.stat().st_mtime >= started else "{}"
     return {"rc": rc, "summary": summary, "seconds": time.perf_counter() - t0,
-            "failed": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]}
+            "failed": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))],
+            "errors": {name: e for name, e in json.loads(errors).items() if "[cuda" in name}}  # the file keeps other runs' too
 
 
 def precompile_once(workers: int) -> dict:
-    """Precompiles a small serving engine of the bundled pair (8 slots of 512 tokens, plain and a chain of 3: ~30
+    """Precompiles a small serving engine of the bundled pair (8 slots of 512 tokens, plain and a chain of 3: 43
     programs) with ``workers`` compiles at once, in this process; its seconds and programs."""
     from eagle_jax.serving.slots import SlotEngine
 

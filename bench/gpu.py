@@ -34,8 +34,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-import eagle_jax
-from bench.common import load_pair_or_random, write_json
+from bench.common import load_pair_or_random, run_batched, write_json
 from eagle_jax.config import SpecConfig
 
 PARITY_ERRORS = Path(__file__).resolve().parent.parent / "parity_tests" / ".last_parity_errors.json"
@@ -95,18 +94,15 @@ def measure_speed(dtype: str, batches: list[int], ks: list[int], max_new: int, p
     configs = {"plain": None, **{f"K={k}": SpecConfig(num_speculative_tokens=k) for k in ks}}
     rows = []
     for batch in batches:
-        groups = [[p] for p in prompts[:batch1_prompts]] if batch == 1 else [[prompts[i % len(prompts)] for i in range(batch)]]
+        rows_in = prompts[:batch1_prompts] if batch == 1 else [prompts[i % len(prompts)] for i in range(batch)]
 
         def one_pass(spec):
-            secs, tokens, outputs, als = 0.0, 0, [], []
-            for g in groups:
-                t0 = time.perf_counter()
-                r = eagle_jax.generate(target, None if spec is None else drafter, g, spec=spec, max_new_tokens=max_new, eos_token_id=[])
-                secs += time.perf_counter() - t0
-                tokens += r.num_generated
-                outputs += r.tokens
-                als.append(r.acceptance_length)
-            return tokens / secs, outputs, float(np.mean(als))
+            t0 = time.perf_counter()
+            r = run_batched(target, None if spec is None else drafter, rows_in, spec=spec, max_new=max_new, batch_size=batch)
+            secs = time.perf_counter() - t0
+            calls = [r["accepted"][i: i + batch] for i in range(0, len(rows_in), batch)]  # a call's AL: over its row-rounds
+            al = None if spec is None else float(np.mean([np.mean([a + 1 for row in c for a in row]) for c in calls]))
+            return sum(map(len, r["tokens"])) / secs, r["tokens"], al
 
         first_pass_s = {}
         for name, spec in configs.items():

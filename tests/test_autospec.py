@@ -633,6 +633,11 @@ def test_a_batchs_rows_read_their_pooled_evidence_only_where_prompts_are_alike(p
     run.carry = 2 * autospec.CARRY_ROUNDS  # alike
     _, read = run._times(fixed_costs.at(0), rows, observed=12)
     assert slow.p[0] < read[0][1].p[0] and read[1][1].p[0] < quick.p[0]
+    # the chunk's watch reads the rows its choice read, pooled once, not pooled again
+    assert run._watched(rows, observed=12) == (read, 0.0)
+    run._read_rows = None  # a chunk chosen without ``_times`` (a look, an exploration): its rows pooled for the watch
+    watched, pool = run._watched(rows, observed=12)
+    assert watched == rows and pool == autospec.ROW_POOL_ROUNDS
 
 
 def test_a_watched_chunk_ends_once_its_rows_leave_the_band(pair):

@@ -300,6 +300,15 @@ class AutoRun:
         self._read_rows = rows
         return times, rows
 
+    def _watched(self, remaining: list[tuple[int, autospec.AcceptanceEstimate]], observed: int
+                 ) -> tuple[list[tuple[int, autospec.AcceptanceEstimate]], float]:
+        """(the rows a chunk's watch reads, the rounds of the batch's pooled evidence it adds to each): the rows the
+        chunk's choice read (``_times``), which hold their pooled evidence already, else the rows as chosen. Pooled
+        twice, a row's watch read 16 rounds of the batch's evidence where its choice read 8."""
+        if self._read_rows is not None:
+            return self._read_rows, 0.0
+        return self._as_chosen(remaining, observed), self._row_pool()
+
     def _row_pool(self) -> float:
         """Rounds of the batch's pooled evidence each row's estimate is read with (``autospec.ROW_POOL_ROUNDS``): only
         where prompts were seen alike."""
@@ -336,9 +345,10 @@ class AutoRun:
                 done_rows, n_out = jax.device_get((st.done, st.n_out))
                 if np.any(done_rows):  # a row ended with its first token: chosen again on the rows left
                     continue
+            watched, pool = self._watched(remaining, observed)
             watch = autospec.never(batch) if self._unwatched else autospec.watch(
-                self.costs.at(self.plan.cache_len), batch, self._read_rows or self._as_chosen(remaining, observed), depth,
-                self.costs.overhead.seconds(batch), active=np.flatnonzero(~done_rows), pool=self._row_pool())
+                self.costs.at(self.plan.cache_len), batch, watched, depth, self.costs.overhead.seconds(batch),
+                active=np.flatnonzero(~done_rows), pool=pool)
             if depth == autospec.PLAIN and fed:  # from here on the drafter is not fed: its state is dropped
                 fed = False
                 st = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)

@@ -116,7 +116,8 @@ def test_the_pairs_acceptance_is_kept_with_its_costs(cache):
     fresh, later = AcceptanceEstimate(), autospec.SpanCosts()
     later.keep(lambda: "pair", fresh)
     np.testing.assert_allclose(fresh.p, seen.p)
-    assert fresh.carry_rounds() == pytest.approx(seen.carry_rounds()) and list(fresh.prompts) == pytest.approx(list(seen.prompts))
+    np.testing.assert_allclose(np.asarray(fresh.carry_rounds()), np.asarray(seen.carry_rounds()))
+    np.testing.assert_allclose(np.asarray(fresh.prompts), np.asarray(seen.prompts))  # [prompts, 2]: approx takes no nesting
     assert fresh.unobserved == seen.unobserved == 0 and later.plain_rows == {1: 5, 4: 0} and later.plain_settled(1, alike=True)
     assert fresh.for_new_prompt().prior == pytest.approx(seen.for_new_prompt().prior) != autospec.PRIOR
     for unobserved in (150, float("inf")):  # rounds decoded plainly since, or never observed

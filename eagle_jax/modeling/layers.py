@@ -256,12 +256,37 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     # ([B*Hkv] x [g*T, D] x [D, S]), which XLA's CPU backend runs ~3x faster than the 5-d einsums.
     # Only the query block is transposed: the cache is stored head-major, so reading it copies nothing.
     qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    if _keys_lead(b, t):
+        return _attend_keys_lead(qh, k, v, mask, g)
     kh, vh = k, v
     scores = (jnp.einsum("bkqd,bksd->bkqs", qh, kh) / math.sqrt(d)).astype(jnp.float32).reshape(b, hkv, g, t, s)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hkv, g * t, s)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, vh).reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)
     return out.reshape(b, t, hq * d)
+
+
+# Query blocks up to this many positions (decoding, verification) over several rows take the keys-first form on a CPU.
+KEYS_LEAD_MAX_QUERIES = 16
+
+
+def _keys_lead(b: int, t: int) -> bool:
+    """XLA's CPU backend runs Q.K^T over many cache rows as a transposing batched dot (3x the time of the
+    whole rest of attention at batch 48, BENCHMARKS.md "Plain decoding at large batch"); K.Q^T reads the
+    cache as it lies. Accelerators choose their own layouts: there the scores stay [.., q, s]."""
+    return b > 1 and t <= KEYS_LEAD_MAX_QUERIES and jax.default_backend() == "cpu"
+
+
+def _attend_keys_lead(qh: Array, k: Array, v: Array, mask: Array, g: int) -> Array:
+    """``attend`` with the scores laid out [B, Hkv, S, g*T] (the cache as the dot's left operand, softmax
+    over S): the same numbers up to summation order. qh: [B, Hkv, g*T, D]."""
+    b, hkv, gt, d = qh.shape
+    s, t = k.shape[2], gt // g
+    scores = (jnp.einsum("bksd,bkqd->bksq", k, qh) / math.sqrt(d)).astype(jnp.float32).reshape(b, hkv, s, g, t)
+    scores = jnp.where(jnp.swapaxes(mask, 1, 2)[:, None, :, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype).reshape(b, hkv, s, gt)
+    out = jnp.einsum("bksq,bksd->bkqd", probs, v).reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, hkv * g * d)
 
 
 def causal_mask(batch: int, length: int) -> Array:

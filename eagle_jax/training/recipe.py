@@ -40,6 +40,7 @@ from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 from eagle_jax.sharding import make_mesh
 from eagle_jax.training.data import BATCHING_MODES, Sample, greedy_samples, load_samples
+from eagle_jax.training.features import draft_vocab_head
 from eagle_jax.training.ttt import NORMALIZATIONS
 from eagle_jax.training.vocab_map import build_vocab_map, coverage, load_vocab_map, token_counts
 
@@ -71,6 +72,9 @@ DEFAULTS: dict[str, Any] = {
         "fc_norm": False,  # EAGLE-3.1
         "norm_output": False,  # EAGLE-3.1
         "rms_norm_eps": None,
+        # parts of a fresh drafter started from the target (WARM_STARTS): lm_head = the target's output rows of the
+        # draft vocabulary, norm = its final norm, fc = the fused feature starting as the last aux state
+        "warm_start": [],
     },
     "data": {
         "path": None,  # JSONL file(s): chat / ShareGPT / text records
@@ -105,6 +109,8 @@ DEFAULTS: dict[str, Any] = {
         # true: every drafter TTT step recomputed in the backward pass instead of stored (memory of long
         # sequences; same loss and gradients). The target runs without gradient: nothing to remat there.
         "remat": False,
+        # drafter modules kept as they start (e.g. [lm_head, norm] after drafter.warm_start): no gradient, no update
+        "freeze": [],
     },
     # -1: all remaining devices. expert > 1: the routed experts of an MoE target are sharded over it
     # (the batch is split over data x fsdp only).
@@ -115,6 +121,9 @@ DEFAULTS: dict[str, Any] = {
     "log": {"every": 10, "progress": True},
     "export": {"dir": None, "dtype": None},  # None: <run_dir>/export, params' dtype
 }
+
+
+WARM_STARTS = ("lm_head", "norm", "fc")
 
 
 class TrainConfigError(ValueError):
@@ -158,6 +167,16 @@ def check_config(cfg: dict) -> None:
             raise TrainConfigError(f"config: {key}={cfg[section][name]!r}; expected one of: {', '.join(allowed)}")
     if not isinstance(cfg["train"]["remat"], bool):
         raise TrainConfigError(f"config: train.remat={cfg['train']['remat']!r}; expected true or false")
+    for key, allowed in (("drafter.warm_start", WARM_STARTS), ("train.freeze", None)):
+        section, name = key.split(".")
+        value = cfg[section][name]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise TrainConfigError(f"config: {key}={value!r}; expected a list of names")
+        unknown = [v for v in value if allowed is not None and v not in allowed]
+        if unknown:
+            raise TrainConfigError(f"config: {key} has {unknown}; expected any of: {', '.join(allowed)}")
+    if cfg["drafter"]["warm_start"] and cfg["drafter"]["init"]:
+        raise TrainConfigError("config: drafter.warm_start starts a fresh drafter; drafter.init loads one: set one of them")
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> dict:
@@ -344,10 +363,60 @@ def build_drafter(cfg: dict, target: Target, samples: list[Sample]) -> tuple[Dra
         d2t, t2d = build_vocab_map(counts, vd) if vd < v else (np.zeros(vd, np.int64), np.ones(v, bool))
         note = "identity vocab map" if vd == v else f"vocab map built from the training data ({vd} of {v} ids)"
     drafter.set_vocab_map(d2t)
+    if d["warm_start"]:
+        warm_start(drafter, target, d["warm_start"])
+        note += f"; {', '.join(d['warm_start'])} started from the target"
     return drafter, f"{note}; covers {100 * coverage(counts, t2d):.1f}% of loss tokens"
 
 
-def make_optimizer(cfg: dict) -> tuple[optax.GradientTransformation, Callable]:
+def warm_start(drafter: Drafter, target: Target, parts: Iterable[str]) -> None:
+    """Starts ``parts`` (of WARM_STARTS) of a fresh drafter from the target, so that little data has less to learn:
+
+    - ``lm_head``: the target's output rows of the draft vocabulary (the tied embedding's, for SmolLM2), so the
+      drafter's normed output starts in the space of the target's final hidden state;
+    - ``norm``: the target's final norm;
+    - ``fc``: the last aux state's block the identity and the others zero, so the fused feature starts as the
+      highest target layer read (after its 3.1 norm).
+    """
+    c = drafter.config
+    for part in parts:
+        if part == "lm_head":
+            used = np.arange(c.draft_vocab_size) + np.asarray(drafter.d2t[...])
+            drafter.lm_head.kernel.set_value(draft_vocab_head(target, used).T.astype(drafter.lm_head.kernel[...].dtype))
+        elif part == "norm":
+            # a copy: the step donates the drafter's parameters, never the target's buffers
+            drafter.norm.weight.set_value(jnp.array(target.norm.weight[...], drafter.norm.weight[...].dtype, copy=True))
+        elif part == "fc":
+            if c.target_hidden_size != c.hidden_size:
+                raise TrainConfigError(
+                    f"config: drafter.warm_start fc needs target_hidden_size == hidden_size, got {c.target_hidden_size} and {c.hidden_size}"
+                )
+            n, h = c.num_aux_hidden_states, c.hidden_size
+            kernel = np.zeros((n * h, h), np.float32)
+            kernel[(n - 1) * h :] = np.eye(h, dtype=np.float32)
+            drafter.fc.kernel.set_value(jnp.asarray(kernel, drafter.fc.kernel[...].dtype))
+        else:
+            raise TrainConfigError(f"config: drafter.warm_start has {part!r}; expected any of: {', '.join(WARM_STARTS)}")
+
+
+def trainable_mask(params: Any, freeze: Iterable[str]) -> Any:
+    """A pytree of bools over ``params`` (an nnx.State of the drafter's Params): False under a frozen module.
+
+    A name must be a drafter module holding parameters (``lm_head``, ``norm``, ``fc``, ``fc_norm``, ``mlp``, ...)."""
+    freeze = set(freeze)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    tops = {str(getattr(path[0], "key", path[0])) for path, _ in leaves}
+    unknown = sorted(freeze - tops)
+    if unknown:
+        raise TrainConfigError(f"config: train.freeze has {unknown}; the drafter's modules with parameters are: {', '.join(sorted(tops))}")
+    if freeze == tops:
+        raise TrainConfigError("config: train.freeze names every module with parameters: nothing would train")
+    return jax.tree_util.tree_map_with_path(lambda path, _: str(getattr(path[0], "key", path[0])) not in freeze, params)
+
+
+def make_optimizer(cfg: dict, trainable: Any = None) -> tuple[optax.GradientTransformation, Callable]:
+    """AdamW with warmup + cosine and global-norm clipping; ``trainable`` (``trainable_mask``): the frozen
+    parameters' updates are zero and they hold no optimiser state."""
     t = cfg["train"]
     steps = int(t["steps"])
     warmup = int(t["warmup_steps"]) if t["warmup_steps"] is not None else int(round(float(t["warmup_ratio"]) * steps))
@@ -358,4 +427,7 @@ def make_optimizer(cfg: dict) -> tuple[optax.GradientTransformation, Callable]:
         optax.clip_by_global_norm(float(t["clip_norm"])),
         optax.adamw(schedule, b1=float(t["b1"]), b2=float(t["b2"]), weight_decay=float(t["weight_decay"])),
     )
+    if trainable is not None and not all(jax.tree.leaves(trainable)):
+        labels = jax.tree.map(lambda keep: "train" if keep else "frozen", trainable)
+        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
     return tx, schedule

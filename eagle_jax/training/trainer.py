@@ -63,6 +63,7 @@ from eagle_jax.training.recipe import (
     mesh_from_config,
     parse_override,
     random_target_config,
+    trainable_mask,
 )
 from eagle_jax.training.ttt import simulated_acceptance_length, ttt_loss
 
@@ -130,6 +131,7 @@ def make_train_step(
     compute_dtype,
     remat: bool = False,
     from_features: bool = False,
+    trainable: Any = None,
 ) -> Callable:
     """The pure train step: (params, opt_state, frozen, target_state, batch) -> (params, opt_state, metrics).
 
@@ -141,6 +143,7 @@ def make_train_step(
     without positions and segment_ids: one sequence per row at positions 0..T-1). The target and the
     drafter attend within each segment (packed documents). ``aux_layer_ids``: the target layers the
     drafter reads. ``remat``: the drafter's TTT steps recomputed in the backward pass (ttt_loss).
+    ``trainable`` (``recipe.trainable_mask``): frozen parameters get a zero gradient, so it is never computed.
     """
 
     def cast(tree):
@@ -180,6 +183,8 @@ def make_train_step(
             zeros = jax.tree.map(jnp.zeros_like, params)
             grads, outs = jax.lax.scan(body, zeros, batch)
             grads = jax.tree.map(lambda g: g / accum, grads)
+        if trainable is not None:
+            grads = jax.tree.map(lambda g, keep: g if keep else jnp.zeros_like(g), grads, trainable)
         updates, opt_state = tx.update(grads, opt_state, params)
         metrics = {
             "loss": jnp.mean(outs.total),
@@ -391,8 +396,9 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     batcher = Batcher(samples, batch_size, int(cfg["data"]["max_length"]), mode=cfg["data"]["batching"],
                       buckets=tuple(cfg["data"]["buckets"]) if cfg["data"]["buckets"] else None, seed=int(cfg["seed"]), pad_id=pad_id)
 
-    tx, schedule = make_optimizer(cfg)
     graphdef_d, params, frozen = nnx.split(drafter, nnx.Param, ...)
+    trainable = trainable_mask(params, t_cfg["freeze"]) if t_cfg["freeze"] else None
+    tx, schedule = make_optimizer(cfg, trainable)
     graphdef_t, target_state = nnx.split(target)
     aux_layer_ids = aux_layer_ids_for(drafter.config, target.config)
     param_sh = tree_shardings(params, mesh)
@@ -415,7 +421,7 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     step_fn = make_train_step(
         graphdef_d, graphdef_t, tx, aux_layer_ids=aux_layer_ids, ttt_length=int(t_cfg["ttt_length"]),
         decay=float(t_cfg["decay"]), normalize=t_cfg["normalize"], compute_dtype=compute_dtype, remat=t_cfg["remat"],
-        from_features=features is not None,
+        from_features=features is not None, trainable=trainable,
     )
     jitted = jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, replicated))
 
@@ -448,7 +454,8 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     seq_len = int(cfg["data"]["max_length"])
     flops_tok = train_flops_per_token(target, drafter, seq_len, int(t_cfg["ttt_length"]), with_target=features is None)
     peak = measure_matmul_peak(compute_dtype) * jax.device_count()
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    keeps = jax.tree.leaves(trainable) if trainable is not None else [True] * len(jax.tree.leaves(params))
+    n_params = sum(int(np.prod(x.shape)) for x, keep in zip(jax.tree.leaves(params), keeps) if keep)
     log(f"mesh {dict(mesh.shape)}; drafter {n_params / 1e6:.2f}M trainable params; "
         f"~{flops_tok / 1e6:.1f} MFLOP/token; measured matmul peak {peak / 1e9:.1f} GFLOP/s")
 

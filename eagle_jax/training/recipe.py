@@ -114,6 +114,9 @@ DEFAULTS: dict[str, Any] = {
     },
     # -1: all remaining devices. expert > 1: the routed experts of an MoE target are sharded over it
     # (the batch is split over data x fsdp only).
+    # held-out samples (JSONL, as data.path) whose per-position TTT accuracy and loss are logged every `every` steps
+    # (a multiple of log.every; 0: at the end only); features: their target outputs (needed when data.features is set)
+    "eval": {"path": None, "features": None, "every": 0},
     "mesh": {"data": -1, "fsdp": 1, "expert": 1, "model": 1},
     # coordinator: "host:port" (then num_processes, process_id per process) or "auto" (TPU pods, SLURM).
     "distributed": {"coordinator": None, "num_processes": 1, "process_id": None, "cpu_collectives": "gloo"},
@@ -175,6 +178,11 @@ def check_config(cfg: dict) -> None:
         unknown = [v for v in value if allowed is not None and v not in allowed]
         if unknown:
             raise TrainConfigError(f"config: {key} has {unknown}; expected any of: {', '.join(allowed)}")
+    e = cfg["eval"]
+    if e["path"] and bool(e["features"]) != bool(cfg["data"]["features"]):
+        raise TrainConfigError("config: eval.features and data.features go together (held-out samples are read as the training data is)")
+    if int(e["every"] or 0) % max(1, int(cfg["log"]["every"])):
+        raise TrainConfigError(f"config: eval.every={e['every']} must be a multiple of log.every={cfg['log']['every']}")
     if cfg["drafter"]["warm_start"] and cfg["drafter"]["init"]:
         raise TrainConfigError("config: drafter.warm_start starts a fresh drafter; drafter.init loads one: set one of them")
 
@@ -270,9 +278,10 @@ def random_target_config(random: dict) -> TargetConfig:
         raise TrainConfigError(f"config: target.random: {e}") from None
 
 
-def build_samples(cfg: dict, target: Target) -> tuple[list[Sample], int, str]:
-    """(samples, pad id, one-line summary) from JSONL files or synthetic greedy continuations."""
-    d = cfg["data"]
+def build_samples(cfg: dict, target: Target, section: str = "data") -> tuple[list[Sample], int, str]:
+    """(samples, pad id, one-line summary) from JSONL files or synthetic greedy continuations; ``section``
+    "eval": the held-out set's files (``eval.path``), read with the data's tokenizer and length."""
+    d = cfg["data"] if section == "data" else {**cfg["data"], "path": cfg["eval"]["path"], "synthetic": None}
     if d["path"]:
         tok_dir = d["tokenizer"] or cfg["target"]["path"]
         if not tok_dir:

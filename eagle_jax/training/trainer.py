@@ -47,7 +47,8 @@ from eagle_jax.modeling.flops import attention_flops, matmul_params
 from eagle_jax.modeling.target import Target
 from eagle_jax.sharding import BATCH_AXES, logical_to_spec, put, tree_shardings
 from eagle_jax.training.data import Batcher, DataPosition
-from eagle_jax.training.features import compute_features, draft_vocab_head, draft_vocab_logits
+from eagle_jax.training.features import compute_features, draft_vocab_head
+from eagle_jax.training.heldout import HeldOut, make_eval_step, target_outputs
 from eagle_jax.training.recipe import (
     DEFAULTS,
     TrainConfigError,
@@ -159,13 +160,8 @@ def make_train_step(
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def micro(params, frozen, target_state, mb):
-        if from_features:
-            t_logits, aux, t_argmax = draft_vocab_logits(mb["target_hidden"], target_state), mb["aux"], mb["target_argmax"]
-        else:
-            target = nnx.merge(graphdef_t, target_state)  # the frozen target, no gradient
-            (t_logits, aux), t_argmax = target(mb["input_ids"], aux_layer_ids, mb["positions"], mb["segment_ids"]), None
-        t_logits, aux = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(aux.astype(compute_dtype))
-        (_, out), grads = grad_fn(params, frozen, aux, t_logits, t_argmax, mb)
+        t_logits, aux, t_argmax = target_outputs(mb, target_state, graphdef_t, aux_layer_ids, from_features)
+        (_, out), grads = grad_fn(params, frozen, aux.astype(compute_dtype), t_logits, t_argmax, mb)
         return grads, out
 
     def step(params, opt_state, frozen, target_state, batch):
@@ -424,6 +420,20 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
         from_features=features is not None, trainable=trainable,
     )
     jitted = jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, replicated))
+    heldout = None
+    if cfg["eval"]["path"]:
+        e_samples, _, e_note = build_samples(cfg, target, "eval")
+        e_features = None
+        if features is not None:
+            e_features = compute_features(target, e_samples, aux_layer_ids, cfg["eval"]["features"],
+                                          length=int(cfg["data"]["max_length"]), progress=is_main and cfg["log"]["progress"])
+        e_batcher = Batcher(e_samples, 1, int(cfg["data"]["max_length"]), mode=cfg["data"]["batching"],
+                            buckets=tuple(cfg["data"]["buckets"]) if cfg["data"]["buckets"] else None, seed=int(cfg["seed"]), pad_id=pad_id)
+        e_step = make_eval_step(graphdef_d, graphdef_t, aux_layer_ids=aux_layer_ids, ttt_length=int(t_cfg["ttt_length"]),
+                                decay=float(t_cfg["decay"]), compute_dtype=compute_dtype, from_features=features is not None)
+        heldout = HeldOut(e_batcher, e_features, e_step, lambda host: {k: put(v, replicated) for k, v in host.items()})
+        log(f"held-out: {e_note}")
+    eval_every = int(cfg["eval"]["every"] or 0)
 
     # Resume.
     import orbax.checkpoint as ocp
@@ -481,6 +491,11 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
         bar.update(1)
         if step % log_every == 0 or step == total_steps or step == stop_after:
             rec = _record(timer.take(), step, pos, float(schedule(step - 1)), flops_tok / peak, timer.compile_s)
+            if heldout is not None and ((eval_every and step % eval_every == 0) or step == total_steps):
+                rec.update(heldout.evaluate(params, frozen, target_state))
+                timer.untimed()
+                log(f"step {step}: held-out accuracy per position {rec['heldout_acc_per_position']}, "
+                    f"simulated AL {rec['heldout_simulated_al']:.3f}")
             records.append(rec)
             bar.set_postfix(loss=f"{rec['loss']:.4f}", acc0=f"{rec['acc_per_position'][0]:.3f}",
                             al=f"{rec['simulated_al']:.2f}", tok_s=f"{rec['tokens_per_s'] or 0:.0f}")

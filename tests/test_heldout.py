@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.training_curve import curve
 from eagle_jax import load_drafter
 from eagle_jax.checkpoint.tokenizer import load_tokenizer
 from eagle_jax.training.data import load_samples
@@ -72,6 +73,10 @@ def test_heldout_accuracy_is_logged_and_is_the_drafters_own(tmp_path):
         counts += np.asarray(out.counts)
     np.testing.assert_allclose(last["heldout_acc_per_position"], correct / counts, atol=2e-3)  # fp32 sums in another order: a near-tie may flip
     assert last["heldout_positions"] == int(counts[0])
+    # bench.training_curve reads the same records, against the tokens trained so far
+    points = curve([tmp_path / "run"])
+    assert [p["step"] for p in points] == [4, 8] and 0 < points[0]["tokens"] < points[1]["tokens"]
+    assert points[1]["heldout_simulated_al"] == last["heldout_simulated_al"]
 
 
 def test_heldout_from_features_matches_online(tmp_path):

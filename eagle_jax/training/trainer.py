@@ -82,16 +82,28 @@ def train_flops_per_token(target: Target, drafter: Drafter, seq_len: int, ttt_le
     both compute here. ``with_target`` False (training from precomputed features): the drafter's part,
     plus the target's logits over the draft vocabulary from its stored hidden states.
     """
-    tc, dc = target.config, drafter.config
+    tc = target.config
+    if not with_target:
+        return drafter_flops_per_token(drafter, seq_len, ttt_length)
     t_params = matmul_params(target) + (tc.vocab_size * tc.hidden_size if tc.tie_word_embeddings else 0)
     t_attn = attention_flops(tc, seq_len / 2) * tc.num_layers
+    return 2 * t_params + t_attn + drafter_flops_per_token(drafter, seq_len, ttt_length) - _features_head_flops(drafter)
+
+
+def _features_head_flops(drafter: Drafter) -> float:
+    """The target's logits over the draft vocabulary from its stored hidden states (training from features)."""
+    return 2 * drafter.config.draft_vocab_size * drafter.config.target_hidden_size
+
+
+def drafter_flops_per_token(drafter: Drafter, seq_len: int, ttt_length: int) -> float:
+    """A train step's FLOPs per token from precomputed target features: fc once, per TTT step the layer and
+    lm_head forward + backward (6 x weights) and attention over T/2 + steps keys (3 x forward), plus the
+    target's draft-vocabulary logits from its stored hidden states."""
+    dc = drafter.config
     fc = dc.fc_in_features * dc.hidden_size
     layer = matmul_params(drafter) - fc
     d_attn = attention_flops(dc, seq_len / 2 + ttt_length / 2)
-    drafter_part = 6 * fc + ttt_length * (6 * layer + 3 * d_attn)
-    if not with_target:
-        return 2 * dc.draft_vocab_size * tc.hidden_size + drafter_part
-    return 2 * t_params + t_attn + drafter_part
+    return _features_head_flops(drafter) + 6 * fc + ttt_length * (6 * layer + 3 * d_attn)
 
 
 def measure_matmul_peak(dtype=jnp.float32) -> float:
@@ -548,4 +560,5 @@ __all__ = [
     "random_target_config",
     "train",
     "train_flops_per_token",
+    "drafter_flops_per_token",
 ]

@@ -99,3 +99,17 @@ def test_features_of_another_target_or_other_data_are_refused(tmp_path):
     (tmp_path / "f" / "hidden.f32").write_bytes(b"short")
     with pytest.raises(F.FeatureError, match="incomplete or damaged"):
         F.compute_features(target, samples, aux_ids, tmp_path / "f", length=32, progress=False)
+
+
+def test_feature_batches_pack_consecutive_samples_first_fit():
+    """Each batch takes the next samples in order (finished samples stay a prefix), every row within its length,
+    every sample once; first fit fills rows where the next sample would not have fitted the last row."""
+    lengths = np.array([700, 500, 300, 200, 600, 400, 100, 1000, 50])
+    batches = F._batches(lengths, 0, 2, 1024)
+    assert batches[0][0] == 0 and batches[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in zip(batches, batches[1:]))
+    for first, end, rows in batches:
+        assert sorted(i for row in rows for i in row) == list(range(first, end))
+        assert all(sum(lengths[i] for i in row) <= 1024 for row in rows)
+    assert batches[0][2] == [[0, 2], [1, 3]]  # 300 goes back to the first row, which next fit had closed
+    assert F._batches(lengths, 5, 2, 1024)[0][0] == 5  # a resumed computation starts where it stopped

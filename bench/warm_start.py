@@ -50,6 +50,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--n-questions", type=int, default=16)
     ap.add_argument("--k", type=int, default=3, help="chain depth of the acceptance measurement")
     ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--baselines", nargs="*", default=["assets/smollm2/drafter-eagle3", "assets/smollm2/drafter-eagle3.1"],
+                    help="drafters measured beside the runs' (acceptance only)")
     ap.add_argument("--out", default="bench/results/warm_start.json")
     args = ap.parse_args(argv)
 
@@ -67,7 +69,7 @@ def main(argv=None) -> dict:
             runs.append({"kind": kind, "start": start, "run_dir": str(run_dir), "step": args.steps,
                          "train_acc_per_position": rec["acc_per_position"], **{k: v for k, v in rec.items() if k.startswith("heldout")}})
     target = load_config(args.config, args.set)["target"]["path"]
-    acc = acceptance.main(["--target", target, "--drafters", *drafters.values(), "--ks", str(args.k), "--trees", "--temperatures", "0",
+    acc = acceptance.main(["--target", target, "--drafters", *drafters.values(), *args.baselines, "--ks", str(args.k), "--trees", "--temperatures", "0",
                            "--n-prompts", "0", "--questions", *args.questions, "--n-questions", str(args.n_questions),
                            "--max-new", str(args.max_new), "--batch-size", "16", "--out", str(Path(args.out).with_suffix(".acceptance.json")),
                            "--plot", ""])
@@ -79,7 +81,11 @@ def main(argv=None) -> dict:
             for r in runs]
     print_table(["kind", "start", "held-out TTT acc per position", "sim. AL", "train acc (last log)",
                  *(f"AL K={args.k} {Path(q).stem}" for q in args.questions)], rows)
-    result = {"settings": vars(args), "runs": runs}
+    baselines = {b: {r["dataset"]: r["al_mean"] for r in acc["runs"] if r["drafter"].startswith(Path(b).name + " (")} for b in args.baselines}
+    if baselines:
+        print_table(["baseline", *(f"AL K={args.k} {Path(q).stem}" for q in args.questions)],
+                    [[b, *(f"{al.get(Path(q).stem, float('nan')):.2f}" for q in args.questions)] for b, al in baselines.items()])
+    result = {"settings": vars(args), "runs": runs, "baselines": baselines}
     write_json(args.out, result)
     return result
 

@@ -76,7 +76,7 @@ def test_frozen_parts_stay_and_the_rest_trains_and_resumes(tmp_path):
     assert not np.allclose(np.asarray(trained.mlp.down_proj.kernel[...]), np.asarray(start.mlp.down_proj.kernel[...]))
 
 
-def test_frozen_parameters_have_no_optimiser_state():
+def test_the_trainable_mask_leaves_out_exactly_the_frozen_modules():
     cfg = merge_config(DEFAULTS, copy.deepcopy(CONFIG))
     target = build_target(cfg)
     samples, _, _ = build_samples(cfg, target)

@@ -55,7 +55,7 @@ def test_heldout_accuracy_is_logged_and_is_the_drafters_own(tmp_path):
     cfg = config(tmp_path)
     summary = train(cfg)
     evaluated = [r for r in summary["records"] if "heldout_acc_per_position" in r]
-    assert [r["step"] for r in evaluated] == [4, 8]
+    assert [r["step"] for r in evaluated] == [0, 4, 8]  # step 0: the drafter as training starts
     last = evaluated[-1]
     assert len(last["heldout_acc_per_position"]) == 2 and last["heldout_positions"] > 0
     # The same figure from the exported drafter over the held-out samples, one per row.
@@ -75,8 +75,8 @@ def test_heldout_accuracy_is_logged_and_is_the_drafters_own(tmp_path):
     assert last["heldout_positions"] == int(counts[0])
     # bench.training_curve reads the same records, against the tokens trained so far
     points = curve([tmp_path / "run"])
-    assert [p["step"] for p in points] == [4, 8] and 0 < points[0]["tokens"] < points[1]["tokens"]
-    assert points[1]["heldout_simulated_al"] == last["heldout_simulated_al"]
+    assert [p["step"] for p in points] == [0, 4, 8] and 0 == points[0]["tokens"] < points[1]["tokens"] < points[2]["tokens"]
+    assert points[2]["heldout_simulated_al"] == last["heldout_simulated_al"]
 
 
 def test_heldout_from_features_matches_online(tmp_path):

@@ -490,6 +490,14 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     records: list[dict] = []
     timer = _StepTimer()
     bar = tqdm(total=total_steps, initial=step, desc="ttt", unit="step", disable=not (is_main and cfg["log"]["progress"]))
+    if heldout is not None and step == 0:  # the curve starts at the drafter training starts from (warm start or init)
+        rec = {"step": 0, "loss_tokens": 0, **heldout.evaluate(params, frozen, target_state)}
+        log(f"step 0: held-out accuracy per position {rec['heldout_acc_per_position']}, "
+            f"simulated AL {rec['heldout_simulated_al']:.3f}")
+        records.append(rec)
+        if is_main:
+            with log_path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
     while step < total_steps:
         host_batch = batcher.batch(pos)
         length = host_batch["input_ids"].shape[1]

@@ -11,10 +11,8 @@ calls of ``batch`` prompts each, taken in order from one ordering of the prompts
 orderings are random, except the first, which puts the prompts with the lowest acceptance first (the
 case where one measurement on the first prompt used to decide the whole process).
 
-For each (dtype, temperature, batch): every order starts from a fresh ``autospec`` (no costs, no
-acceptance known: the first call pays the measurement; with ``--warm-costs``, what an earlier process left on
-disk, ``decoding/cost_cache.py``: the costs, the acceptance and plain decoding's hindsight, the warm-up sequence's
-for the first process, then each process's for the next), the programs already compiled (compile time is
+For each (dtype, temperature, batch): every order starts from a fresh chooser (``chooser.reset``: no costs, no
+acceptance known: the first call pays the warm-up profile), the programs already compiled (compile time is
 apart, and so is each program's first run: ``warm``; a call's time is its wall time less its compiles, the host
 work of setting it up and of auto's choices included). Python's cyclic garbage is collected before each call,
 untimed, with the heap of the models and programs frozen first (``gc.freeze``): a full collection of that heap
@@ -55,7 +53,6 @@ from bench.common import (
     BUNDLED_DRAFTER,
     EVAL,
     TARGET_HELP,
-    bench_cost_cache,
     heldout_code_prompts,
     load_models,
     print_table,
@@ -65,9 +62,7 @@ from bench.common import (
     write_json,
 )
 from eagle_jax.config import SpecConfig
-from eagle_jax.decoding import autospec
-from eagle_jax.decoding.penalties import Penalties
-from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.decoding import chooser
 
 QUESTION_SETS = ("mt_bench", "gsm8k", "sum")
 CONTROL = "control"  # a fixed configuration measured twice (``--control``)
@@ -107,7 +102,6 @@ def warm(target, drafter, calls, fixed: dict, *, max_new: int, temperature: floa
     """Compiles and runs once every program the calls' shapes need (each fixed configuration, and each of
     auto's: its prefill, a chunk at every depth, plain decoding), on one call per prompt bucket: a
     program's first run pays one-time costs (~0.3 s here) that are compile time, not decoding."""
-    from eagle_jax.decoding.auto_run import AutoRun
     from eagle_jax.decoding.calls import bucket
 
     kw = dict(max_new_tokens=max_new, temperature=temperature, eos_token_id=list(eos), seed=0)
@@ -115,16 +109,14 @@ def warm(target, drafter, calls, fixed: dict, *, max_new: int, temperature: floa
     for prompts in by_shape.values():
         for d, spec in fixed.values():
             eagle_jax.generate(target, d, prompts, spec=spec, **kw)
-        rules = dict(sampling=SamplingParams(temperature), penalties=Penalties(), eos_token_id=list(eos), seed=0, tokenizer=None, mesh=None,
-                     exact=False)
-        AutoRun(target, drafter, prompts, max_new, rules).warm()
+        eagle_jax.generate(target, drafter, prompts, spec="auto", **kw)  # its first call compiles and runs all of auto's
 
 
 def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperature: float, eos, seed: int = 0) -> list[dict]:
-    """One sequence from a fresh autospec: per call, auto and every fixed configuration on the same
+    """One sequence from a fresh chooser: per call, auto and every fixed configuration on the same
     prompts, their order rotated by one each call (the first run after another program is often the
     slowest here: no configuration always takes that place)."""
-    autospec.reset()
+    chooser.reset()
     kw = dict(max_new_tokens=max_new, temperature=temperature, eos_token_id=list(eos), seed=seed)
     systems = [("auto", (drafter, "auto")), *fixed.items()]
     rows = []
@@ -141,7 +133,6 @@ def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperatu
             if name == "auto":
                 row["auto_depth"] = mean_depth(r.stats["chunks"])
                 row["auto_chunks"] = r.stats["chunks"]
-                row["auto_round_ms"] = r.stats["round_ms"]  # the costs its first choice read
         if temperature == 0:
             row["equal_to_plain"] = tokens["plain"] == tokens["auto"]
         rows.append(row)
@@ -217,15 +208,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--per-set", type=int, default=4, help="prompts from each set")
     ap.add_argument("--max-prompt", type=int, default=384, help="longest prompt, in tokens")
     ap.add_argument("--max-new", type=int, default=96)
-    ap.add_argument("--ks", type=int, nargs="+", default=list(autospec.DEPTHS))
+    ap.add_argument("--ks", type=int, nargs="+", default=list(chooser.DEPTHS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
-                    help="sequences per order (generation seeds seed, seed+1, ...; a fresh autospec each): rates pool them")
+                    help="sequences per order (generation seeds seed, seed+1, ...; a fresh chooser each): rates pool them")
     ap.add_argument("--control", help="a fixed configuration (plain, K=1, ...) measured a second time in each call, as the control")
-    ap.add_argument("--warm-costs", action="store_true",
-                    help="each sequence starts from the round costs and the acceptance earlier ones left on disk (a later process on "
-                         "this machine), one untimed sequence of auto's calls measuring them first; without it, every sequence "
-                         "measures them anew and knows no acceptance")
     ap.add_argument("--out", default="bench/results/autospec.json")
     ap.add_argument("--plot", default="bench/figures/autospec.png")
     ap.add_argument("--report-only", action="store_true", help="re-summarise --out's runs (table and plot), measure nothing")
@@ -240,7 +227,6 @@ def main(argv=None) -> dict:
         return results
 
     results = {"config": vars(args), "runs": []}
-    bench_cost_cache(args.warm_costs)
     for dtype in args.dtypes:
         target, drafters, tokenizer, source, _ = load_models(args.target, [args.drafter], dtype)
         drafter = next(iter(drafters.values()))
@@ -262,11 +248,6 @@ def main(argv=None) -> dict:
                 seqs = orders(prompts, al, args.orders, args.seed)
                 warm(target, drafter, [c for _, order in seqs for c in calls_of(order, prompts, batch, args.calls)], fixed,
                      max_new=args.max_new, temperature=temp, eos=eos)
-                if args.warm_costs:  # what an earlier process left: its costs, measured on one sequence (the last order's)
-                    autospec.reset()
-                    for c in calls_of(seqs[-1][1], prompts, batch, args.calls):
-                        eagle_jax.generate(target, drafter, c, max_new_tokens=args.max_new, temperature=temp, eos_token_id=list(eos),
-                                           seed=args.seed)
                 gc.collect()
                 gc.freeze()  # the models and programs: collections while measuring walk only what the calls made
                 for name, order in seqs:

@@ -17,7 +17,6 @@ import eagle_jax
 from eagle_jax.checkpoint.models import resolve_model
 from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig, default_aux_layer_ids
-from eagle_jax.decoding import cost_cache
 
 BUNDLED_TARGET = Path("assets/target")
 TARGET_HELP = "target: a checkpoint directory, a .gguf file, or smollm2-135m-instruct (fetched on first use)"
@@ -110,23 +109,6 @@ def print_table(header: list[str], rows: list[list]) -> None:
         print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
         if j == 0:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-
-
-def bench_cost_cache(warm: bool) -> None:
-    """Where ``spec="auto"`` keeps its costs during a benchmark (``decoding/cost_cache.py``): nowhere, so every run
-    measures them anew as on a fresh machine, none of the machine's earlier processes' read; or (``warm``) a
-    directory of the run's own, removed at exit, which the run fills first, so that what it measures starts from
-    kept costs as a later process on this machine does."""
-    os.environ[cost_cache.ENV] = "off"
-    if warm:
-        os.environ[cost_cache.ENV] = tempfile.mkdtemp(prefix="eagle_jax-bench-costs-")
-        atexit.register(_drop_costs, os.environ[cost_cache.ENV])
-
-
-def _drop_costs(directory: str) -> None:
-    """Removes ``bench_cost_cache``'s directory at exit, the cache turned off first (it writes what is pending at exit)."""
-    os.environ[cost_cache.ENV] = "off"
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def write_json(path: str | Path, obj) -> None:
@@ -325,7 +307,7 @@ def spec_name(spec) -> str:
     if spec == "auto":
         return "auto"
     if spec.method == "chain":
-        return f"{'adaptive ' if spec.adaptive else ''}chain K={spec.num_speculative_tokens}"
+        return f"chain K={spec.num_speculative_tokens}"
     return f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
 
 

@@ -27,9 +27,7 @@ total = all tokens / the run's wall time; TTFT and inter-token latency percentil
 at a busy server one at a time, not the opening burst of C prompts at once). The servers precompile their programs before they report
 ready, as ``eagle-jax-serve`` does; the first pass at each concurrency on a fresh server is reported as
 "cold", then passes run until one compiles nothing new, and the next is measured ("warm"). Every server
-measures auto's step costs anew, as on a fresh machine (the cost cache is off); with ``--warm-costs`` an untimed
-auto server serves every level once first, and the measured auto servers start from the costs it left on disk, as
-a restarted server does. One server
+measures auto's step costs anew, as on a fresh machine. One server
 runs at a time, each system's levels back to back; with ``--repeats N`` every system's server runs at once
 and each level is measured N times per system, the systems taking turns pass by pass (each repeat starting
 one system later), so that the machine's drift over minutes touches every system alike: measured one after
@@ -58,7 +56,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from bench.common import (TARGET_HELP, bench_cost_cache, chat_prompts, chat_source, drafter_label, fit_prompts, heldout_code_prompts,
+from bench.common import (TARGET_HELP, chat_prompts, chat_source, drafter_label, fit_prompts, heldout_code_prompts,
                           print_table, pyplot, write_json)
 from eagle_jax.config import SpecConfig
 from eagle_jax.serving import SpecSchedule
@@ -202,30 +200,6 @@ def _pass(srv, svc, schedule, per_user: list[list[dict]], temperature: float, en
     return r
 
 
-def fill_costs(autos: list[tuple], service: Callable, prompts: list[dict], endpoint: Endpoint, args) -> None:
-    """``--warm-costs``: per auto system (drafter, depths), an untimed server with a chooser of its own serves every
-    level once and stops, leaving its step costs on disk (``decoding/cost_cache.py``) for the measured server to start
-    from, as a restarted server does (acceptance is not kept: each measured server learns the traffic anew)."""
-    from eagle_jax.decoding import cost_cache
-    from eagle_jax.serving.depth import AutoDepth
-    from eagle_jax.serving.server import Server, freeze_startup_heap
-
-    for drafter, depths in autos:
-        srv = Server(service(drafter, AutoDepth(depths))).start()
-        freeze_startup_heap()  # as eagle-jax-serve does: else collections of the whole heap stall steps it measures
-        try:
-            for c in args.concurrency:
-                per_user = assign(prompts, c, max(args.requests, c))
-                for temperature in args.temperatures:
-                    asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature, endpoint))
-        finally:
-            srv.stop()
-        cost_cache.flush()  # the server's exit
-        del srv
-        gc.unfreeze()
-        gc.collect()  # its programs' memory maps go before the measured servers' (see main)
-
-
 def pooled(passes: list[dict]) -> dict:
     """Measured passes of one system at one level as one row: tokens/s the mean over the passes (each pass's in
     ``passes``), latencies the median, steps by depth and compiles summed, the texts the first pass's and whether
@@ -273,7 +247,6 @@ def main(argv: list[str] | None = None) -> None:
     from eagle_jax import bundled, compile_cache
     from eagle_jax.cli.serve import service_settings
     from eagle_jax.decoding.calls import eos_ids
-    from eagle_jax.serving.depth import AutoDepth
     from eagle_jax.serving.server import Server, freeze_startup_heap, make_service, parse_spec, served_name
     from eagle_jax.serving.slots import slot_len
 
@@ -305,15 +278,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="measured passes per system and level; above 1 every system's server runs at once and their passes "
                          "alternate, so the machine's drift touches all alike (rows: the mean over the passes)")
-    ap.add_argument("--warm-costs", action="store_true",
-                    help="auto's servers start from the step costs an untimed auto server left on disk, serving every level once "
-                         "first (a restarted server); without it, every server measures its costs anew (a fresh machine's)")
     ap.add_argument("--out", default="bench/results/serve.json")
     ap.add_argument("--resume", action="store_true", help="keep the systems --out already holds (same configuration) and measure the rest")
     args = ap.parse_args(argv)
 
     compile_cache.enable(compile_cache.default_dir())  # as the server does: a rerun loads the programs
-    bench_cost_cache(args.warm_costs)
     drafter_dirs = args.drafters or [str(bundled.drafter_dir("eagle3.1")), str(bundled.drafter_dir("eagle3"))]
     # The server's settings as eagle-jax-serve resolves them from its command line.
     flags = ["--target", args.target, "--drafter", drafter_dirs[0]] if args.target else []
@@ -384,10 +353,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: measured before (--resume)")
         else:
             todo.append((name, drafter, schedule))
-    if args.warm_costs:
-        fill_costs([(d, schedule.depths) for _, d, schedule in todo if isinstance(schedule, AutoDepth)],
-                   lambda drafter, schedule: make_service(target, drafter, tokenizer, schedule, eos, **settings, model_name="target"),
-                   prompts, endpoint, args)
     # One server at a time, or (--repeats) every system's at once, their measured passes taken in turn.
     for group in ([todo] if args.repeats > 1 else [[s] for s in todo]):
         services = []

@@ -781,10 +781,6 @@ class SpecConfig:
     tree_top_k: int = 8
     tree_depth: int = 5
     tree_total_tokens: int = 48
-    # Chain only: ``num_speculative_tokens`` is the most drafts a round may make; each round stops
-    # drafting once the drafts are not worth their cost and verifies one of a few static widths,
-    # chosen from the drafter's confidence and measured step costs (decoding/autospec.py).
-    adaptive: bool = False
 
     # EAGLE reference name -> (our field, our value from EAGLE's value). Not a dataclass field.
     _EAGLE_TREE_NAMES = {
@@ -798,8 +794,6 @@ class SpecConfig:
             raise ConfigError(f"SpecConfig.method must be 'chain' or 'tree', got {self.method!r}")
         if self.method == "chain" and self.num_speculative_tokens < 1:
             raise ConfigError(f"SpecConfig.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if self.adaptive and self.method != "chain":
-            raise ConfigError("SpecConfig.adaptive applies to chains only (method='chain')")
         if self.method == "tree":
             k, d, n = self.tree_top_k, self.tree_depth, self.tree_total_tokens
             if k < 1 or d < 1:

@@ -62,12 +62,11 @@ def generate(
     fp32 activations and caches; see BENCHMARKS.md).
 
     ``spec``: a SpecConfig or dict, or "auto" (the default, None, with a drafter): the call runs in
-    chunks of rounds (each ends early where its rows' acceptance departs from its estimate), each at
-    the depth (plain decoding or a chain of ``autospec.DEPTHS`` drafts) with the most expected tokens
-    per second from the round costs measured so far for this
-    pair, batch size, sampling mode and device and the acceptance observed so far on this pair's
-    traffic, this call's included (``decoding/autospec.py``). ``result.stats["chunks"]`` lists the
-    (depth, rounds) that ran (depth None: rounds without drafts that observe acceptance).
+    chunks of a few rounds, each at the depth (no drafts or a chain of ``chooser.DEPTHS`` drafts) with the
+    most expected tokens per second from the round costs measured so far for this pair, batch size and
+    sampling mode and the acceptance observed so far on its traffic, this call's included
+    (``decoding/chooser.py``). ``result.stats["chunks"]`` lists the (depth, rounds) that ran (depth 0:
+    rounds without drafts).
 
     ``eos_token_id``: None = the model's own (generation_config.json / config.json) and the
     tokenizer's; an id or a list; ``[]`` = never stop before ``max_new_tokens``.
@@ -130,22 +129,18 @@ def generate_stream(
     plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, sampling, pen, spec, eos_token_id, tokenizer, None, exact)
     t_graph, t_state, d_graph, d_state = calls.split_pair(target, drafter, None)
 
-    def begin(t_state, d_state, prompt, lens, rs, key, costs):
+    def begin(t_state, d_state, prompt, lens, rs, key):
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
-        return start(nnx.merge(t_graph, t_state), drf, plan, prompt, lens, rs, key, plan.max_rounds, costs)
+        return start(nnx.merge(t_graph, t_state), drf, plan, prompt, lens, rs, key, plan.max_rounds)
 
     def chunk(t_state, d_state, st, limit):
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
         return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit)
 
-    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), calls.placeholder_costs(plan))
+    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed))
     start_c, _ = calls.PROGRAMS.get("stream_start", t_graph, d_graph, plan, args, begin)
     st = start_c(*args)
-    chunk_args = (t_state, d_state, st, jnp.int32(0))
-    chunk_c, _ = calls.PROGRAMS.get("stream_chunk", t_graph, d_graph, plan, chunk_args, chunk)
-    costs = calls.calibrated(t_graph, d_graph, plan, lambda c, n: chunk_c(t_state, d_state, start_c(*args[:6], c), jnp.int32(n)))
-    if costs is not None:
-        st = start_c(*args[:6], costs)
+    chunk_c, _ = calls.PROGRAMS.get("stream_chunk", t_graph, d_graph, plan, (t_state, d_state, st, jnp.int32(0)), chunk)
     sent = [0] * plan.batch
     while True:
         out, n_out, done, rounds = jax.device_get((st.out, st.n_out, st.done, st.rounds))

@@ -46,7 +46,7 @@ def test_eos_from_config_json(saved_pair):
     target = eagle_jax.load_target(root / "target")
     drafter = eagle_jax.load_drafter(root / "drafter", target)
     cut = plain[: plain.index(eos) + 1]
-    chain = SpecConfig(num_speculative_tokens=3)  # (spec="auto", the default, is tests/test_autospec.py's)
+    chain = SpecConfig(num_speculative_tokens=3)  # (spec="auto", the default, is tests/test_chooser.py's)
     for d in (None, drafter):
         assert eagle_jax.generate(target, d, [[1, 2, 3]], max_new_tokens=MAX_NEW, spec=chain).tokens[0] == cut
         # An explicit empty list turns stopping off.

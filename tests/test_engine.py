@@ -9,6 +9,7 @@ output so that some rows stop mid-way and others run to max_new_tokens: every ru
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -20,8 +21,8 @@ from flax import nnx
 import eagle_jax
 from eagle_jax import ConfigError, Drafter, SpecConfig
 from eagle_jax.config import aux_layer_ids_for
-from eagle_jax.decoding import adaptive_costs, calls, engine
-from eagle_jax.decoding.engine import RoundCosts, one_round
+from eagle_jax.decoding import auto_run, calls, chooser, engine
+from eagle_jax.decoding.engine import one_round
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
@@ -435,10 +436,8 @@ SAMPLING_CASES = {
     "chain-topk": dict(spec=SpecConfig(num_speculative_tokens=2), top_k=3, top_p=1.0),
     "chain-topp": dict(spec=SpecConfig(num_speculative_tokens=2), top_k=0, top_p=0.8),
     "tree": dict(spec=SpecConfig(method="tree", tree_top_k=3, tree_depth=2, tree_total_tokens=7), top_k=0, top_p=1.0),
-    # An adaptive chain forced (costs of widths 1, 2, 3) to draft 2 and propose 1: accepting that one
-    # draws the bonus from p at position 1, past a draft that was made but not proposed.
-    "adaptive-cut": dict(spec=SpecConfig(num_speculative_tokens=2, adaptive=True), top_k=0, top_p=1.0,
-                         costs=RoundCosts((1, 2, 3), (1.0, 1.0, 50.0), 0.0, 1.0)),
+    # spec="auto" switching depth every round (no drafts, a chain of 1, of 3): one loop state, each program's law.
+    "auto-switching": dict(spec="auto", top_k=0, top_p=1.0, depths=(1, 0, 3)),
 }
 # Logits processors on the verification logits (decoding/penalties.py): every position of a round sees
 # the counts of the drafts on its path; min_tokens = 3 holds token 7 (the EOS here) back at all three.
@@ -475,8 +474,11 @@ def sampled(sampling_pair):
             case = SAMPLING_CASES[name]
             target, drafter = sampling_pair
             with pytest.MonkeyPatch.context() as mp:
-                if "costs" in case:
-                    mp.setattr(adaptive_costs, "calibrate", lambda *a, **k: case["costs"])
+                if "depths" in case:
+                    turns = itertools.cycle(case["depths"])
+                    mp.setattr(chooser.Chooser, "choose", lambda *a, **k: next(turns))
+                    mp.setattr(auto_run, "CHOOSE_EVERY", 1)
+                    mp.setattr(auto_run, "PROFILE_ROUNDS", 1)
                 res = eagle_jax.generate(
                     target, drafter, [SAMPLE_PROMPT] * N_SAMPLES, max_new_tokens=3, temperature=1.0,
                     top_k=case["top_k"], top_p=case["top_p"], spec=case["spec"], seed=42, **case.get("pen", {}),

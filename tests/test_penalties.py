@@ -14,7 +14,7 @@ from flax import nnx
 import eagle_jax
 from eagle_jax import SpecConfig
 from eagle_jax.config import ConfigError
-from eagle_jax.decoding import autospec
+from eagle_jax.decoding import chooser
 from engine_models import markov_pair
 from penalty_reference import processed
 
@@ -56,7 +56,6 @@ SPECS = {
     "plain": (False, None),
     "chain": (True, SpecConfig(num_speculative_tokens=3)),
     "tree": (True, SpecConfig(method="tree", tree_top_k=3, tree_depth=3, tree_total_tokens=8)),
-    "adaptive": (True, SpecConfig(num_speculative_tokens=3, adaptive=True)),
     "auto": (True, None),
 }
 
@@ -67,7 +66,7 @@ def test_greedy_speculation_equals_plain_under_penalties(pair):
     unpenalised = eagle_jax.generate(target, None, PROMPTS, max_new_tokens=MAX_NEW, eos_token_id=[EOS]).tokens
     assert ref != unpenalised  # the processors change the output
     assert all(len(r) >= PEN["min_tokens"] for r in ref) and EOS not in sum((r[: PEN["min_tokens"]] for r in ref), [])
-    autospec.reset()
+    chooser.reset()
     for name, (with_drafter, spec) in SPECS.items():
         res = eagle_jax.generate(target, drafter if with_drafter else None, PROMPTS, max_new_tokens=MAX_NEW, spec=spec,
                                  eos_token_id=[EOS], **PEN)

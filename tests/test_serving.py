@@ -13,9 +13,8 @@ from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving.slots import Admission
-from eagle_jax.decoding import autospec
-from eagle_jax.serving.depth import AutoDepth
-from eagle_jax.decoding.acceptance_estimate import PROMPT_MIN_ROUNDS
+from eagle_jax.decoding import chooser
+from eagle_jax.decoding.chooser import Chooser
 from engine_models import markov_pair
 from eagle_jax.serving.text import TextStream
 from serving_models import build_tokenizer
@@ -81,7 +80,7 @@ def test_auto_depth_in_slots_equals_generate(pair, eos):
     without drafts per row count are measured by running them (the rest is modelled); steps without
     drafts observe the drafter (``probe``) and every request's estimate is updated from its own rounds."""
     target, drafter = pair
-    auto = AutoDepth()
+    auto = Chooser()
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 32, size=int(n)).tolist() for n in rng.integers(2, 30, size=5)]
     steps = []
@@ -96,14 +95,12 @@ def test_auto_depth_in_slots_equals_generate(pair, eos):
     for p, h in zip(prompts, handles):
         ref = eagle_jax.generate(target, None, [p], max_new_tokens=24, eos_token_id=eos).tokens[0]
         assert h.tokens == ref and h.estimate is not None
-    assert {auto.depth_of(s) for s, _ in steps} >= {0, max(auto.depths)}  # the probe and the deepest measured, the rest modelled
+    assert {chooser.depth_of(s) for s, _ in steps} >= {0, max(auto.depths)}  # the warm-up profile's two ends ran
     assert all(probe[:, 1].sum() > 0 for s, probe in steps if s is None)  # steps without drafts observed acceptance
-    assert any(m.seconds and m.probe for costs in auto.models.values() for m in costs.by_span.values())
-    snap = auto.snapshot()  # what bench.serve reports of the chooser
-    assert any(at["probe_ms"] for at in snap["costs"]["greedy"].values()) and len(snap["acceptance"]) == max(auto.depths)
+    snap = auto.snapshot()  # what bench.serve reports of the chooser: the costs measured and the pooled acceptance
+    assert any("x0@" in k for k in snap["costs"]["greedy"]) and len(snap["acceptance"]["greedy"]) == chooser.DEEPEST
     assert sum(h.accepted.count(2) + h.accepted.count(3) for h in handles) > 0
-    # every ended request's own acceptance joined the spread a new request's carry is read from
-    assert len(auto.estimate.prompts) == sum(h.estimate.own[1] >= PROMPT_MIN_ROUNDS for h in handles) > 0
+    assert auto.pooled[True].trials.sum() > 0  # every request's rounds joined the pooled estimate
 
 
 def test_tree_speculation_in_slots_equals_generate(pair, eos):
@@ -210,12 +207,12 @@ def test_steps_are_cut_to_step_ms(pair, eos, step_ms):
 def test_a_short_steps_time_teaches_no_cost():
     """A one-round step while prompts are prefilled is mostly a step's fixed costs: the chooser learns
     acceptance from it, not a per-round cost (which would make the depth it ran look dear)."""
-    auto = AutoDepth()
-    est = auto.new_estimate()
-    auto.observe(None, 4, 256, True, None, [(est, [0], (1.0, 1.0))])
-    assert not auto.models and est.trials[0] > 0
-    auto.observe(None, 4, 256, True, 0.5, [(est, [0, 0], (2.0, 2.0))])
-    assert auto.models[True].probed(4)
+    auto = Chooser()
+    est = auto.new_row(True)
+    auto.observe(0, 4, 256, True, None, 1, [est], [[0]], [(1.0, 1.0)])
+    assert not auto.costs[True].seconds and est.trials[0] > 0
+    auto.observe(0, 4, 256, True, 0.5, 2, [est], [[0, 0]], [(2.0, 2.0)])
+    assert auto.costs[True].measured(4, 0, 256) == pytest.approx(0.25)
 
 
 def test_a_steps_time_is_timed_only_on_its_own_programs_later_runs(pair, eos):
@@ -233,11 +230,11 @@ def test_a_steps_time_is_timed_only_on_its_own_programs_later_runs(pair, eos):
     engine.wait_for_compiles()
     assert [engine.step(k1, False, engine.spans[0], 1).timed for _ in range(2)] == [False, True]
 
-    auto = AutoDepth()
+    auto = Chooser()
     sched = _scheduler(pair, eos, schedule=auto, start=False)
     learnt, steps = [], []
     observe = auto.observe
-    auto.observe = lambda spec, rows, span, greedy, seconds, per: (learnt.append(seconds), observe(spec, rows, span, greedy, seconds, per))
+    auto.observe = lambda depth, rows, span, greedy, seconds, *rest: (learnt.append(seconds), observe(depth, rows, span, greedy, seconds, *rest))
     sched.on_step = lambda active, spec, out: steps.append(out.timed)
     sched.start()
     try:
@@ -250,46 +247,38 @@ def test_a_steps_time_is_timed_only_on_its_own_programs_later_runs(pair, eos):
 
 
 def test_a_request_without_drafts_returns_to_speculation():
-    """A step without drafts probes its first round only (lazy feeding): its other rounds fade the request's
-    evidence toward the prior, as ``generate``'s plain rounds do. A request whose estimate dipped (40 rounds
-    without an accepted draft) and whose probes then see the first draft accepted 3 times in 10 speculates
-    again after a few steps (the costs: K=1 pays from 20%), not after the ~20 one observation a step takes."""
-    auto = AutoDepth(depths=(1, 3))
-    costs = auto.models[False] = autospec.SpanCosts()
-    model, settled = costs.model(512), autospec.SETTLED_ROUNDS
-    for depth, per_round in ((None, 1.0), (autospec.PLAIN, 1.0), (1, 1.2), (3, 1.6)):
-        model.update(depth, 1, per_round * settled, settled)
-    est = auto.new_estimate()
-    est.observe([[0]] * 40, 1)
+    """A request whose estimate dipped (40 rounds without an accepted draft) and whose steps without drafts then
+    see the first draft accepted 3 times in 10 speculates again after a few steps (K=1 pays from 20%), not at once:
+    the dip is not forgotten."""
+    auto = Chooser(depths=(1, 3))
+    for depth, per_round in ((0, 1.0), (1, 1.2), (3, 1.6), (chooser.DEEPEST, 2.4)):
+        auto.costs[False].observe(1, depth, 512, 8 * per_round, 8)
+    est = auto.new_row(False)
+    est.observe([0] * 40, 1)
     steps = 0
-    while auto.choose([est], 1, False, lambda d: 512) is None:
-        auto.observe(None, 1, 512, False, None, [(est, [0] * 8, (0.3, 1.0))])  # 8 rounds, the first probed
+    while auto.choose(1, False, [est], lambda d: 512) == chooser.PLAIN:
+        auto.observe(0, 1, 512, False, None, 8, [est], [[0] * 8], [(0.3, 1.0)])  # 8 rounds, the first probed
         steps += 1
-        assert steps <= 8
-    assert steps >= 3  # the dip is not forgotten at once
+        assert steps <= 12
+    assert steps >= 3
 
 
 def test_costs_are_kept_per_span():
-    """A round reading a longer cache span costs more: each span keeps its own costs, so a depth measured
-    at a short span is not compared with another measured at a long one; a depth not seen at a span is
-    read at the nearest span and scaled by how the two compare where both were measured."""
-    auto = AutoDepth(depths=(1, 3))
-    est = auto.new_estimate()
-    est.observe([[3]] * 20, 3)  # every draft accepted: a chain of 3 emits ~4 tokens per round
-    steps = [(None, 256, 1.0), (3, 256, 2.0), (None, 1024, 2.0)]  # K=3 ran only while the span was short
-    for depth, span, per_round in steps:
-        spec = auto.spec_of(0 if depth is None else depth)
-        auto.observe(spec, 8, span, True, 3 * per_round, [(est, [0 if depth is None else 3] * 3, None)])
-    costs = auto.models[True]
-    assert costs.cost(3, 8, 256) == pytest.approx(2.0) and costs.cost(0, 8, 1024) == pytest.approx(2.0)
-    assert costs.cost(3, 8, 1024) == pytest.approx(4.0)  # K=3's short-span cost, scaled by the probes' 2x
-    assert costs.cost(1, 8, 1024) == pytest.approx(2 * (1 + 1 / 3))  # linear in K at the short span, scaled
-    assert costs.cost(3, 8, 512) == pytest.approx(2.0)  # nothing at 512: the shorter neighbour, unscaled
-    # At the long span K=3 is modelled at ~4 tokens in 4.0 s, ahead of no drafts' 1 token in 2.0 s ...
-    assert auto.choose([est], 8, True, lambda d: 1024) == auto.spec_of(3)
-    auto.observe(auto.spec_of(3), 8, 1024, True, 3 * 12.0, [(est, [3] * 3, None)])  # ... until it is measured dear there
-    assert auto.choose([est], 8, True, lambda d: 1024) is None
-    assert auto.choose([est], 8, True, lambda d: 256) == auto.spec_of(3)  # the short span's costs are its own
+    """A round reading a longer cache span costs more: each span bucket keeps its own costs; a depth not seen at a
+    span is read at the nearest span where it ran, and measured there once it runs."""
+    auto = Chooser(depths=(1, 3))
+    est = auto.new_row(True)
+    est.observe([3] * 20, 3)  # every draft accepted: a chain of 3 emits ~4 tokens per round
+    for depth, span, per_round in [(0, 256, 1.0), (chooser.DEEPEST, 256, 3.0), (3, 256, 2.0), (0, 1024, 2.0)]:
+        auto.observe(depth, 8, span, True, 3 * per_round, 3, [est], [[min(depth, 3)] * 3], [(3.0, 3.0)])
+    costs = auto.costs[True]
+    assert costs.cost(8, 3, 256) == pytest.approx(2.0) and costs.cost(8, 0, 1024) == pytest.approx(2.0)
+    assert costs.cost(8, 3, 1024) == pytest.approx(2.0)  # not run at 1024: its nearest span's
+    assert costs.cost(8, 1, 256) == pytest.approx(1 + 1 / 3)  # never run: linear in K between 0 and 3
+    assert auto.choose(8, True, [est], lambda d: 1024) == 3
+    auto.observe(3, 8, 1024, True, 3 * 12.0, 3, [est], [[3] * 3])  # ... until it is measured dear there
+    assert auto.choose(8, True, [est], lambda d: 1024) != 3
+    assert auto.choose(8, True, [est], lambda d: 256) == 3  # the short span's costs are its own
 
 
 def test_seeded_sampling_does_not_depend_on_other_slots(pair):
@@ -448,7 +437,7 @@ def test_serve_spec_argument():
     vllm = parse_spec('{"model": "x", "method": "eagle3", "num_speculative_tokens": 3}', True)
     assert vllm.rules == ((1, SpecConfig(num_speculative_tokens=3)),)
     assert parse_spec("1:5,4:0", True).choose(4) is None
-    assert isinstance(parse_spec(None, True), AutoDepth) and isinstance(parse_spec("auto", True), AutoDepth)
+    assert isinstance(parse_spec(None, True), Chooser) and isinstance(parse_spec("auto", True), Chooser)
     assert parse_spec(None, False).rules == ((1, None),)
     with pytest.raises(ConfigError, match="no drafter"):
         parse_spec("1:3", False)

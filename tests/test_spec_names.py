@@ -82,7 +82,7 @@ def test_eagle_names_mix_with_our_names_for_other_quantities():
 
 def test_the_config_stays_one_frozen_set_of_fields():
     names = [f.name for f in dataclasses.fields(SpecConfig)]
-    assert names == ["method", "num_speculative_tokens", "tree_top_k", "tree_depth", "tree_total_tokens", "adaptive"]
+    assert names == ["method", "num_speculative_tokens", "tree_top_k", "tree_depth", "tree_total_tokens"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         SpecConfig.eagle_tree().tree_depth = 3  # type: ignore[misc]
 

@@ -8,7 +8,7 @@ the speculative engine.
     eagle-jax-serve --target smollm2-135m-instruct --drafter none     # a named model, fetched on first use
 
 ``--spec auto`` (the default with a drafter) picks each step's depth from the costs measured at the
-number of busy slots and the busy requests' live acceptance (``serving/depth.py``). Overrides: vLLM's
+number of busy slots and the busy requests' live acceptance (``decoding/chooser.py``). Overrides: vLLM's
 speculative config (one depth for every step), or a schedule of chain depths by number of occupied
 slots, e.g. ``1:5,4:3,9:0`` (K=5 while 1-3 slots are busy, K=3 from 4, none from 9).
 

@@ -14,7 +14,6 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
-from eagle_jax.decoding import adaptive_costs
 from eagle_jax.decoding.engine import Plan, run_rounds
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.prefill import start
@@ -178,8 +177,6 @@ def prepare(target, drafter, prompts, max_new_tokens, sampling: SamplingParams, 
         mesh=mesh,
         exact=bool(exact),
     )
-    if spec_cfg is not None and spec_cfg.adaptive:
-        plan = dataclasses.replace(plan, widths=adaptive_costs.widths_for(spec_cfg.num_speculative_tokens))
     prompt = np.zeros((plan.batch, bucket(longest)), np.int32)
     for i, p in enumerate(ids):
         prompt[i, : len(p)] = p
@@ -188,18 +185,6 @@ def prepare(target, drafter, prompts, max_new_tokens, sampling: SamplingParams, 
     if pen.active:  # min_tokens holds back the call's stop tokens
         rows = RowPenalties.build([dataclasses.replace(pen, stop_ids=plan.eos_ids)] * plan.batch, ids, target.config.vocab_size)
     return plan, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch, rows)
-
-
-def placeholder_costs(plan: Plan):
-    """The costs argument of a program: shaped like ``RoundCosts.as_array()`` for adaptive plans."""
-    return None if plan.widths is None else jnp.zeros((len(plan.widths) + 3,), jnp.float32)
-
-
-def calibrated(t_graph, d_graph, plan: Plan, run: adaptive_costs.Runner):
-    """The costs array of an adaptive plan (measured once per pair and plan), None for other plans."""
-    if plan.widths is None:
-        return None
-    return adaptive_costs.calibrate((t_graph, d_graph, plan), run, plan.widths, plan.spec.num_speculative_tokens).as_array()
 
 
 def split(module):
@@ -247,20 +232,17 @@ def program(models: tuple[Any, Any, Any, Any], plan: Plan, prompt, lens, rs, see
             states: tuple | None = None):
     """(generate's compiled program for ``plan``, its arguments, compile seconds). ``models``: ``split_pair``'s;
     ``programs``, ``states``: as ``Programs.get`` takes them. The program takes ``(t_state, d_state, prompt, lens,
-    rs, key, costs, limit)`` and returns the loop state after the prefill and at most ``limit`` rounds."""
+    rs, key, limit)`` and returns the loop state after the prefill and at most ``limit`` rounds."""
     t_graph, t_state, d_graph, d_state = models
 
-    def run(t_state, d_state, prompt, lens, rs, key, costs, limit):
+    def run(t_state, d_state, prompt, lens, rs, key, limit):
         tgt = nnx.merge(t_graph, t_state)
         drf = None if d_graph is None else nnx.merge(d_graph, d_state)
-        st = start(tgt, drf, plan, prompt, lens, rs, key, plan.max_rounds, costs)
+        st = start(tgt, drf, plan, prompt, lens, rs, key, plan.max_rounds)
         return run_rounds(tgt, drf, plan, st, limit)
 
-    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), placeholder_costs(plan), jnp.int32(plan.max_rounds))
+    args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), jnp.int32(plan.max_rounds))
     compiled, compile_s = PROGRAMS.get("generate", t_graph, d_graph, plan, args, run, programs, states=states)
-    if plan.widths is not None:  # adaptive: the measured round costs replace the placeholder
-        costs = calibrated(t_graph, d_graph, plan, lambda c, n: compiled(*args[:6], c, jnp.int32(n)))
-        args = (*args[:6], costs, args[7])
     return compiled, args, compile_s
 
 

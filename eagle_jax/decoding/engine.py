@@ -44,27 +44,6 @@ def one_shot_cache_len(prompt_len: int, max_new: int, spec: SpecConfig | None) -
 
 
 @dataclass(frozen=True)
-class RoundCosts:
-    """Costs of an adaptive round's parts at a plan's batch and cache length, in seconds, as measured
-    in the compiled loop itself (adaptive_costs.calibrate): a round costs ``made x draft_s + verify_s[j]``
-    when it makes ``made`` drafts and verifies ``widths[j]`` positions (the drafter's extension over
-    them included); ``plain_s`` is a plain round. ``worth_start``: the loop's initial ``worth``
-    (below 1: plain rounds from the start, which calibration uses to time them).
-    """
-
-    widths: tuple[int, ...]
-    verify_s: tuple[float, ...]
-    draft_s: float
-    plain_s: float
-    worth_start: float = 2.0  # optimistic: about five poor rounds in a row, not one, end speculation
-
-    def as_array(self) -> Array:
-        """[W + 3] float32: the loop reads the costs as data, so new measurements reuse the compiled
-        program; only ``widths`` is part of its shape."""
-        return jnp.asarray((*self.verify_s, self.draft_s, self.plain_s, self.worth_start), jnp.float32)
-
-
-@dataclass(frozen=True)
 class Plan:
     """Static shape of one compiled program.
 
@@ -82,7 +61,6 @@ class Plan:
     span: int | None = None  # leading cache slots the rounds read and write (None: all of them)
     mesh: Any = None  # tensor parallel: caches are laid out by the sharding rules
     exact: bool = False  # the target computes in float32 whatever its weights' dtype (see ``target_dtype``)
-    widths: tuple[int, ...] | None = None  # adaptive chains: the verification widths compiled (RoundCosts.widths)
     # Rounds without drafts (``spec`` None with a drafter) only write the drafter's cache, and compute its
     # outputs (``extend_drafter``) only in a run's last round (``run_rounds``' limit), which leaves them current
     # for the next program; the first draft's acceptance is probed in the first round only. The serving
@@ -278,160 +256,6 @@ def probe_acceptance(drafter: Drafter, plan: Plan, st: LoopState, target_logits:
     return jnp.sum(jnp.minimum(p[:, t2d_index], q), axis=-1)
 
 
-def _costs(plan: Plan, st: LoopState) -> tuple[Array, Array, Array]:
-    """(verify_s [W], draft_s, plain_s) from the state's ``RoundCosts.as_array``."""
-    w = len(plan.widths)
-    return st.costs[:w], st.costs[w], st.costs[w + 1]
-
-
-def draft_confidence(logits: Array) -> Array:
-    """The drafter's estimate that its top draft is accepted, from its logits [B, Vd]: the top-1
-    share of the top two probabilities, q1 / (q1 + q2). Not q1 itself: a drafter trained to match the
-    target's whole distribution is often right with q1 ~ 0.1 over a flat tail (held-out code, bundled
-    pair: greedy acceptance 0.58 at shares 0.50-0.56, 0.87 at 0.56-0.67, >= 0.97 above; by q1
-    quintile it varied only between 0.80 and 0.99)."""
-    top2 = jax.lax.top_k(logits.astype(jnp.float32), 2)[0]
-    return jax.nn.sigmoid(top2[:, 0] - top2[:, 1])  # q1 / (q1 + q2) = 1 / (1 + exp(l2 - l1))
-
-
-def _draft_adaptive(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int):
-    """Up to K chain drafts, stopping once every further one is worth less than it costs.
-
-    A draft's worth is its chance of acceptance, estimated by the drafter's cumulative confidence c_i
-    (the product of ``draft_confidence`` over drafts 0..i): drafting step i+1 goes on while the rows'
-    summed c_i, in tokens at the cost per token of a plain round, exceeds one drafter step. The rule
-    reads only the drafter, so speculative sampling stays lossless. Returns (draft target ids [B,K],
-    draft ids [B,K], q [B,K,Vd] or None, cumulative confidence [B,K] (0 past the drafts made),
-    number of drafts made [], drafter cache).
-    """
-    verify_s, draft_s, _ = _costs(plan, st)
-    b = st.length.shape[0]
-    active = ~st.done
-    sub = None if plan.greedy else split_rows(keys, k)
-    token_s = verify_s[0] / b  # what one emitted token costs in a width-1 round
-
-    def pick_draft(logits, i):
-        if plan.greedy:
-            d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            q = None
-        else:
-            q = draft_probs(logits, st.sampling)
-            d = sample(sub[:, i], q)
-        return d, q, draft_confidence(logits)
-
-    d, q, conf = pick_draft(st.d_logits, 0)
-    ids, qs, confs = [d], [q], [jnp.where(active, conf, 0.0)]
-    logits, feat, cache, made = st.d_logits, st.d_feat, st.d_cache, jnp.int32(1)
-    for i in range(1, k):
-        go = (made == i) & (jnp.sum(confs[-1]) * token_s > draft_s)
-
-        def step(args, i=i):
-            feat, cache, d = args
-            pos = (st.length + i - 1)[:, None]
-            normed, feat3, cache = drafter.layer(
-                feat[:, None], drafter.draft_to_target(d)[:, None], pos, causal_cache_mask(pos, plan.attend_len, None), cache, st.length + i - 1
-            )
-            return drafter.lm_head(normed[:, 0]), feat3[:, 0], cache
-
-        def skip(args):
-            feat, cache, _ = args
-            return logits, feat, cache
-
-        logits, feat, cache = jax.lax.cond(go, step, skip, (feat, cache, ids[-1]))
-        d, q, conf = pick_draft(logits, i)
-        ids.append(jnp.where(go, d, 0))
-        qs.append(q)
-        confs.append(jnp.where(go, confs[-1] * conf, 0.0))
-        made = made + go.astype(jnp.int32)
-    draft_ids = jnp.stack(ids, axis=1)
-    q = None if plan.greedy else jnp.stack(qs, axis=1)
-    return drafter.draft_to_target(draft_ids), draft_ids, q, jnp.stack(confs, axis=1), made, cache
-
-
-def _round_adaptive(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None):
-    """An adaptive chain round: up to K drafts (``_draft_adaptive``), then verification at the static
-    width that maximises expected tokens per second, ``lax.switch`` over the precompiled widths (rows
-    share the widest); the drafter's extension runs at the same width."""
-    verify_s, draft_s, _ = _costs(plan, st)
-    k = plan.spec.num_speculative_tokens
-    b = st.length.shape[0]
-    sub = None if plan.greedy else split_rows(keys, 2)
-    drafts, draft_ids, q, conf, made, d_cache = _draft_adaptive(drafter, plan, st, None if sub is None else sub[:, 0], k)
-    # Expected emitted tokens for each width: every active row gets 1, plus its drafts' confidences.
-    active = ~st.done
-    widths = jnp.asarray(plan.widths)
-    gain = jnp.sum(jnp.where(active[:, None], jnp.cumsum(conf, axis=1), 0.0), axis=0)  # [K]: drafts 0..i
-    gain = jnp.concatenate([jnp.zeros((1,)), gain])[jnp.minimum(widths - 1, made)]
-    expected = jnp.sum(active) + gain
-    j = jnp.argmax(expected / (made * draft_s + verify_s))
-    proposed = jnp.minimum(widths[j] - 1, made)
-    block = jnp.concatenate([st.pending[:, None], drafts], axis=1)
-    pos = st.length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-
-    def verify(w):
-        def run(t_cache):
-            hidden, aux, t_cache = target_forward(
-                target, drafter, plan, block[:, :w], pos[:, :w], causal_cache_mask(pos[:, :w], plan.attend_len, target.config.sliding_window),
-                t_cache, st.length,
-            )
-            pad = ((0, 0), (0, k + 1 - w), (0, 0))
-            return jnp.pad(target.logits(hidden), pad), jnp.pad(aux, pad), t_cache
-
-        return run
-
-    logits, aux, t_cache = jax.lax.switch(j, [verify(w) for w in plan.widths], st.t_cache)
-    logits = processed(logits, st.sampling, block, penalties.chain_paths(k + 1))
-    if plan.greedy:
-        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        match = (drafts == pred[:, :k]) & (jnp.arange(k)[None, :] < proposed)
-        n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
-        bonus = jnp.take_along_axis(pred, n[:, None], axis=1)[:, 0]
-    else:
-        t2d_index = drafter.draft_to_target(jnp.arange(drafter.config.draft_vocab_size))
-        n, bonus = accept_chain(
-            sub[:, 1], target_probs(logits, st.sampling), q, drafts, draft_ids, t2d_index, jnp.broadcast_to(proposed, (b,))
-        )
-    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
-    emitted = jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], bonus[:, None], padded)
-
-    def extend(w):
-        def run(d_cache):
-            return extend_drafter(drafter, plan, aux[:, :w], emitted[:, :w], n, st.length, d_cache)
-
-        return run
-
-    d_logits, d_feat, d_cache = jax.lax.switch(j, [extend(w) for w in plan.widths], d_cache)
-    return t_cache, d_cache, n, emitted, d_logits, d_feat, made * draft_s + verify_s[j]
-
-
-WORTH_KEEP = 0.8  # weight of the past in the running average of worth
-
-
-def _round_adaptive_or_plain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None):
-    """An adaptive round while speculation has paid (``st.worth`` >= 1), else a plain target step.
-
-    Worth compares this round's emitted tokens per modelled second with plain decoding's (the
-    calibrated ``plain_s`` per step), averaged over rounds. Once it falls below 1 the rest of the run
-    decodes plainly: the drafter's cache then falls behind, so there is no way back within a run,
-    and a prompt the drafter cannot follow costs a few rounds more than plain decoding, not the run.
-    """
-    _, _, plain_s = _costs(plan, st)
-    k = plan.spec.num_speculative_tokens
-    active = ~st.done
-
-    def speculate(st):
-        t_cache, d_cache, n, emitted, d_logits, d_feat, round_s = _round_adaptive(target, drafter, plan, st, keys)
-        tokens = jnp.sum(jnp.where(active, n + 1, 0))
-        ratio = (tokens / round_s) / (jnp.maximum(jnp.sum(active), 1) / plain_s)
-        return t_cache, d_cache, n, emitted, d_logits, d_feat, WORTH_KEEP * st.worth + (1 - WORTH_KEEP) * ratio
-
-    def plain(st):
-        t_cache, _, n, emitted, _, _ = _round_plain(target, plan, st, keys)
-        return t_cache, st.d_cache, n, jnp.pad(emitted, ((0, 0), (0, k))), st.d_logits, st.d_feat, st.worth
-
-    return jax.lax.cond(st.worth >= 1.0, speculate, plain, st)
-
-
 def _gather_path(cache: KVCache, path: Array, length: Array) -> KVCache:
     """Moves the accepted tree path's KV (slots length + path[j]) to contiguous slots length + j, in the
     leading ``len(length)`` rows of the cache."""
@@ -477,14 +301,12 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
     else:
         sub = split_rows(st.key, 2)
         key, k_round = sub[:, 0], sub[:, 1]
-    worth, probe = st.worth, st.probe
+    probe = st.probe
     if drafter is None:
         t_cache, d_cache, n, emitted, d_logits, d_feat = _round_plain(target, plan, st, k_round)
     elif plan.spec is None:
         last = jnp.int32(plan.max_rounds - 1) if last is None else last
         t_cache, d_cache, n, emitted, d_logits, d_feat, probe = _round_chain(target, drafter, plan, st, k_round, 0, last)
-    elif plan.spec.adaptive:
-        t_cache, d_cache, n, emitted, d_logits, d_feat, worth = _round_adaptive_or_plain(target, drafter, plan, st, k_round)
     elif plan.spec.method == "chain":
         t_cache, d_cache, n, emitted, d_logits, d_feat, _ = _round_chain(target, drafter, plan, st, k_round, plan.spec.num_speculative_tokens)
     else:
@@ -514,8 +336,6 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         rounds=st.rounds + 1,
         sampling=counted(st.sampling, emitted, n_out - st.n_out),
         key=key,
-        worth=worth,
-        costs=st.costs,
         probe=probe,
         ignore_eos=st.ignore_eos,
     )
@@ -541,45 +361,15 @@ def growing_spans(plan: Plan) -> tuple[int, ...]:
     return tuple(sorted(s for s in spans if prompt_len + 2 * (scratch_slots(plan.spec) + 1) <= s < plan.cache_len))
 
 
-WATCH_MIN_ROUNDS = 4  # a watched chunk runs at least this many rounds (``departed``)
-WATCH_Z = 1.0  # ... and ends once its rows' mean leaves the band by this many standard errors
-# ... or one row's own mean falls below its end of the band by this many of that row's: tested on each row, every
-# round, a looser test would end chunks on noise
-WATCH_ROW_Z = 2.0
-
-
-def departed(st: LoopState, start: Array, watch: Array) -> Array:
-    """Whether the rounds since round ``start`` accepted drafts outside the band their choice assumed
-    (``autospec.watch``): over the n row-rounds that ran, the mean is below lo or above hi (``watch[0]`` = (lo,
-    hi, sd) of drafts accepted per row and round) by more than WATCH_Z sd / sqrt(n), a departure, not the noise
-    of a few rounds; or a row's own mean, over its n_b rounds, is below its lo (``watch[1 + b]`` = (lo, _, sd)) by
-    more than WATCH_ROW_Z sd / sqrt(n_b): the slowest row sets when a batch ends."""
-    r = jnp.arange(st.accepted.shape[1])[None, :]
-    ran = (r >= start) & (r < st.rounds) & (st.accepted >= 0)
-    got = jnp.where(ran, st.accepted, 0).astype(jnp.float32)
-    n_row = ran.sum(axis=1)
-    n = jnp.maximum(n_row.sum(), 1).astype(jnp.float32)
-    mean = got.sum() / n
-    off = jnp.maximum(watch[0, 0] - mean, mean - watch[0, 1])
-    each = jnp.maximum(n_row, 1).astype(jnp.float32)
-    short = (watch[1:, 0] - got.sum(axis=1) / each > WATCH_ROW_Z * watch[1:, 2] / jnp.sqrt(each)) & (n_row >= WATCH_MIN_ROUNDS)
-    return (st.rounds - start >= WATCH_MIN_ROUNDS) & ((off > WATCH_Z * watch[0, 2] / jnp.sqrt(n)) | jnp.any(short))
-
-
-def run_rounds(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, limit: Array,
-               watch: Array | None = None) -> LoopState:
+def run_rounds(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, limit: Array) -> LoopState:
     """Rounds until every row is done or ``limit`` rounds have run in total (at most ``plan.max_rounds``);
     for large caches, the first ones over the leading slots only (``growing_spans``). A round's span
-    changes what attention reads, never the tokens: slots past a row's length are masked either way.
-    ``watch`` (``departed``): the rounds also stop once their acceptance departs from what was expected
-    (``spec="auto"``: a chunk can then run long, since it ends where its choice should be made again)."""
+    changes what attention reads, never the tokens: slots past a row's length are masked either way."""
     stop = jnp.minimum(limit, plan.max_rounds)
-    start = st.rounds
     scratch = scratch_slots(plan.spec) + 1
 
     def going(s: LoopState):
-        on = jnp.any(~s.done) & (s.rounds < stop)
-        return on if watch is None else on & ~departed(s, start, watch)
+        return jnp.any(~s.done) & (s.rounds < stop)
 
     for span in growing_spans(plan):
         phase = dataclasses.replace(plan, span=span)

@@ -2,7 +2,7 @@
 penalties, ``logit_bias`` and ``min_tokens`` (as vLLM and the OpenAI API define them).
 
 They act on the target's logits wherever the target picks or verifies a token: the prefill's first
-token, a plain step, every position of a chain or adaptive verification, every node of a tree. A
+token, a plain step, every position of a chain's verification, every node of a tree. A
 verified position counts, on top of the row's generated tokens, the drafts on its path (a chain's
 drafts before it, a tree node's ancestors): those are exactly the tokens the row will have generated
 if the position's own token is accepted, so each position sees the logits plain decoding would have

@@ -119,10 +119,9 @@ def prefill_packed(target: Target, drafter: Drafter | None, plan: Plan, ids: Arr
     return Prefilled(t_rows, jax.tree.map(unpack, d_cache), first, d_logits[0], d_feat[0], last_logits, aux[0, last])
 
 
-def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array, max_new: int,
-          costs: Array | None = None) -> LoopState:
-    """Prefill, then the loop state of ``generate``: the first token emitted, ``max_new`` tokens per row.
-    ``costs``: ``RoundCosts.as_array()`` of an adaptive plan."""
+def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array,
+          max_new: int) -> LoopState:
+    """Prefill, then the loop state of ``generate``: the first token emitted, ``max_new`` tokens per row."""
     b = prompt.shape[0]
     keys = jax.random.split(key, b)  # one stream per row: a row's draws do not depend on the others
     sub = split_rows(keys, 2)
@@ -143,8 +142,6 @@ def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, le
         rounds=jnp.int32(0),
         sampling=rs,
         key=sub[:, 0],
-        worth=None if costs is None else costs[-1],
-        costs=costs,
         probe=None if drafter is None else jnp.zeros((b, 2), jnp.float32),
     )
     state.out, state.n_out, state.done = emit(state, pre.first[:, None], jnp.ones((b,), jnp.int32), plan.eos_ids)

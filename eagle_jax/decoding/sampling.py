@@ -135,7 +135,7 @@ def uniform(keys: Array, shape: tuple[int, ...] = ()) -> Array:
 
 
 def accept_chain(
-    keys: Array, p: Array, q: Array, draft_tokens: Array, draft_ids: Array, t2d_index: Array, proposed: Array | None = None
+    keys: Array, p: Array, q: Array, draft_tokens: Array, draft_ids: Array, t2d_index: Array
 ) -> tuple[Array, Array]:
     """Chain speculative sampling with draft distributions q (min(1, p/q) + residual, SPEC 6).
 
@@ -143,9 +143,6 @@ def accept_chain(
     the drafts were sampled from; draft_tokens: [B, K] target ids; draft_ids: [B, K] draft-vocab ids;
     t2d_index: [Vd] target id of each draft id; keys: [B] one key per row. Returns (n accepted [B], next token [B]): the residual
     sample at the first rejection, or the bonus sample from p[K] when all K are accepted.
-
-    ``proposed`` [B] (adaptive depth): only the first ``proposed`` drafts count; accepting all of them
-    draws the bonus from p[proposed]. A stopping rule that reads only the drafter keeps this lossless.
     """
     b, k1, v = p.shape
     k = k1 - 1
@@ -154,14 +151,10 @@ def accept_chain(
     qx = jnp.take_along_axis(q, draft_ids[..., None], axis=-1)[..., 0]
     u = uniform(sub[:, 0], (k,))
     ok = u * qx < px  # u < p/q without dividing by a possibly tiny q
-    if proposed is not None:
-        ok &= jnp.arange(k)[None, :] < proposed[:, None]
     n = jnp.argmin(jnp.concatenate([ok, jnp.zeros((b, 1), bool)], axis=1), axis=1).astype(jnp.int32)
-    # Residual at the first rejected position n (or p itself at n == K, or n == proposed: the bonus token).
+    # Residual at the first rejected position n (or p itself at n == K: the bonus token).
     p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
     q_n = jnp.take_along_axis(jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1), n[:, None, None], axis=1)[:, 0]
-    if proposed is not None:
-        q_n = jnp.where((n < proposed)[:, None], q_n, 0.0)
     q_full = jnp.zeros((b, v), jnp.float32).at[:, t2d_index].set(q_n)  # only Vd entries move
     resid = jnp.maximum(p_n - q_full, 0.0)
     total = jnp.sum(resid, axis=-1, keepdims=True)

@@ -40,10 +40,6 @@ class LoopState:
     rounds: Array  # [] int32
     sampling: RowSampling  # per-row temperature / top_k / top_p (unused by greedy programs)
     key: Array  # [B] one PRNG key per row
-    # Adaptive chains only: speculation's measured worth, an average over rounds of (its tokens per
-    # second by the calibrated costs) / (plain decoding's); below 1 the run goes on without drafts.
-    worth: Array | None = None  # [] float32
-    costs: Array | None = None  # RoundCosts.as_array() of the plan's pair and shape
     # spec="auto" and serving: per row, (summed acceptance chance of the drafter's first draft, rounds)
     # over rounds that made no drafts (engine ``probe_acceptance``): acceptance observed while not speculating.
     probe: Array | None = None  # [B, 2] float32

@@ -44,8 +44,8 @@ from eagle_jax.config import ConfigError, SpecConfig
 from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.calls import acceptance_summary
-from eagle_jax.decoding.acceptance_estimate import AcceptanceEstimate
-from eagle_jax.serving.depth import AutoDepth
+from eagle_jax.decoding import chooser
+from eagle_jax.decoding.chooser import Acceptance, Chooser
 from eagle_jax.serving.prefix_cache import PrefixIndex
 from eagle_jax.serving.slots import INSERT_ROWS, Admission, SlotEngine, StepOutput
 
@@ -139,7 +139,7 @@ class Handle:
     stops: frozenset[int] = frozenset()  # ``request.stop_ids`` of the engine's EOS
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round
-    estimate: AcceptanceEstimate | None = None  # live acceptance (``AutoDepth``), from admission on
+    estimate: Acceptance | None = None  # live acceptance (``--spec auto``), from admission on
     cached_tokens: int = 0  # prompt positions reused from the prefix cache (not computed)
     finish_reason: str | None = None
     error: str | None = None
@@ -191,7 +191,7 @@ class Handle:
 class Scheduler:
     """Runs a ``SlotEngine`` in a background thread over a bounded FIFO of requests."""
 
-    def __init__(self, engine: SlotEngine, schedule: SpecSchedule | AutoDepth, *, max_queue: int = 256,
+    def __init__(self, engine: SlotEngine, schedule: SpecSchedule | Chooser, *, max_queue: int = 256,
                  on_step: Callable[[int, SpecConfig | None, StepOutput], None] | None = None, step_ms: float = STEP_MS):
         missing = [s for s in schedule.specs if s not in engine.specs]
         if missing:
@@ -199,8 +199,6 @@ class Scheduler:
         if step_ms < 0:
             raise ConfigError(f"step_ms must be >= 0 (0: every step runs rounds_per_step rounds), got {step_ms}")
         self.engine, self.schedule, self.max_queue, self.on_step = engine, schedule, max_queue, on_step
-        if isinstance(schedule, AutoDepth):
-            schedule.keep_costs(engine.cost_key)
         self.step_ms = step_ms
         self._round_s: dict[tuple[int, SpecConfig | None, bool], float] = {}  # seconds per round by (rows, spec, greedy), recent
         self._waiting: collections.deque[Handle] = collections.deque()
@@ -319,8 +317,6 @@ class Scheduler:
             self._prefix.set(("slot", slot), r.prompt[:held] if held is not None else
                              (*r.prompt, *handle.tokens[: max(0, int(self._lengths[slot]) - len(r.prompt))]))
         self._prefilling.pop(slot, None)
-        if handle.estimate is not None:
-            self.schedule.finish_request(handle.estimate)
         handle._finish(reason, time.perf_counter())
 
     def _iterate(self) -> None:
@@ -337,11 +333,12 @@ class Scheduler:
             return
         greedy = all(self._slots[s].request.sampling.greedy for s in active)
         rows = self.engine.rows_for(active)
-        auto = isinstance(self.schedule, AutoDepth)
+        auto = isinstance(self.schedule, Chooser)
         lengths = [int(self._lengths[s]) for s in active]
         if auto:
-            spec = self.schedule.choose([self._slots[s].estimate for s in active], rows, greedy,
-                                        lambda d: self.engine.span_for(lengths, AutoDepth.spec_of(d)))
+            estimates = [self._slots[s].estimate for s in active]
+            spec = chooser.spec_of(self.schedule.choose(rows, greedy, estimates,
+                                                        lambda d: self.engine.span_for(lengths, chooser.spec_of(d))))
         else:
             spec = self.schedule.choose(len(active))
         span = self.engine.span_for(lengths, spec)
@@ -359,10 +356,10 @@ class Scheduler:
             self._time_rounds(kind, out.seconds, max((len(out.accepted[s]) for s in active), default=0))
         if auto:
             probe = out.probe
-            self.schedule.observe(spec, rows, span, greedy, out.seconds if timed else None, [
-                (self._slots[s].estimate, out.accepted[s], None if probe is None else (float(probe[s, 0]), float(probe[s, 1])))
-                for s in active
-            ])
+            self.schedule.observe(chooser.depth_of(spec), rows, span, greedy, out.seconds if timed else None,
+                                  max((len(out.accepted[s]) for s in active), default=0), estimates,
+                                  [out.accepted[s] for s in active],
+                                  None if probe is None else [(float(probe[s, 0]), float(probe[s, 1])) for s in active])
         for slot in active:
             h = self._slots[slot]
             tokens, accepted = out.tokens[slot], out.accepted[slot]
@@ -445,8 +442,8 @@ class Scheduler:
                 slot, reuse = self._reuse_prefix(free, r.prompt)
             cancel[slot] = False  # the slot holds the new request now
             self._stale.discard(slot)
-            if isinstance(self.schedule, AutoDepth):
-                h.estimate = self.schedule.new_estimate()
+            if isinstance(self.schedule, Chooser):
+                h.estimate = self.schedule.new_row(r.sampling.greedy)
             self._slots[slot] = h
             if src is not None:  # the copies of one prompt: all of it is in the source slot
                 h.cached_tokens = len(r.prompt)

@@ -18,7 +18,7 @@ from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import ConfigError, SpecConfig
 from eagle_jax.decoding.calls import eos_ids
 from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
-from eagle_jax.serving.depth import AutoDepth
+from eagle_jax.decoding.chooser import Chooser
 from eagle_jax.serving.http_app import Service, create_app
 from eagle_jax.serving.metrics import Metrics
 from eagle_jax.serving.program_cache import describe
@@ -54,8 +54,8 @@ def read_profile(path: str | Path) -> dict:
     return profile
 
 
-def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule | AutoDepth:
-    """``--spec``: ``auto`` (the default with a drafter: ``AutoDepth``), a JSON object (vLLM's
+def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule | Chooser:
+    """``--spec``: ``auto`` (the default with a drafter: ``decoding.chooser.Chooser``), a JSON object (vLLM's
     speculative config, one depth), a MIN_ACTIVE:K schedule, or ``none``."""
     text = (text or "").strip()
     if not drafter_present:
@@ -65,7 +65,7 @@ def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule | AutoDe
     if text == "none":
         return SpecSchedule.fixed(None)
     if text in ("", "auto"):
-        return AutoDepth()
+        return Chooser()
     if not text.startswith("{"):
         return SpecSchedule.parse(text)
     try:
@@ -124,7 +124,7 @@ def served_name(target: str | Path) -> str:
     return path.stem if is_gguf_file(path) else path.name
 
 
-def make_service(target, drafter, tokenizer, schedule: SpecSchedule | AutoDepth, eos_ids: tuple[int, ...], *, slots: int = 16,
+def make_service(target, drafter, tokenizer, schedule: SpecSchedule | Chooser, eos_ids: tuple[int, ...], *, slots: int = 16,
                  max_len: int | None = None, rounds_per_step: int = 4, max_queue: int = 256, model_name: str = "model",
                  precompile: bool = True, compile_workers: int | None = None, exact: bool = False, prefill_chunk: int = DEFAULT_CHUNK,
                  prefix_cache: bool = True, prefix_pool_rows: int = 4, step_ms: float = STEP_MS) -> Service:

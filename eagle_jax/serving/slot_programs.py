@@ -19,9 +19,8 @@ from eagle_jax.decoding.sampling import split_rows
 from eagle_jax.decoding.state import DrafterOut, LoopState, start_row
 
 INSERT_ROWS = 8  # prompts one insert prefills at most, packed into one row (``SlotEngine.insert_many``)
-# LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar, and
-# adaptive chains' ``worth`` / ``costs``, unused here, are per program).
-PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds", "worth", "costs"))
+# LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar).
+PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds"))
 Merge = Callable  # (target state, drafter state) -> (Target, Drafter | None)
 
 

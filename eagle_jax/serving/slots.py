@@ -34,7 +34,6 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
-from eagle_jax.decoding import cost_cache
 from eagle_jax.decoding.engine import Plan, scratch_slots
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
@@ -524,14 +523,6 @@ class SlotEngine:
         width = 1 if spec is None else spec.max_emitted
         need = max(lengths, default=1) + self.rounds_per_step * width + scratch_slots(spec) + 1
         return next(s for s in self.spans if s >= min(need, self.cache_len))
-
-    def cost_key(self, greedy: bool) -> str:
-        """The file ``--spec auto``'s step costs are kept in on disk (``cost_cache``): this pair, its weights' shapes
-        and dtypes, the sampling and exact modes, and what sets a step's programs here (slots, cache length, rounds)."""
-        states = jax.tree.leaves((self._t_state, self._d_state))
-        shapes = [(tuple(x.shape), str(x.dtype)) for x in states]
-        return cost_cache.key(self.target.config, None if self.drafter is None else self.drafter.config, shapes, greedy,
-                              self.exact, None, runner=("serve", self.slots, self.cache_len, self.rounds_per_step))
 
     def rows_for(self, occupied: Sequence[int]) -> int:
         """Leading slots a step runs: a power of two covering the highest occupied slot (free slots

@@ -7,7 +7,6 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig
 from eagle_jax.decoding import calls
@@ -15,6 +14,7 @@ from eagle_jax.decoding.auto_run import AutoRun
 from eagle_jax.decoding.calls import GenerationResult
 from eagle_jax.decoding.engine import run_rounds
 from eagle_jax.decoding.prefill import start
+from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 
@@ -76,11 +76,12 @@ def generate(
     on the target's logits at every verified position, so the output is plain decoding's under the
     same processors (greedy) or the processed distribution (sampling).
     """
-    sampling, pen = calls.rules(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens)
-    kw = dict(sampling=sampling, penalties=pen, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=mesh, exact=exact)
+    sampling = SamplingParams(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias or (),
+                              min_tokens)
+    kw = dict(sampling=sampling, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=mesh, exact=exact)
     if _wants_auto(drafter, spec):
         return AutoRun(target, drafter, prompts, max_new_tokens, kw).result(tokenizer)
-    plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, sampling, pen, spec, eos_token_id, tokenizer, mesh, exact)
+    plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, sampling, spec, eos_token_id, tokenizer, mesh, exact)
     state, compile_s, run_s = calls.run_whole(calls.split_pair(target, drafter, mesh), plan, prompt, lens, rs, seed)
     return calls.result(state, plan, compile_s, run_s, tokenizer)
 
@@ -117,25 +118,24 @@ def generate_stream(
     once a depth is chosen: its choices run in the chunks a stream can wait for)."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
-    sampling, pen = calls.rules(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens)
+    sampling = SamplingParams(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias or (),
+                              min_tokens)
     if _wants_auto(drafter, spec):  # streams AutoRun's chunks
-        kw = dict(sampling=sampling, penalties=pen, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=None, exact=exact)
+        kw = dict(sampling=sampling, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=None, exact=exact)
         sent = [0] * len(prompts)
         for st in AutoRun(target, drafter, prompts, max_new_tokens, kw, most_rounds=rounds_per_chunk):
             new, sent = _new_tokens(*jax.device_get((st.out, st.n_out)), sent)
             if any(new):
                 yield new
         return
-    plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, sampling, pen, spec, eos_token_id, tokenizer, None, exact)
+    plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, sampling, spec, eos_token_id, tokenizer, None, exact)
     t_graph, t_state, d_graph, d_state = calls.split_pair(target, drafter, None)
 
     def begin(t_state, d_state, prompt, lens, rs, key):
-        drf = None if d_graph is None else nnx.merge(d_graph, d_state)
-        return start(nnx.merge(t_graph, t_state), drf, plan, prompt, lens, rs, key, plan.max_rounds)
+        return start(*calls.merged(t_graph, t_state, d_graph, d_state), plan, prompt, lens, rs, key, plan.max_rounds)
 
     def chunk(t_state, d_state, st, limit):
-        drf = None if d_graph is None else nnx.merge(d_graph, d_state)
-        return run_rounds(nnx.merge(t_graph, t_state), drf, plan, st, limit)
+        return run_rounds(*calls.merged(t_graph, t_state, d_graph, d_state), plan, st, limit)
 
     args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed))
     start_c, _ = calls.PROGRAMS.get("stream_start", t_graph, d_graph, plan, args, begin)

@@ -24,7 +24,6 @@ from eagle_jax.config import aux_layer_ids_for
 from eagle_jax.decoding import auto_run, calls, chooser, engine
 from eagle_jax.decoding.engine import one_round
 from eagle_jax.decoding.prefill import start
-from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 
 from engine_models import drafter_config, markov_drafter, markov_target, random_pair, target_config
@@ -209,7 +208,7 @@ def test_growing_spans_change_nothing(monkeypatch, markov, name, temperature):
     monkeypatch.setattr(engine, "SPAN_MIN_CACHE", 0)
     monkeypatch.setattr(engine, "SPAN_ALIGN", 8)
     monkeypatch.setattr(calls, "PROGRAMS", calls.Programs())  # trace again, with the phases
-    plan = calls.prepare(markov[0], markov[1], prompts, new, SamplingParams(temperature), Penalties(), SPECS[name], [], None)[0]
+    plan = calls.prepare(markov[0], markov[1], prompts, new, SamplingParams(temperature), SPECS[name], [], None)[0]
     assert engine.growing_spans(plan), plan
     phased = eagle_jax.generate(markov[0], markov[1], prompts, **kw)
     assert phased.tokens == whole.tokens and phased.accepted == whole.accepted
@@ -278,7 +277,7 @@ def _check_invariant(recompute, prompts, st, atol=2e-5):
 def test_caches_equal_recompute_after_each_round(markov, recompute, spec, temperature):
     """prefill + 4 rounds by hand (jitted over nnx.split states); the invariant holds after each."""
     target, drafter = markov[0], markov[1]
-    plan, prompt, lens, rs = calls.prepare(target, drafter, PROMPTS, MAX_NEW, SamplingParams(temperature), Penalties(), spec, None, None)
+    plan, prompt, lens, rs = calls.prepare(target, drafter, PROMPTS, MAX_NEW, SamplingParams(temperature), spec, None, None)
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(drafter)
     pre = jax.jit(lambda ts, ds, prompt, lens, key: start(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, prompt, lens, rs, key, MAX_NEW))

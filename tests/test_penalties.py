@@ -87,7 +87,6 @@ def test_bad_processor_values_are_refused(pair):
 def test_served_requests_equal_generate_under_penalties(pair):
     """Through the slot engine (requests with and without processors sharing steps): each request's
     tokens are generate's plain decoding under its own processors."""
-    from eagle_jax.decoding.penalties import Penalties
     from eagle_jax.decoding.sampling import SamplingParams
     from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
 
@@ -99,9 +98,7 @@ def test_served_requests_equal_generate_under_penalties(pair):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(kinds))]
 
     def request(prompt, pen):
-        rules = Penalties(pen.get("presence_penalty", 0.0), pen.get("frequency_penalty", 0.0), pen.get("repetition_penalty", 1.0),
-                          tuple(pen.get("logit_bias", {}).items()), pen.get("min_tokens", 0))
-        return Request(tuple(prompt), MAX_NEW, SamplingParams(min_p=pen.get("min_p", 0.0)), penalties=rules)
+        return Request(tuple(prompt), MAX_NEW, SamplingParams(**pen))
 
     try:
         handles = [sched.submit(request(p, pen)) for p, pen in zip(prompts, kinds)]

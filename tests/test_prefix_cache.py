@@ -111,10 +111,8 @@ def test_a_stopped_row_never_writes_into_what_its_slot_holds(attending):
 def test_packed_prompts_equal_prompts_alone(attending):
     """Three prompts (greedy and seeded sampling, one with a penalty) packed into one insert: each attends
     only to itself and gets the tokens, acceptance and penalties it gets inserted alone."""
-    from eagle_jax.decoding.penalties import Penalties
-
     rows = [Admission(0, tuple(_prompt(30, 37)), 12, SamplingParams(), 0),
-            Admission(2, tuple(_prompt(31, 5)), 12, SamplingParams(temperature=1.0), 7, penalties=Penalties(presence=1.5)),
+            Admission(2, tuple(_prompt(31, 5)), 12, SamplingParams(temperature=1.0, presence_penalty=1.5), 7),
             Admission(3, tuple(_prompt(32, 60)), 12, SamplingParams(temperature=1.0), 8)]
 
     def run(rows):

@@ -10,7 +10,6 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding import calls, chooser
@@ -35,8 +34,8 @@ class AutoRun:
 
     def __init__(self, target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict, most_rounds: int | None = None):
         top = SpecConfig(num_speculative_tokens=chooser.DEEPEST)
-        self.plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, kw["sampling"], kw["penalties"],
-                                                    top, kw["eos_token_id"], kw["tokenizer"], kw["mesh"], kw["exact"])
+        self.plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, kw["sampling"], top, kw["eos_token_id"],
+                                                    kw["tokenizer"], kw["mesh"], kw["exact"])
         self.t_graph, self.t_state, self.d_graph, self.d_state = calls.split_pair(target, drafter, kw["mesh"])
         self._pair = calls.PROGRAMS.pair(self.t_graph, self.d_graph)
         self.chooser = chooser.for_pair((id(self._pair), id(target), id(drafter), self.plan.exact, kw["mesh"], jax.default_backend()))
@@ -55,7 +54,7 @@ class AutoRun:
         plan, t_graph, d_graph = self.plan, self.t_graph, self.d_graph
 
         def begin(t_state, d_state, prompt, lens, rs, key):
-            return start(nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state), plan, prompt, lens, rs, key, plan.max_rounds)
+            return start(*calls.merged(t_graph, t_state, d_graph, d_state), plan, prompt, lens, rs, key, plan.max_rounds)
 
         args = (self.t_state, self.d_state, *self._args)
         return self._compiled("auto_start", plan, args, begin)(*args)
@@ -67,7 +66,7 @@ class AutoRun:
         t_graph, d_graph = self.t_graph, (self.d_graph if fed else None)
 
         def chunk(t_state, d_state, st, limit):
-            return run_rounds(nnx.merge(t_graph, t_state), None if d_graph is None else nnx.merge(d_graph, d_state), plan, st, limit)
+            return run_rounds(*calls.merged(t_graph, t_state, d_graph, d_state), plan, st, limit)
 
         args = (self.t_state, self.d_state if fed else None, st, jnp.int32(0))
         # The loop state is consumed: its caches are updated in place, not copied once per chunk.

@@ -15,7 +15,7 @@ from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding.engine import Plan, run_rounds
-from eagle_jax.decoding.penalties import Penalties, RowPenalties
+from eagle_jax.decoding.penalties import RowPenalties
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.modeling.drafter import Drafter
@@ -126,16 +126,7 @@ def eos_ids(target: Target, tokenizer=None, eos_token_id: int | Sequence[int] | 
     return tuple(sorted(ids))
 
 
-def rules(temperature: float, top_k: int, top_p: float, min_p: float, presence_penalty: float, frequency_penalty: float,
-           repetition_penalty: float, logit_bias: dict[int, float] | None, min_tokens: int) -> tuple[SamplingParams, Penalties]:
-    """A call's sampling rule and logits processors (validated)."""
-    bias = tuple((int(t), float(v)) for t, v in (logit_bias or {}).items())
-    return (SamplingParams(float(temperature), int(top_k), float(top_p), float(min_p)),
-            Penalties(float(presence_penalty), float(frequency_penalty), float(repetition_penalty), bias, int(min_tokens)))
-
-
-def prepare(target, drafter, prompts, max_new_tokens, sampling: SamplingParams, pen: Penalties, spec, eos_token_id, tokenizer,
-             mesh=None, exact=False):
+def prepare(target, drafter, prompts, max_new_tokens, sampling: SamplingParams, spec, eos_token_id, tokenizer, mesh=None, exact=False):
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if drafter is not None:
@@ -182,9 +173,14 @@ def prepare(target, drafter, prompts, max_new_tokens, sampling: SamplingParams, 
         prompt[i, : len(p)] = p
     lens = np.array([len(p) for p in ids], np.int32)
     rows = None
-    if pen.active:  # min_tokens holds back the call's stop tokens
-        rows = RowPenalties.build([dataclasses.replace(pen, stop_ids=plan.eos_ids)] * plan.batch, ids, target.config.vocab_size)
+    if sampling.penalties.active:  # min_tokens holds back the call's stop tokens
+        rows = RowPenalties.build([dataclasses.replace(sampling, stop_ids=plan.eos_ids).penalties] * plan.batch, ids, target.config.vocab_size)
     return plan, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch, rows)
+
+
+def merged(t_graph, t_state, d_graph, d_state) -> tuple[Target, Drafter | None]:
+    """The (target, drafter) modules from their graphs and states, inside a jitted function (no drafter graph: None)."""
+    return nnx.merge(t_graph, t_state), None if d_graph is None else nnx.merge(d_graph, d_state)
 
 
 def split(module):
@@ -236,8 +232,7 @@ def program(models: tuple[Any, Any, Any, Any], plan: Plan, prompt, lens, rs, see
     t_graph, t_state, d_graph, d_state = models
 
     def run(t_state, d_state, prompt, lens, rs, key, limit):
-        tgt = nnx.merge(t_graph, t_state)
-        drf = None if d_graph is None else nnx.merge(d_graph, d_state)
+        tgt, drf = merged(t_graph, t_state, d_graph, d_state)
         st = start(tgt, drf, plan, prompt, lens, rs, key, plan.max_rounds)
         return run_rounds(tgt, drf, plan, st, limit)
 

@@ -179,21 +179,33 @@ def extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array,
     return drafter.lm_head(normed_n), jnp.take_along_axis(feat, n[:, None, None], axis=1)[:, 0], cache
 
 
-def _round_plain(target: Target, plan: Plan, st: LoopState, keys: Array | None):
+@dataclass(frozen=True)
+class RoundOut:
+    """What one round computed for every row, before ``one_round`` commits it to the loop state."""
+
+    t_cache: KVCache
+    d_cache: Any  # the drafter's cache (None without a drafter)
+    accepted: Array  # [B] drafts accepted
+    emitted: Array  # [B, W] the accepted drafts, then the bonus token at index ``accepted``
+    d_logits: Array | None = None  # the drafter's outputs for the last accepted pair
+    d_feat: Array | None = None
+    probe: Array | None = None  # rounds without drafts: ``st.probe`` with this round's first-draft score added
+
+
+def _round_plain(target: Target, plan: Plan, st: LoopState, keys: Array | None) -> RoundOut:
     pos = st.length[:, None]
     hidden, _, t_cache = target_forward(
         target, None, plan, st.pending[:, None], pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
     )
     nxt = pick(target.logits(hidden[:, 0]), plan, st.sampling, keys)
-    zero = jnp.zeros_like(st.length)
-    return t_cache, None, zero, nxt[:, None], None, None
+    return RoundOut(t_cache, None, jnp.zeros_like(st.length), nxt[:, None])
 
 
-def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int, last: Array | None = None):
+def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int,
+                 last: Array | None = None) -> RoundOut:
     """K drafts verified in one target forward of K+1 positions; K = 0 runs one target step and keeps the
     drafter's cache and outputs current, and adds to ``st.probe`` (when the state has one) what its
-    first draft would have scored (``probe_acceptance``). Returns the new caches, accepted counts,
-    emitted tokens, drafter outputs and probe (None when K > 0). ``last``: the run's last round (``plan.lazy_feed``)."""
+    first draft would have scored (``probe_acceptance``). ``last``: the run's last round (``plan.lazy_feed``)."""
     b = st.length.shape[0]
     sub = None if plan.greedy else split_rows(keys, 2)
     drafts, draft_ids, q, d_cache = _draft_chain(drafter, plan, st, None if sub is None else sub[:, 0], k)
@@ -224,7 +236,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
 
         # Under lazy feeding the carried drafter outputs are current in a run's first round only.
         probe = jax.lax.cond(st.rounds == 0, observe, lambda p: p, st.probe) if plan.lazy_feed else observe(st.probe)
-    return t_cache, d_cache, n, emitted, d_logits, d_feat, probe
+    return RoundOut(t_cache, d_cache, n, emitted, d_logits, d_feat, probe)
 
 
 def _feed_lazily(drafter: Drafter, plan: Plan, st: LoopState, aux: Array, emitted: Array, cache, last: Array):
@@ -268,7 +280,7 @@ def _gather_path(cache: KVCache, path: Array, length: Array) -> KVCache:
     return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v))
 
 
-def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None):
+def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None) -> RoundOut:
     sp_ = plan.spec
     span = plan.attend_len
     shape = TreeShape(sp_.tree_top_k, sp_.tree_depth, sp_.tree_total_tokens)
@@ -289,7 +301,7 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
     emitted = jnp.where(jnp.arange(w)[None, :] == n[:, None], bonus[:, None], jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1))
     path_aux = jnp.take_along_axis(aux, path[:, :, None], axis=1)
     d_logits, d_feat, d_cache = extend_drafter(drafter, plan, path_aux, emitted, n, st.length, d_cache)
-    return t_cache, d_cache, n, emitted, d_logits, d_feat
+    return RoundOut(t_cache, d_cache, n, emitted, d_logits, d_feat)
 
 
 def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, last: Array | None = None) -> LoopState:
@@ -301,16 +313,15 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
     else:
         sub = split_rows(st.key, 2)
         key, k_round = sub[:, 0], sub[:, 1]
-    probe = st.probe
     if drafter is None:
-        t_cache, d_cache, n, emitted, d_logits, d_feat = _round_plain(target, plan, st, k_round)
+        r = _round_plain(target, plan, st, k_round)
     elif plan.spec is None:
-        last = jnp.int32(plan.max_rounds - 1) if last is None else last
-        t_cache, d_cache, n, emitted, d_logits, d_feat, probe = _round_chain(target, drafter, plan, st, k_round, 0, last)
+        r = _round_chain(target, drafter, plan, st, k_round, 0, jnp.int32(plan.max_rounds - 1) if last is None else last)
     elif plan.spec.method == "chain":
-        t_cache, d_cache, n, emitted, d_logits, d_feat, _ = _round_chain(target, drafter, plan, st, k_round, plan.spec.num_speculative_tokens)
+        r = _round_chain(target, drafter, plan, st, k_round, plan.spec.num_speculative_tokens)
     else:
-        t_cache, d_cache, n, emitted, d_logits, d_feat = _round_tree(target, drafter, plan, st, k_round)
+        r = _round_tree(target, drafter, plan, st, k_round)
+    n, emitted = r.accepted, r.emitted
     active = ~st.done
     bonus = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
     out, n_out, done = emit(st, emitted, n + 1, plan.eos_ids)
@@ -321,12 +332,12 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         return jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
 
     return LoopState(
-        t_cache=t_cache,  # finished rows wrote only past their frozen length
-        d_cache=d_cache,
+        t_cache=r.t_cache,  # finished rows wrote only past their frozen length
+        d_cache=r.d_cache,
         length=jnp.where(active, st.length + n + 1, st.length),
         pending=keep(bonus, st.pending),
-        d_logits=keep(d_logits, st.d_logits),
-        d_feat=keep(d_feat, st.d_feat),
+        d_logits=keep(r.d_logits, st.d_logits),
+        d_feat=keep(r.d_feat, st.d_feat),
         out=out,
         n_out=n_out,
         limit=st.limit,
@@ -336,7 +347,7 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
         rounds=st.rounds + 1,
         sampling=counted(st.sampling, emitted, n_out - st.n_out),
         key=key,
-        probe=probe,
+        probe=st.probe if r.probe is None else r.probe,
         ignore_eos=st.ignore_eos,
     )
 

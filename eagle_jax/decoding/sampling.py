@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle_jax.config import ConfigError
-from eagle_jax.decoding.penalties import RowPenalties
+from eagle_jax.decoding.penalties import Penalties, RowPenalties
 
 Array = jax.Array
 NEG_INF = -jnp.inf
@@ -22,12 +22,21 @@ NEG_INF = -jnp.inf
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The request's sampling rule; the target's distribution p carries all of it."""
+    """One request's (or ``generate`` call's) sampling rule and logits processors, named as vLLM's: what
+    ``generate`` / ``generate_stream`` take as keywords and the server's requests carry, down to the engine's rows.
+    The target's distribution p carries all of it; ``stop_ids`` (what ``min_tokens`` holds back: EOS and the
+    request's stop tokens) is set where they are known."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability (vLLM's min_p)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a {id: bias} dict is taken too
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -38,6 +47,15 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
+        self.penalties  # noqa: B018  (validates the processors)
+
+    @property
+    def penalties(self) -> Penalties:
+        """The logits processors (``decoding/penalties.py``)."""
+        return Penalties(float(self.presence_penalty), float(self.frequency_penalty), float(self.repetition_penalty), self.logit_bias,
+                         int(self.min_tokens), tuple(self.stop_ids))
 
     @property
     def greedy(self) -> bool:

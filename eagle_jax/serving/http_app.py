@@ -19,7 +19,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from eagle_jax.config import ConfigError
-from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.scoring import TokenLogprobs
 from eagle_jax.decoding.calls import acceptance_summary
@@ -66,11 +65,9 @@ def _parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
 
 
 def _sampling(body) -> SamplingParams:
-    return SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p)
-
-
-def _penalties(body) -> Penalties:
-    return Penalties(body.presence_penalty, body.frequency_penalty, body.repetition_penalty, tuple(body.logit_bias.items()), body.min_tokens)
+    return SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
+                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                          repetition_penalty=body.repetition_penalty, logit_bias=tuple(body.logit_bias.items()), min_tokens=body.min_tokens)
 
 
 def _budget(service: Service, prompt: Sequence[int], max_tokens: int | None) -> int:
@@ -105,7 +102,7 @@ class _Generation:
 
         seed = seed if seed is not None else secrets.randbits(63)
         request = Request(tuple(prompt), max_tokens, _sampling(body), seed, ignore_eos=body.ignore_eos,
-                          stop_token_ids=tuple(body.stop_token_ids), penalties=_penalties(body), group=group)
+                          stop_token_ids=tuple(body.stop_token_ids), group=group)
         self.text = TextStream(service.tokenizer, body.stops, stop_ids=request.stop_ids(service.scheduler.engine.eos_ids),
                                include_stop=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens)
         try:

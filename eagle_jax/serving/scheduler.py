@@ -41,7 +41,6 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 
 from eagle_jax.config import ConfigError, SpecConfig
-from eagle_jax.decoding.penalties import Penalties
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.calls import acceptance_summary
 from eagle_jax.decoding import chooser
@@ -67,7 +66,6 @@ class Request:
     seed: int = 0
     ignore_eos: bool = False  # generate through EOS up to max_tokens
     stop_token_ids: tuple[int, ...] = ()  # stop after any of these as after EOS
-    penalties: Penalties = Penalties()  # logits processors (``decoding/penalties.py``); min_tokens holds back ``stop_ids``
     # Requests of one group share a prompt (the ``n`` choices of one prompt): one admitted while another of
     # its group holds a slot starts from that slot's prefill (``SlotEngine.fork``) instead of its own.
     group: int | None = None
@@ -217,10 +215,10 @@ class Scheduler:
     def submit(self, request: Request, listener: Callable[[Handle, list[int], bool], None] | None = None) -> Handle:
         """Queues a request (raises ConfigError if it can never run here, QueueFull past the bound)."""
         self.engine.check_prompt(request.prompt, request.max_tokens)
-        request.penalties.check_vocab(self.engine.target.config.vocab_size)
+        request.sampling.penalties.check_vocab(self.engine.target.config.vocab_size)
         stops = request.stop_ids(self.engine.eos_ids)
         # min_tokens holds back whatever would end the request
-        request = dataclasses.replace(request, penalties=dataclasses.replace(request.penalties, stop_ids=tuple(sorted(stops))))
+        request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, stop_ids=tuple(sorted(stops))))
         handle = Handle(request, listener, stops)
         with self._cv:
             if len(self._waiting) >= self.max_queue:
@@ -448,7 +446,7 @@ class Scheduler:
             if src is not None:  # the copies of one prompt: all of it is in the source slot
                 h.cached_tokens = len(r.prompt)
                 self._run_prefill([slot], lambda: [self.engine.fork(src, slot, r.max_tokens, r.sampling, r.seed,
-                                                                   stop_at_eos=not r.ignore_eos, penalties=r.penalties)])
+                                                                   stop_at_eos=not r.ignore_eos)])
                 continue
             self._prefilling[slot] = h.cached_tokens = reuse
         self._prefill(budget)
@@ -494,7 +492,7 @@ class Scheduler:
                 if self._prefix is not None and end < len(r.prompt):
                     self._prefix.set(("slot", slot), r.prompt[:end])
                 self._run_prefill([slot], lambda: [self.engine.prefill_chunk(
-                    slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos, penalties=r.penalties)])
+                    slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos)])
         self._insert(whole)
         return budget
 
@@ -505,7 +503,7 @@ class Scheduler:
 
         def admission(slot: int) -> Admission:
             r = self._slots[slot].request
-            return Admission(slot, r.prompt, r.max_tokens, r.sampling, r.seed, not r.ignore_eos, r.penalties)
+            return Admission(slot, r.prompt, r.max_tokens, r.sampling, r.seed, not r.ignore_eos)
 
         packs: list[list[Admission]] = []
         for row in map(admission, slots):

@@ -35,11 +35,11 @@ from flax import nnx
 
 from eagle_jax.config import ConfigError, SpecConfig, check_pair
 from eagle_jax.decoding.engine import Plan, scratch_slots
-from eagle_jax.decoding.penalties import Penalties, RowPenalties
+from eagle_jax.decoding.penalties import RowPenalties
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 from eagle_jax.decoding.scoring import TokenLogprobs, token_logprobs
 from eagle_jax.decoding.state import LoopState
-from eagle_jax.decoding.calls import PROMPT_BUCKETS, bucket
+from eagle_jax.decoding.calls import PROMPT_BUCKETS, bucket, merged
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 from eagle_jax.serving.program_cache import ProgramCache, check_map_limit
@@ -87,7 +87,7 @@ class StepOutput:
 @dataclass(frozen=True)
 class Admission:
     """A request starting in a free slot (``SlotEngine.insert_many``): its prompt, token limit, sampling
-    rules, seed, whether EOS ends it, and its logits processors (``stop_ids``: what ``min_tokens`` holds back)."""
+    rules and logits processors (``sampling.stop_ids``: what ``min_tokens`` holds back), seed, whether EOS ends it."""
 
     slot: int
     prompt: tuple[int, ...]
@@ -95,7 +95,6 @@ class Admission:
     sampling: SamplingParams
     seed: int
     stop_at_eos: bool = True
-    penalties: Penalties = Penalties()
 
 
 class SlotEngine:
@@ -190,7 +189,7 @@ class SlotEngine:
             done=jnp.ones((b,), bool),
             accepted=jnp.full((b, self.rounds_per_step), -1, jnp.int32),
             rounds=jnp.int32(0),
-            sampling=RowSampling.fill(SamplingParams(), b, RowPenalties.build([Penalties()] * b, [[]] * b, self.target.config.vocab_size)),
+            sampling=RowSampling.fill(SamplingParams(), b, RowPenalties.build([SamplingParams().penalties] * b, [[]] * b, self.target.config.vocab_size)),
             key=jax.random.split(jax.random.key(0), b),
             probe=None if d is None else jnp.zeros((b, 2), jnp.float32),
             ignore_eos=jnp.zeros((b,), bool),
@@ -292,10 +291,10 @@ class SlotEngine:
         if key[0] == "insert":
             return self._insert_args(key[1], [Admission(0, (0,), 1, SamplingParams(), 0)])
         if key[0] == "fork":
-            args = self._fork_args(0, 0, (0,), None, None, 1, SamplingParams(), 0, True, Penalties())
+            args = self._fork_args(0, 0, (0,), None, None, 1, SamplingParams(), 0, True)
             return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, args)
         if key[0] == "chunk":
-            return self._chunk_args(key[1], 0, [0], 0, 1, SamplingParams(), 0, True, Penalties())
+            return self._chunk_args(key[1], 0, [0], 0, 1, SamplingParams(), 0, True)
         return (self._t_state, self._d_state, self.state, jnp.zeros((self.slots,), bool), jnp.int32(self.rounds_per_step))
 
     def _plan(self, **kw) -> Plan:
@@ -317,8 +316,7 @@ class SlotEngine:
                                                     lazy_feed=True))
 
     def _merge(self, t_state, d_state):
-        drf = None if self._d_graph is None else nnx.merge(self._d_graph, d_state)
-        return nnx.merge(self._t_graph, t_state), drf
+        return merged(self._t_graph, t_state, self._d_graph, d_state)
 
     # ------------------------------------------------------------------ insert
 
@@ -339,11 +337,11 @@ class SlotEngine:
             )
 
     def insert(self, slot: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int,
-               stop_at_eos: bool = True, penalties: Penalties = Penalties()) -> tuple[int, bool]:
+               stop_at_eos: bool = True) -> tuple[int, bool]:
         """Prefills ``prompt`` into ``slot`` (free); returns (first token, done already). With
-        ``stop_at_eos`` False an EOS first token does not end the request (``ignore_eos``). ``penalties``:
-        the request's logits processors, ``stop_ids`` the tokens ``min_tokens`` holds back."""
-        return self.insert_many([Admission(slot, tuple(prompt), max_tokens, sampling, seed, stop_at_eos, penalties)])[0]
+        ``stop_at_eos`` False an EOS first token does not end the request (``ignore_eos``). ``sampling``
+        holds the request's logits processors, ``stop_ids`` the tokens ``min_tokens`` holds back."""
+        return self.insert_many([Admission(slot, tuple(prompt), max_tokens, sampling, seed, stop_at_eos)])[0]
 
     def insert_many(self, rows: Sequence["Admission"]) -> list[tuple[int, bool]]:
         """Prefills up to ``INSERT_ROWS`` prompts into their (free, distinct) slots in one program, packed
@@ -373,8 +371,7 @@ class SlotEngine:
         entry = self._prompts.get(slot)
         return None if entry is None else entry[0]
 
-    def fork(self, src: int, dst: int, max_tokens: int, sampling: SamplingParams, seed: int, stop_at_eos: bool = True,
-             penalties: Penalties = Penalties()) -> tuple[int, bool]:
+    def fork(self, src: int, dst: int, max_tokens: int, sampling: SamplingParams, seed: int, stop_at_eos: bool = True) -> tuple[int, bool]:
         """Starts another request for the prompt prefilled in ``src`` in slot ``dst`` (free) without a
         prefill: the prompt's cache rows are copied, the first token is drawn from the stored last-position
         logits with this request's rules and seed, and the drafter's last prompt position is recomputed for
@@ -383,7 +380,7 @@ class SlotEngine:
             raise ConfigError(f"slot {src} holds no prefill to fork into slot {dst}")
         prompt, last_logits, last_aux = self._prompts[src]
         self.check_prompt(prompt, max_tokens)
-        args = self._fork_args(src, dst, prompt, last_logits, last_aux, max_tokens, sampling, seed, stop_at_eos, penalties)
+        args = self._fork_args(src, dst, prompt, last_logits, last_aux, max_tokens, sampling, seed, stop_at_eos)
         _, program = self.programs.get(("fork",), self._fork_fn(), args)
         self.state, first, done = program(*args)
         self._prompts[dst] = self._prompts[src]
@@ -405,7 +402,7 @@ class SlotEngine:
             at += n
         pad = [0] * (INSERT_ROWS - len(rows))
         rows, starts = [*rows, *(rows[i] for i in pad)], starts + [starts[i] for i in pad]
-        penalties = RowPenalties.build([r.penalties for r in rows], [list(r.prompt) for r in rows], self.target.config.vocab_size)
+        penalties = RowPenalties.build([r.sampling.penalties for r in rows], [list(r.prompt) for r in rows], self.target.config.vocab_size)
         sampling = jax.tree.map(lambda *a: jnp.concatenate(a), *(RowSampling.fill(r.sampling, 1) for r in rows))
         sampling = dataclasses.replace(sampling, penalties=penalties)
 
@@ -418,12 +415,12 @@ class SlotEngine:
                 col([r.stop_at_eos for r in rows], jnp.bool_))
 
     def _fork_args(self, src: int, dst: int, prompt: Sequence[int], last_logits, last_aux, max_tokens: int, sampling: SamplingParams,
-                   seed: int, stop_at_eos: bool, penalties: Penalties) -> tuple:
+                   seed: int, stop_at_eos: bool) -> tuple:
         if last_logits is None:  # shapes only (``precompile``): what an insert leaves
             p = self._insert_bucket(1)
             out = jax.eval_shape(self._insert_fn(p), *self._insert_args(p, [Admission(0, (0,), 1, SamplingParams(), 0)]))
             last_logits, last_aux = (None if o is None else jax.ShapeDtypeStruct((1, *o.shape[1:]), o.dtype) for o in out[3:5])
-        rows = RowPenalties.build([penalties], [list(prompt)], self.target.config.vocab_size)
+        rows = RowPenalties.build([sampling.penalties], [list(prompt)], self.target.config.vocab_size)
         return (self._t_state, self._d_state, self.state, jnp.int32(src), jnp.int32(dst), jnp.int32(len(prompt)), last_logits, last_aux,
                 RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
 
@@ -441,7 +438,7 @@ class SlotEngine:
         return start, c, next(s for s in self.spans if s >= min(start + c, self.cache_len))
 
     def prefill_chunk(self, slot: int, prompt: Sequence[int], start: int, end: int, max_tokens: int, sampling: SamplingParams,
-                      seed: int, stop_at_eos: bool = True, penalties: Penalties = Penalties()) -> tuple[int, bool] | None:
+                      seed: int, stop_at_eos: bool = True) -> tuple[int, bool] | None:
         """Computes prompt positions ``start..end-1`` (at most ``chunk``) into ``slot``, whose caches hold the
         prompt's first ``start`` positions (earlier chunks, or a prefix put there by ``copy_row``). At the
         prompt's end the request starts as ``insert`` starts it and (first token, done) is returned; before
@@ -450,7 +447,7 @@ class SlotEngine:
         if not 0 <= start < end <= len(prompt):
             raise ConfigError(f"a prefill chunk must lie in the prompt: got {start}..{end} of {len(prompt)} tokens")
         start, c, span = self.chunk_program_for(start, end - start)
-        args = self._chunk_args(c, slot, prompt, start, max_tokens, sampling, seed, stop_at_eos, penalties)
+        args = self._chunk_args(c, slot, prompt, start, max_tokens, sampling, seed, stop_at_eos)
         _, program = self.programs.get(("chunk", c, span), self._chunk_fn(c, span), args)
         self.state, first, done, last_logits, last_aux = program(*args)
         if end < len(prompt):
@@ -460,11 +457,11 @@ class SlotEngine:
         return int(first), bool(done)
 
     def _chunk_args(self, c: int, slot: int, prompt: Sequence[int], start: int, max_tokens: int, sampling: SamplingParams,
-                    seed: int, stop_at_eos: bool, penalties: Penalties) -> tuple:
+                    seed: int, stop_at_eos: bool) -> tuple:
         ids = np.zeros((1, c + 1), np.int32)
         part = prompt[start: start + c + 1]
         ids[0, : len(part)] = part
-        rows = RowPenalties.build([penalties], [list(prompt)], self.target.config.vocab_size)
+        rows = RowPenalties.build([sampling.penalties], [list(prompt)], self.target.config.vocab_size)
         t_row, d_row = self._row_program()(self.state, jnp.int32(slot))
         return (self._t_state, self._d_state, self.state, t_row, d_row, jnp.int32(slot), jnp.asarray(ids), jnp.int32(start), jnp.int32(len(prompt)),
                 RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))

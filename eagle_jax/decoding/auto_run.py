@@ -14,7 +14,7 @@ import numpy as np
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding import calls, chooser
 from eagle_jax.decoding.calls import GenerationResult
-from eagle_jax.decoding.engine import run_rounds
+from eagle_jax.decoding.engine import growing_spans, run_rounds
 from eagle_jax.decoding.prefill import start
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
@@ -23,7 +23,7 @@ CHOOSE_EVERY = 8  # rounds between two choices (each a host round trip)
 PROFILE_ROUNDS = 4  # rounds of a warm-up profile's depth
 PLAIN_LOOKS = 2  # chunks without drafts in a row after which the call drops the drafter (plain decoding proper)
 
-_RAN: set[int] = set()  # compiled programs that have run once (a first run pays one-time costs: never timed)
+_RAN: set[int] = set()  # compiled programs that have run once (a first run pays one-time costs, counted as compile time)
 
 
 class AutoRun:
@@ -57,7 +57,13 @@ class AutoRun:
             return start(*calls.merged(t_graph, t_state, d_graph, d_state), plan, prompt, lens, rs, key, plan.max_rounds)
 
         args = (self.t_state, self.d_state, *self._args)
-        return self._compiled("auto_start", plan, args, begin)(*args)
+        program = self._compiled("auto_start", plan, args, begin)
+        if id(program) not in _RAN:  # its first run's one-time costs, paid with the compiles by a throwaway prefill
+            t0 = time.perf_counter()
+            jax.block_until_ready(program(*args).out)
+            self.compile_s += time.perf_counter() - t0
+            _RAN.add(id(program))
+        return program(*args)
 
     def _program(self, depth: int, fed: bool, st):
         """The chunk program at ``depth`` (0: rounds without drafts; not ``fed``: plain decoding proper) and its
@@ -89,11 +95,19 @@ class AutoRun:
         bare = dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
         programs = {(d, True): self._program(d, True, st) for d in (chooser.PLAIN, *chooser.DEPTHS)}
         programs[chooser.PLAIN, False] = self._program(chooser.PLAIN, False, bare)
-        for program in [p for (_, fed), p in programs.items() if fed and id(p) not in _RAN]:
-            # A program's first run pays one-time costs (linking its kernels on a CPU): paid here, with the compiles,
-            # by a run of no rounds, not by a later call's timed chunk.
-            st, seconds = self._run(program, st, 0)
-            self.compile_s += seconds
+        for (depth, fed), program in programs.items():
+            if id(program) not in _RAN:
+                # A program's first rounds pay one-time costs (~0.2 s each on a CPU: its kernels readied as they first
+                # run), in each phase of its growing spans: paid here, with the compiles, by one round per phase on a
+                # throwaway copy of the state, its rows placed in that phase.
+                t0 = time.perf_counter()
+                spans = growing_spans(dataclasses.replace(plan, spec=chooser.spec_of(depth)))
+                for at in (None, *spans):
+                    scratch = jax.tree.map(jnp.copy, st if fed else bare)
+                    if at is not None:
+                        scratch = dataclasses.replace(scratch, length=jnp.full_like(scratch.length, at))
+                    self._run(program, scratch, 1)
+                self.compile_s += time.perf_counter() - t0
         yield st
         rows = [self.chooser.new_row(greedy) for _ in range(batch)]
         fed, looks, rounds = True, 0, 0
@@ -108,9 +122,6 @@ class AutoRun:
             n = plan.max_rounds if not fed else (CHOOSE_EVERY if measured else PROFILE_ROUNDS)
             n = min(n, self.most_rounds or n)
             program = programs[depth, fed]
-            if id(program) not in _RAN:  # plain decoding proper's first run (``__iter__``): not a timed chunk
-                st, seconds = self._run(program, st, rounds)
-                self.compile_s += seconds
             st, seconds = self._run(program, st, rounds + n)
             self.run_s += seconds
             done, n_out, now, accepted, probe = jax.device_get((st.done, st.n_out, st.rounds, st.accepted, st.probe))

@@ -36,6 +36,3 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
-# ``spec="auto"``'s round costs are kept in the process only: a test measures what a fresh machine does, and no test
-# reads costs another left on disk (tests of the cache point it at their own directory).
-os.environ.setdefault("EAGLE_JAX_COST_CACHE", "off")

@@ -69,18 +69,9 @@ class Programs:
 
     def __init__(self) -> None:
         self._by_pair: dict[Any, dict[Any, Any]] = {}
-        self._plain_of: dict[int, dict[Any, Any]] = {}
 
     def pair(self, t_graph, d_graph) -> dict[Any, Any]:
         return self._by_pair.setdefault((t_graph, d_graph), {})
-
-    def pair_and_plain(self, t_graph, d_graph) -> tuple[dict[Any, Any], dict[Any, Any]]:
-        """``pair(t_graph, d_graph)`` and ``pair(t_graph, None)`` for one graph hash (the dicts live as
-        long as the process, so their ids name the pair)."""
-        programs = self.pair(t_graph, d_graph)
-        if id(programs) not in self._plain_of:
-            self._plain_of[id(programs)] = self.pair(t_graph, None)
-        return programs, self._plain_of[id(programs)]
 
     def get(self, kind: str, t_graph, d_graph, plan: Plan, args: tuple, build, programs: dict | None = None,
             donate_argnums: tuple[int, ...] = (), states: tuple | None = None) -> tuple[Any, float]:
@@ -224,10 +215,9 @@ def split_pair(target: Target, drafter: Drafter | None, mesh) -> tuple[Any, Any,
     return t_graph, t_state, d_graph, d_state
 
 
-def program(models: tuple[Any, Any, Any, Any], plan: Plan, prompt, lens, rs, seed: int, programs: dict | None = None,
-            states: tuple | None = None):
-    """(generate's compiled program for ``plan``, its arguments, compile seconds). ``models``: ``split_pair``'s;
-    ``programs``, ``states``: as ``Programs.get`` takes them. The program takes ``(t_state, d_state, prompt, lens,
+def program(models: tuple[Any, Any, Any, Any], plan: Plan, prompt, lens, rs, seed: int):
+    """(generate's compiled program for ``plan``, its arguments, compile seconds). ``models``: ``split_pair``'s.
+    The program takes ``(t_state, d_state, prompt, lens,
     rs, key, limit)`` and returns the loop state after the prefill and at most ``limit`` rounds."""
     t_graph, t_state, d_graph, d_state = models
 
@@ -237,16 +227,14 @@ def program(models: tuple[Any, Any, Any, Any], plan: Plan, prompt, lens, rs, see
         return run_rounds(tgt, drf, plan, st, limit)
 
     args = (t_state, d_state, prompt, lens, rs, jax.random.key(seed), jnp.int32(plan.max_rounds))
-    compiled, compile_s = PROGRAMS.get("generate", t_graph, d_graph, plan, args, run, programs, states=states)
+    compiled, compile_s = PROGRAMS.get("generate", t_graph, d_graph, plan, args, run)
     return compiled, args, compile_s
 
 
-def run_whole(models: tuple[Any, Any, Any, Any], plan: Plan, prompt, lens, rs, seed: int, programs: dict | None = None,
-              states: tuple | None = None) -> tuple[Any, float, float]:
+def run_whole(models: tuple[Any, Any, Any, Any], plan: Plan, prompt, lens, rs, seed: int) -> tuple[Any, float, float]:
     """A call run as one program (``program``), the prefill and every round in one execution: (final loop state,
-    compile seconds, run seconds). A fixed ``spec``'s ``generate``, and a ``spec="auto"`` call that decodes plainly
-    from its start."""
-    compiled, args, compile_s = program(models, plan, prompt, lens, rs, seed, programs, states)
+    compile seconds, run seconds): a fixed ``spec``'s ``generate``."""
+    compiled, args, compile_s = program(models, plan, prompt, lens, rs, seed)
     t0 = time.perf_counter()
     state = compiled(*args)
     jax.block_until_ready(state.out)

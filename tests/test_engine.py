@@ -25,6 +25,7 @@ from eagle_jax.decoding import auto_run, calls, chooser, engine
 from eagle_jax.decoding.engine import one_round
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.modeling import layers
 
 from engine_models import drafter_config, markov_drafter, markov_target, random_pair, target_config
 import penalty_reference
@@ -198,20 +199,20 @@ def test_row_alone_equals_row_in_batch(markov, runs, name, row):
 
 
 @pytest.mark.parametrize("name,temperature", [("tree3x3x8", 0.0), ("chain3", 1.0)])
-def test_growing_spans_change_nothing(monkeypatch, markov, name, temperature):
-    """The loop's first phases over the leading cache slots only (engine.growing_spans, switched on
-    here for a small cache) give the tokens and accepted drafts of one loop over the whole cache,
-    sampled runs (the same keys) included."""
-    prompts, new = PROMPTS[:2], 64  # short prompts, long continuations: the rows cross the span
+def test_attention_block_by_block_changes_nothing(monkeypatch, markov, name, temperature):
+    """Attention over the cache in blocks (layers.softmax_over_blocks, made to read several small blocks
+    here, which skips the ones no row reaches) gives the tokens and accepted drafts of one block over the
+    whole cache, sampled runs (the same keys) included."""
+    prompts, new = PROMPTS[:2], 64  # short prompts, long continuations: the rows cross several blocks
     kw = dict(max_new_tokens=new, spec=SPECS[name], temperature=temperature, seed=5, eos_token_id=[])
-    whole = eagle_jax.generate(markov[0], markov[1], prompts, **kw)
-    monkeypatch.setattr(engine, "SPAN_MIN_CACHE", 0)
-    monkeypatch.setattr(engine, "SPAN_ALIGN", 8)
-    monkeypatch.setattr(calls, "PROGRAMS", calls.Programs())  # trace again, with the phases
+    runs = {}
+    for block in (1 << 20, 16):
+        monkeypatch.setattr(layers, "KV_BLOCK", block)
+        monkeypatch.setattr(calls, "PROGRAMS", calls.Programs())  # trace again
+        runs[block] = eagle_jax.generate(markov[0], markov[1], prompts, **kw)
     plan = calls.prepare(markov[0], markov[1], prompts, new, SamplingParams(temperature), SPECS[name], [], None)[0]
-    assert engine.growing_spans(plan), plan
-    phased = eagle_jax.generate(markov[0], markov[1], prompts, **kw)
-    assert phased.tokens == whole.tokens and phased.accepted == whole.accepted
+    assert plan.cache_len >= 3 * 16, plan
+    assert runs[16].tokens == runs[1 << 20].tokens and runs[16].accepted == runs[1 << 20].accepted
 
 
 # ------------------------------------------------------------------------------- 3. cache invariants
@@ -634,42 +635,45 @@ def test_stream_yields_the_same_tokens(markov, runs, eos):
 def test_the_drafters_prefill_computes_outputs_only_where_drafting_starts():
     """A prompt's drafter entries need only their own pairs; the drafter's outputs only at the prompt's
     last position (``prefill._drafter_prompt``). Cache, logits and feature equal the whole layer over the
-    block, for a prompt alone (``prefill``) and for prompts packed in one row (``prefill_packed``)."""
+    block, for prompts of several lengths in a cache longer than them (``prefill``), and for the same
+    prompt computed in chunks (``prefill_chunk``)."""
     from eagle_jax.decoding.engine import Plan
-    from eagle_jax.decoding.prefill import prefill, prefill_packed
+    from eagle_jax.decoding.prefill import prefill, prefill_chunk
     from eagle_jax.decoding.sampling import RowSampling
-    from eagle_jax.modeling.layers import document_mask
+    from eagle_jax.modeling.layers import causal_mask
 
     target, drafter = random_pair(seed=3)
     rng = np.random.default_rng(0)
     lens = np.array([9, 5, 12])
-    ids = rng.integers(0, 32, size=(1, int(lens.sum()))).astype(np.int32)
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)])[None].astype(np.int32)
-    positions = np.concatenate([np.arange(n) for n in lens])[None].astype(np.int32)
+    p, s = int(lens.max()), 20
+    ids = rng.integers(0, 32, size=(3, p)).astype(np.int32)
     rs = RowSampling.fill(SamplingParams(), 3)
-    plan = Plan(3, int(lens.sum()), 0, None, True, ())
     keys = jax.random.split(jax.random.key(0), 3)
-    got = prefill_packed(target, drafter, plan, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(segments),
-                         jnp.asarray(starts, jnp.int32), jnp.asarray(lens, jnp.int32), rs, keys)
-    # The reference: the whole layer over the packed block, as a prefill computed it before.
-    _, aux, _ = engine.target_forward(target, drafter, plan, jnp.asarray(ids), jnp.asarray(positions),
-                                      document_mask(jnp.asarray(positions), jnp.asarray(segments), None),
-                                      target.init_cache(1, ids.shape[1]), jnp.zeros((1,), jnp.int32))
-    last = starts + lens - 1
-    nxt = jnp.concatenate([jnp.asarray(ids[0, 1:]), jnp.zeros((1,), jnp.int32)]).at[last].set(got.first)[None]
-    normed, feat, cache = drafter.layer(drafter.fuse(aux), nxt, jnp.asarray(positions), document_mask(jnp.asarray(positions), jnp.asarray(segments), None),
-                                        drafter.init_cache(1, ids.shape[1]), jnp.zeros((1,), jnp.int32))
+    got = prefill(target, drafter, Plan(3, s, 0, None, True, ()), jnp.asarray(ids), jnp.asarray(lens, jnp.int32), rs, keys)
     close = dict(rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got.d_logits, drafter.lm_head(normed[0, last]), **close)
-    np.testing.assert_allclose(got.d_feat, feat[0, last], **close)
-    for i, (s, n) in enumerate(zip(starts, lens)):
+    for i, n in enumerate(lens):  # the reference: the whole layer over the prompt's block
+        row = jnp.asarray(ids[i: i + 1, :n])
+        pos = jnp.arange(n, dtype=jnp.int32)[None]
+        plan = Plan(1, n, 0, None, True, ())
+        _, aux, _ = engine.target_forward(target, drafter, plan, row, pos, causal_mask(1, n), target.init_cache(1, n), jnp.zeros((1,), jnp.int32))
+        nxt = jnp.concatenate([row[:, 1:], got.first[i: i + 1, None]], axis=1)
+        normed, feat, cache = drafter.layer(drafter.fuse(aux), nxt, pos, causal_mask(1, n), drafter.init_cache(1, n), jnp.zeros((1,), jnp.int32))
+        np.testing.assert_allclose(got.d_logits[i], drafter.lm_head(normed[0, n - 1]), **close)
+        np.testing.assert_allclose(got.d_feat[i], feat[0, n - 1], **close)
         for got_c, ref_c in zip(got.d_cache, cache):
-            np.testing.assert_allclose(got_c[i, :, :n], ref_c[0, :, s: s + n], **close)
-    # A prompt alone, in a cache longer than it.
-    one = prefill(target, drafter, Plan(1, 20, 0, None, True, ()), jnp.asarray(ids[:, :lens[0]]), jnp.asarray(lens[:1], jnp.int32),
-                  RowSampling.fill(SamplingParams(), 1), keys[:1])
-    np.testing.assert_allclose(one.d_logits, got.d_logits[:1], **close)
-    np.testing.assert_allclose(one.d_feat, got.d_feat[:1], **close)
-    for one_c, got_c in zip(one.d_cache, got.d_cache):
-        np.testing.assert_allclose(one_c[0, :, : lens[0]], got_c[0, :, : lens[0]], **close)
+            np.testing.assert_allclose(got_c[i, :, :n], ref_c[0, :, :n], **close)
+    # The longest prompt in chunks of 8 (the last one padded past the prompt), in a cache of 20.
+    n = int(lens[2])
+    t_cache, d_cache = target.init_cache(1, s), drafter.init_cache(1, s)
+    for start in range(0, n, 8):
+        chunk = np.zeros((1, 9), np.int32)
+        part = ids[2:3, start: start + 9]
+        chunk[:, : part.shape[1]] = part
+        out = prefill_chunk(target, drafter, Plan(1, s, 0, None, True, ()), jnp.asarray(chunk), jnp.asarray([start], jnp.int32),
+                            jnp.asarray([n], jnp.int32), t_cache, d_cache, RowSampling.fill(SamplingParams(), 1), keys[2:])
+        t_cache, d_cache = out.t_cache, out.d_cache
+    assert int(out.first[0]) == int(got.first[2])
+    np.testing.assert_allclose(out.d_logits[0], got.d_logits[2], **close)
+    np.testing.assert_allclose(out.d_feat[0], got.d_feat[2], **close)
+    for chunk_c, got_c in zip(d_cache, got.d_cache):
+        np.testing.assert_allclose(chunk_c[0, :, :n], got_c[2, :, :n], **close)

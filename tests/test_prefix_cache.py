@@ -1,7 +1,7 @@
-"""Chunked and packed prefill and prefix reuse in the slot engine and the scheduler: a prompt computed in
-chunks, packed with others into one row, or from a prefix another request left in the caches, gives the
-tokens and the per-round acceptance of a whole-prompt prefill (so the reused drafter cache is the
-drafter's own, not just a lossless guess)."""
+"""Chunked prefill and prefix reuse in the slot engine and the scheduler: a prompt computed in chunks, beside
+other prompts, or from a prefix another request left in the caches, gives the tokens and the per-round
+acceptance of a whole-prompt prefill (so the reused drafter cache is the drafter's own, not just a
+lossless guess)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
-from eagle_jax.serving.slots import INSERT_ROWS, Admission
 from engine_models import markov_pair, random_pair
 
 SPEC = SpecConfig(num_speculative_tokens=3)
@@ -47,7 +46,7 @@ def _decode(engine: SlotEngine, slot: int, first: int, new: int) -> tuple[list[i
     """Steps until ``slot`` is done: (its tokens, the drafts accepted per round)."""
     tokens, accepted = [first], []
     while True:
-        out = engine.step(SPEC, True, engine.spans[-1])
+        out = engine.step(SPEC, True)
         tokens += out.tokens[slot]
         accepted += out.accepted[slot]
         if out.done[slot]:
@@ -66,7 +65,7 @@ def test_chunks_and_reused_prefixes_equal_a_whole_prefill(pair):
 
     chunked = _engine(pair)
     for start in range(0, 70, 13):  # uneven pieces, none a chunk size
-        got = chunked.prefill_chunk(0, prompt, start, min(start + 13, 70), new, SamplingParams(), 0)
+        got = chunked.prefill(0, prompt, start, min(start + 13, 70), new, SamplingParams(), 0)
         assert (got is None) == (start + 13 < 70)
     assert _decode(chunked, 0, got[0], new) == ref
 
@@ -77,7 +76,7 @@ def test_chunks_and_reused_prefixes_equal_a_whole_prefill(pair):
     _decode(reuse, 0, reuse.insert(0, other, 20, SamplingParams(), 0)[0], 20)
     reuse.copy_row(("slot", 0), ("pool", 0))  # through the pool and back, as an evicted slot's prefix would
     reuse.copy_row(("pool", 0), ("slot", 1), held=49)
-    first, _ = reuse.prefill_chunk(1, prompt, 49, 70, new, SamplingParams(), 0)
+    first, _ = reuse.prefill(1, prompt, 49, 70, new, SamplingParams(), 0)
     assert _decode(reuse, 1, first, new) == ref
 
 
@@ -96,30 +95,30 @@ def test_a_stopped_row_never_writes_into_what_its_slot_holds(attending):
     engine = _engine(attending)
     after_short_request(engine)
     for start in range(0, 100, 32):
-        got = engine.prefill_chunk(0, prompt, start, min(start + 32, 100), new, SamplingParams(), 0)
+        got = engine.prefill(0, prompt, start, min(start + 32, 100), new, SamplingParams(), 0)
         if got is None:
-            engine.step(SPEC, True, engine.spans[-1])
+            engine.step(SPEC, True)
     assert _decode(engine, 0, got[0], new) == ref
 
     engine = _engine(attending)
     after_short_request(engine)
     engine.copy_row(("slot", 1), ("slot", 0), held=99)
-    engine.step(SPEC, True, engine.spans[-1])
-    assert _decode(engine, 0, engine.prefill_chunk(0, prompt, 99, 100, new, SamplingParams(), 0)[0], new) == ref
+    engine.step(SPEC, True)
+    assert _decode(engine, 0, engine.prefill(0, prompt, 99, 100, new, SamplingParams(), 0)[0], new) == ref
 
 
-def test_packed_prompts_equal_prompts_alone(attending):
-    """Three prompts (greedy and seeded sampling, one with a penalty) packed into one insert: each attends
-    only to itself and gets the tokens, acceptance and penalties it gets inserted alone."""
-    rows = [Admission(0, tuple(_prompt(30, 37)), 12, SamplingParams(), 0),
-            Admission(2, tuple(_prompt(31, 5)), 12, SamplingParams(temperature=1.0, presence_penalty=1.5), 7),
-            Admission(3, tuple(_prompt(32, 60)), 12, SamplingParams(temperature=1.0), 8)]
+def test_prompts_beside_others_equal_prompts_alone(attending):
+    """Three prompts (greedy and seeded sampling, one with a penalty) prefilled into slots 0, 2 and 3 of one
+    engine and decoded together: each gets the tokens, acceptance and penalties it gets alone."""
+    rows = [(0, tuple(_prompt(30, 37)), SamplingParams(), 0),
+            (2, tuple(_prompt(31, 5)), SamplingParams(temperature=1.0, presence_penalty=1.5), 7),
+            (3, tuple(_prompt(32, 60)), SamplingParams(temperature=1.0), 8)]
 
     def run(rows):
         engine = _engine(attending, slots=4)
-        got = {r.slot: ([first], []) for r, (first, _) in zip(rows, engine.insert_many(rows))}
+        got = {slot: ([engine.insert(slot, prompt, 12, sp, seed)[0]], []) for slot, prompt, sp, seed in rows}
         while not all(len(t) >= 12 for t, _ in got.values()):
-            out = engine.step(SPEC, False, engine.spans[-1])
+            out = engine.step(SPEC, False)
             for slot, (tokens, accepted) in got.items():
                 tokens += out.tokens[slot]
                 accepted += out.accepted[slot]
@@ -129,21 +128,12 @@ def test_packed_prompts_equal_prompts_alone(attending):
     for r in rows:
         alone.update(run([r]))
     assert run(rows) == alone
-    engine = _engine(attending, slots=4)
-    with pytest.raises(ConfigError, match="distinct slots"):
-        engine.insert_many([rows[0], rows[0]])
-    with pytest.raises(ConfigError, match=f"1..{INSERT_ROWS} prompts"):
-        engine.insert_many([])
-    with pytest.raises(ConfigError, match="do not fit one insert"):
-        engine.insert_many([Admission(s, tuple(_prompt(s, 150)), 1, SamplingParams(), 0) for s in range(2)])
 
 
 def test_chunk_errors(pair):
     engine = _engine(pair)
     with pytest.raises(ConfigError, match="must lie in the prompt"):
-        engine.prefill_chunk(0, [1, 2, 3], 2, 5, 4, SamplingParams(), 0)
-    with pytest.raises(ConfigError, match="1..32"):
-        engine.prefill_chunk(0, list(range(1, 31)) * 2, 0, 40, 4, SamplingParams(), 0)
+        engine.prefill(0, [1, 2, 3], 2, 5, 4, SamplingParams(), 0)
     with pytest.raises(ConfigError, match="no cache row"):
         engine.copy_row(("slot", 0), ("pool", 1))  # one pool row
     with pytest.raises(ConfigError, match="holds 0.."):

@@ -301,10 +301,13 @@ def test_models_health_metrics(server, client):
     for name in ("eagle_requests_total", "eagle_prompt_tokens_total", "eagle_generation_tokens_total",
                  "eagle_time_to_first_token_seconds_bucket", "eagle_inter_token_latency_seconds_bucket", "eagle_queue_depth",
                  "eagle_slots_occupied", "eagle_acceptance_length", 'eagle_spec_accepted_position_total{position="0"}',
-                 'eagle_compile_events_total{program="step"}'):
+                 'eagle_compile_events_total{program="step"}', "eagle_programs", "eagle_program_compile_seconds"):
         assert name in text, name
     assert _metric(server, "eagle_acceptance_length") > 1.0
-    assert _metric(server, 'eagle_compile_events_total{program="insert"}') >= 1
+    assert _metric(server, 'eagle_compile_events_total{program="chunk"}') >= 1
+    engine = server.service.scheduler.engine
+    assert _metric(server, "eagle_programs") == len(engine.program_set())
+    assert _metric(server, 'eagle_program_compile_seconds{program="prefill chunk of 32 tokens"}') > 0
     # every step is counted under the depth it ran
     assert _metric(server, "eagle_steps_by_depth_total") == _metric(server, "eagle_steps_total") > 0
 
@@ -354,7 +357,8 @@ def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path, 
         compile_cache.enable(tmp_path / "xla")
         service = build_service(t_dir, d_dir, spec="1:2", slots=1, max_len=64, rounds_per_step=2, precompile=True)
         engine = service.scheduler.engine
-        assert len(engine.compile_events) == len(engine.program_set()) == 4 + 1 + 4 + 1 + 1 + 2 + 3  # inserts, fork, scoring, the step, the row read, prefill chunks (32, the cache), row copies
+        # prefill chunks of 32 and of the whole cache, the row read, the row copy, one scoring program, the step
+        assert len(engine.compile_events) == len(engine.program_set()) == 2 + 1 + 1 + 1 + 1
         srv = Server(service).start()
         try:
             bodies = [dict(prompt="abc", max_tokens=12, temperature=0), dict(prompt="x" * 40, max_tokens=6, temperature=1.0, seed=1),
@@ -440,3 +444,92 @@ def test_cli_serves_a_target_alone(pair_dirs, monkeypatch):
     assert [m["id"] for m in seen["models"]["data"]] == [t_dir.name]
     assert service.scheduler.engine.drafter is None and service.scheduler.schedule.choose(1) is None
     assert service.tokenizer.decode(service.tokenizer("a fox")["input_ids"]) == "a fox"
+
+
+class _AppServer:
+    """``create_app`` over the running server's service with other options, on a port of its own (the scheduler
+    is the module server's)."""
+
+    def __init__(self, service, **options):
+        import uvicorn
+
+        from eagle_jax.serving.http_app import create_app
+
+        self._server = uvicorn.Server(uvicorn.Config(create_app(service, **options), host="127.0.0.1", port=0,
+                                                     log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        while not self._server.started:
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self._server.servers[0].sockets[0].getsockname()[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join()
+
+
+def test_an_api_key_guards_the_v1_routes(server, monkeypatch):
+    """With ``--api-key`` every /v1/* route needs ``Authorization: Bearer KEY``: the official client with the key
+    is served, without it or with a wrong one gets OpenAI's 401 (``AuthenticationError``), and malformed headers
+    get the same 401 body; /health and /metrics stay open."""
+    with _AppServer(server.service, api_key="s3cret") as url:
+        good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=120)
+        assert good.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0).choices[0].text is not None
+        assert [m.id for m in good.models.list().data] == [MODEL]
+        for key in ("wrong", "s3cret "[:-1] + "x"):
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0).models.list()
+        for headers in ({}, {"Authorization": "s3cret"}, {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer"},
+                        {"Authorization": "Bearer s3cret extra"}, {"Authorization": "bearer  wrong"}):
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}, headers=headers)
+            assert r.status_code == 401, (headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200  # the scheme is case-blind
+    with pytest.raises(eagle_jax.ConfigError, match="API key is empty"):
+        from eagle_jax.serving.http_app import create_app
+
+        create_app(server.service, api_key=" ")
+
+
+def test_limits_are_refused_before_any_work_is_queued(server):
+    """A body over the size limit, a prompt over the context and max_tokens past it each get a 400 naming
+    what is wrong, and nothing reaches the scheduler."""
+    scheduler = server.service.scheduler
+    submitted, real = [], scheduler.submit
+    scheduler.submit = lambda *a, **k: submitted.append(a) or real(*a, **k)
+    try:
+        with _AppServer(server.service, max_request_bytes=2000) as url:
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 3000, "max_tokens": 1})
+            assert r.status_code == 400 and "limit of 2000" in r.json()["error"]["message"], r.text
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [[1] * (MAX_LEN + 1)], "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": MAX_LEN})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    finally:
+        scheduler.submit = real
+    assert not submitted
+
+
+def test_list_programs_prints_the_set_and_exits(pair_dirs, capsys, tmp_path):
+    """``eagle-jax-serve --list-programs`` prints the programs a start compiles, with their shapes, and
+    compiles nothing."""
+    from eagle_jax import compile_cache
+    from eagle_jax.cli.serve import main
+    from eagle_jax.serving.server import is_loopback
+
+    t_dir, d_dir = pair_dirs
+    try:
+        main(["--target", str(t_dir), "--drafter", str(d_dir), "--spec", "1:2,2:1", "--slots", "4", "--max-len", "64",
+              "--compile-cache", str(tmp_path / "xla"), "--list-programs"])
+    finally:
+        compile_cache.disable()
+    head, *lines = capsys.readouterr().out.strip().splitlines()
+    assert head.startswith(f"{len(lines)} programs (4 slots x 64 tokens")
+    steps = [line for line in lines if line.strip().startswith("step,")]
+    assert len(steps) == 2 * 2 and all("verified positions" in line for line in steps)  # K=2 and K=1, over 1 and 4 rows
+    assert any("prefill chunk of 32 tokens" in line for line in lines) and not list((tmp_path / "xla").rglob("*.jaxexport"))
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")

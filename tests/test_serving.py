@@ -12,7 +12,6 @@ import eagle_jax
 from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
-from eagle_jax.serving.slots import Admission
 from eagle_jax.decoding import chooser
 from eagle_jax.decoding.chooser import Chooser
 from engine_models import markov_pair
@@ -43,15 +42,12 @@ def _scheduler(pair, eos_id, slots=3, rounds=3, schedule=SCHEDULE, start=True):
 
 
 def test_continuous_batching_equals_generate(pair, eos):
-    """8 requests through 3 slots (admitted as others finish; depth 3/2/none by occupancy). The three
-    waiting when the scheduler starts are prefilled by one program, packed into one row."""
+    """8 requests through 3 slots (admitted as others finish; depth 3/2/none by occupancy)."""
     target, drafter = pair
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 32, size=int(n)).tolist() for n in rng.integers(2, 40, size=8)]
     limits = [int(m) for m in rng.integers(1, 30, size=8)]
     sched = _scheduler(pair, eos, start=False)
-    packed, insert_many = [], sched.engine.insert_many
-    sched.engine.insert_many = lambda rows: packed.append(len(rows)) or insert_many(rows)
     try:
         handles = [sched.submit(Request(tuple(p), m)) for p, m in zip(prompts, limits)]
         sched.start()
@@ -69,7 +65,6 @@ def test_continuous_batching_equals_generate(pair, eos):
         assert h.finish_reason == ("stop" if ref[-1] == eos else "length")
         reasons.add(h.finish_reason)
     assert reasons == {"stop", "length"}
-    assert packed[0] == 3 and sum(packed) == 8, packed
     assert sum(h.accepted.count(2) + h.accepted.count(3) for h in handles) > 0  # multi-token rounds happened
     assert sched.engine.compile_events  # and were compiled once per program, counted
 
@@ -140,10 +135,11 @@ def test_steps_without_drafts_feed_the_drafter_lazily(pair, temperature):
     states = []
     for cls in (SlotEngine, FedInFull):
         engine = cls(target, drafter, slots=4, max_len=96, specs=specs, rounds_per_step=3)
-        engine.insert_many([Admission(i, p, 40, sp, seed=i) for i, p in enumerate(prompts)])
-        plain = engine.step(None, temperature == 0, engine.spans[0], rows=4)
+        for i, p in enumerate(prompts):
+            engine.insert(i, p, 40, sp, seed=i)
+        plain = engine.step(None, temperature == 0, rows=4)
         st = jax.device_get((engine.state.d_logits, engine.state.d_feat, engine.state.d_cache))  # the next step donates the state
-        states.append((plain, *st, engine.step(specs[1], temperature == 0, engine.spans[0], rows=4)))
+        states.append((plain, *st, engine.step(specs[1], temperature == 0, rows=4)))
     (lazy, *lazy_drafter, lazy_next), (full, *full_drafter, full_next) = states
     assert lazy.tokens == full.tokens
     for a, b in zip(jax.tree.leaves(lazy_drafter), jax.tree.leaves(full_drafter)):
@@ -217,18 +213,17 @@ def test_a_short_steps_time_teaches_no_cost():
 
 def test_a_steps_time_is_timed_only_on_its_own_programs_later_runs(pair, eos):
     """Without precompiling, a step program's first run pays one-time costs (a chain's first step cost 2-3x its
-    later ones on a CPU), and a covering program computes more rows or a longer span: neither step's time is
+    later ones on a CPU), and a covering program computes more rows: neither step's time is
     what its kind costs (``StepOutput.timed``), so ``--spec auto`` learns no cost from it (it would price a
     chain out, and a chain priced out never runs again to correct that)."""
     target, drafter = pair
     k1 = SpecConfig(num_speculative_tokens=1)
     engine = SlotEngine(target, drafter, slots=2, max_len=96, specs=(None, k1), rounds_per_step=2, eos_ids=(eos,))
-    span = engine.spans[-1]
-    assert [engine.step(k1, False, span, 2).timed for _ in range(2)] == [False, True]
+    assert [engine.step(k1, False, 2).timed for _ in range(2)] == [False, True]
     engine.wait_for_compiles()
-    assert not engine.step(k1, False, engine.spans[0], 1).timed  # the covering program ran while its own compiles
+    assert not engine.step(k1, False, 1).timed  # the covering program ran while its own compiles
     engine.wait_for_compiles()
-    assert [engine.step(k1, False, engine.spans[0], 1).timed for _ in range(2)] == [False, True]
+    assert [engine.step(k1, False, 1).timed for _ in range(2)] == [False, True]
 
     auto = Chooser()
     sched = _scheduler(pair, eos, schedule=auto, start=False)
@@ -325,7 +320,7 @@ def test_engine_rejects_impossible_requests(pair):
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         engine.check_prompt([1, 99], 4)
     with pytest.raises(ConfigError, match="not one of this engine's configured specs"):
-        engine.step(SpecConfig(num_speculative_tokens=2), True, 64)
+        engine.step(SpecConfig(num_speculative_tokens=2), True)
     with pytest.raises(ConfigError, match="max_len must be in"):
         SlotEngine(target, drafter, max_len=10_000)
     with pytest.raises(ConfigError, match="no drafter"):
@@ -357,15 +352,15 @@ def test_a_failed_compile_stops_precompile_with_its_error(pair):
 
     def compiled(key, build, args, donate_argnums=(2,)):
         asked.append(key)
-        if key == ("fork",):
-            raise RuntimeError("XLA could not compile the fork")
+        if key == ("copy",):
+            raise RuntimeError("XLA could not compile the row copy")
         if key == ("row",):  # the prefill chunks' example arguments read a cache row with it
             return real(key, build, args, donate_argnums)
 
     engine.programs.compiled = compiled
-    with pytest.raises(RuntimeError, match="could not compile the fork"):
+    with pytest.raises(RuntimeError, match="could not compile the row copy"):
         engine.precompile(warm_up=False, workers=2)
-    assert ("fork",) in asked and set(asked) <= set(engine.program_set())
+    assert ("copy",) in asked and set(asked) <= set(engine.program_set())
 
 
 def test_warm_up_runs_every_program_once_and_frees_the_slots(pair, eos):
@@ -485,31 +480,29 @@ def test_served_model_name(tmp_path):
 
 
 def test_n_choices_share_one_prefill(pair, eos):
-    """Requests of one group (the ``n`` choices of one prompt) start from the first one's prefill
-    (``SlotEngine.fork``): one insert for the group, and every choice is what the same request alone gives
-    (greedy: plain decoding; sampled: its own seed's tokens at the same depth)."""
+    """Requests of one group (the ``n`` choices of one prompt) start from the first one's prefill: its
+    cache row copied, only the last prompt position computed again, and every choice is what the same
+    request alone gives (greedy: plain decoding; sampled: its own seed's tokens at the same depth)."""
     target, drafter = pair
     prompt = (3, 1, 4, 1, 5, 9, 2, 6)
     sp = SamplingParams(temperature=1.0)
     schedule = SpecSchedule.parse("1:3")
     engine = SlotEngine(target, drafter, slots=4, max_len=96, specs=schedule.specs, rounds_per_step=3, eos_ids=(eos,))
     sched = Scheduler(engine, schedule)
-    calls = {"insert_many": 0, "fork": 0}  # prompts prefilled, forks
-    for name in calls:
-        real = getattr(sched.engine, name)
+    computed, real = [], sched.engine.prefill  # prompt positions each prefill computes
 
-        def counted(*a, _real=real, _name=name, **k):
-            calls[_name] += len(a[0]) if _name == "insert_many" else 1
-            return _real(*a, **k)
+    def counted(slot, prompt, start, end, *a, **k):
+        computed.append(end - start)
+        return real(slot, prompt, start, end, *a, **k)
 
-        setattr(sched.engine, name, counted)
+    sched.engine.prefill = counted
     greedy = [sched.submit(Request(prompt, 20, group=1)) for _ in range(3)]
     sampled = [sched.submit(Request(prompt, 20, sp, seed=40 + j, group=2)) for j in range(3)]
-    sched.start()  # admits greedy 1 (insert), 2 and 3 (forks), sampled 1 (insert); the rest as slots free up
+    sched.start()  # admits greedy 1 (prefilled), 2 and 3 (copies), sampled 1 (prefilled); the rest as slots free up
     try:
         for h in greedy + sampled:
             h.wait(300)
-        assert calls["fork"] >= 2 and calls["insert_many"] + calls["fork"] == 6
+        assert len(computed) == 6 and computed.count(1) >= 2 and set(computed) == {1, len(prompt)}, computed
         alone = [sched.submit(Request(prompt, 20, sp, seed=40 + j)) for j in range(3)]
         for h in alone:
             h.wait(300)

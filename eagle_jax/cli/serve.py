@@ -12,13 +12,15 @@ number of busy slots and the busy requests' live acceptance (``decoding/chooser.
 speculative config (one depth for every step), or a schedule of chain depths by number of occupied
 slots, e.g. ``1:5,4:3,9:0`` (K=5 while 1-3 slots are busy, K=3 from 4, none from 9).
 
-Before it listens, the server compiles every program it may run (``--no-precompile``: each compiles when
-first needed, while serving): per prompt bucket a prefill and a scoring program, the fork of ``n``
-choices, and per speculation depth, number of computed rows (powers of two up to ``--slots``) and
-attention span (powers of two from 256 up to the context) a step (a sampling program: greedy rows run
-on it exactly). Then it runs each once on throwaway rows, so that no program's first run (which links
-its kernels on the CPU) falls on a request. Compiled programs go to JAX's persistent
-compilation cache (``--compile-cache``), so a restart loads them.
+Before it listens, the server compiles every program it may run (``--list-programs`` prints them;
+``--no-precompile``: each compiles when first needed, while serving): a prefill chunk of 32, 128 and
+``--prefill-chunk`` tokens (every prompt goes through them), the cache row read and copy (prefix reuse,
+``n`` choices), a scoring program per length (128, x4, ..., the context), and per speculation depth and
+number of computed rows (powers of four up to ``--slots``) a step (a sampling program: greedy rows run on
+it exactly). Attention reads only the cache slots a program's rows reach, so no program is compiled per
+cache length. Then it runs each once on throwaway rows, so that no program's first run (which links its
+kernels on the CPU) falls on a request, and logs each program's compile time and the total. Compiled
+programs go to JAX's persistent compilation cache (``--compile-cache``), so a restart loads them.
 ``--drafter none`` serves the target alone (a profile's speculation schedule is then ignored). Checkpoints are directories or Hugging Face Hub repo ids; a
 target may also be a .gguf file or a named model (``smollm2-135m-instruct``); relative paths in a profile
 are relative to the profile's folder. The served model name (``/v1/models``) defaults to the target's
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 BUNDLED_PROFILE = "serve/bundled.yaml"  # under the repository's configs/
+API_KEY_ENV = "EAGLE_JAX_API_KEY"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -73,6 +77,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-name", help="the name /v1/models lists (default: the target's directory name, .gguf stem or model name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                    help=f"every /v1/* route then needs 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; /health and "
+                         "/metrics stay open)")
+    ap.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                    help="request bodies larger than this are refused with a 400 (default: 8 MiB)")
+    ap.add_argument("--list-programs", action="store_true",
+                    help="print the programs the server compiles before it is ready, with their shapes, then exit")
     return ap
 
 
@@ -129,6 +140,7 @@ def service_settings(args: argparse.Namespace | list[str]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    log = logging.getLogger(__name__)
 
     from eagle_jax import CheckpointError, ConfigError, compile_cache
 
@@ -137,17 +149,26 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from eagle_jax.serving.http_app import create_app
-    from eagle_jax.serving.server import build_service, freeze_startup_heap
+    from eagle_jax.serving.http_app import MAX_REQUEST_BYTES, create_app
+    from eagle_jax.serving.server import build_service, freeze_startup_heap, is_loopback, program_listing
 
+    if args.list_programs:
+        settings["precompile"] = False
     try:
         service = build_service(settings.pop("target_dir"), settings.pop("drafter_dir"), **settings)
+        app = create_app(service, api_key=args.api_key, max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
     except (ConfigError, CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    logging.getLogger(__name__).info("start-up heap frozen (a full collection of it took %.2f s)", freeze_startup_heap())
+    if args.list_programs:
+        print(program_listing(service.scheduler.engine))
+        return
+    if args.api_key is None and not is_loopback(args.host):
+        log.warning("listening on %s without an API key: anyone who can reach it can use it (--api-key or $%s)", args.host,
+                    API_KEY_ENV)
+    log.info("start-up heap frozen (a full collection of it took %.2f s)", freeze_startup_heap())
     service.scheduler.start()
     try:
-        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="info")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         service.scheduler.stop()
 

@@ -14,9 +14,10 @@ import numpy as np
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding import calls, chooser
 from eagle_jax.decoding.calls import GenerationResult
-from eagle_jax.decoding.engine import growing_spans, run_rounds
+from eagle_jax.decoding.engine import run_rounds
 from eagle_jax.decoding.prefill import start
 from eagle_jax.modeling.drafter import Drafter
+from eagle_jax.modeling.layers import read_spans
 from eagle_jax.modeling.target import Target
 
 CHOOSE_EVERY = 8  # rounds between two choices (each a host round trip)
@@ -98,11 +99,10 @@ class AutoRun:
         for (depth, fed), program in programs.items():
             if id(program) not in _RAN:
                 # A program's first rounds pay one-time costs (~0.2 s each on a CPU: its kernels readied as they first
-                # run), in each phase of its growing spans: paid here, with the compiles, by one round per phase on a
-                # throwaway copy of the state, its rows placed in that phase.
+                # run), for each span attention may read: paid here, with the compiles, by one round per span on a
+                # throwaway copy of the state, its rows placed past the span before.
                 t0 = time.perf_counter()
-                spans = growing_spans(dataclasses.replace(plan, spec=chooser.spec_of(depth)))
-                for at in (None, *spans):
+                for at in (None, *read_spans(plan.cache_len)[:-1]):
                     scratch = jax.tree.map(jnp.copy, st if fed else bare)
                     if at is not None:
                         scratch = dataclasses.replace(scratch, length=jnp.full_like(scratch.length, at))

@@ -9,8 +9,6 @@ path into contiguous slots.
 
 from __future__ import annotations
 
-import dataclasses
-
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +56,6 @@ class Plan:
     spec: SpecConfig | None
     greedy: bool  # every row greedy: the program has no sampling code at all
     eos_ids: tuple[int, ...]
-    span: int | None = None  # leading cache slots the rounds read and write (None: all of them)
     mesh: Any = None  # tensor parallel: caches are laid out by the sharding rules
     exact: bool = False  # the target computes in float32 whatever its weights' dtype (see ``target_dtype``)
     # Rounds without drafts (``spec`` None with a drafter) only write the drafter's cache, and compute its
@@ -72,16 +69,12 @@ class Plan:
     def one_shot(cls, batch: int, prompt_len: int, max_new: int, spec: SpecConfig | None, greedy: bool,
                  eos_ids: tuple[int, ...], mesh: Any = None, exact: bool = False) -> "Plan":
         """The plan of ``generate``: prompts padded to ``prompt_len``, ``max_new`` tokens per row."""
-        return cls(batch, one_shot_cache_len(prompt_len, max_new, spec), max_new, spec, greedy, eos_ids, None, mesh, exact)
+        return cls(batch, one_shot_cache_len(prompt_len, max_new, spec), max_new, spec, greedy, eos_ids, mesh, exact)
 
     @property
     def width(self) -> int:
         """Tokens emitted per round at most."""
         return 1 if self.spec is None else self.spec.max_emitted
-
-    @property
-    def attend_len(self) -> int:
-        return self.cache_len if self.span is None else self.span
 
 
 def target_dtype(target: Target, plan: Plan):
@@ -100,10 +93,13 @@ def target_forward(target: Target, drafter: Drafter | None, plan: Plan, tokens, 
     return target.forward(tokens, positions, mask, cache, write_index, aux_ids, target_dtype(target, plan))
 
 
-def causal_cache_mask(q_pos: Array, cache_len: int, window: int | None) -> Array:
-    """[B, T, S] for a block at positions q_pos [B, T] over cache slots holding positions 0..S-1."""
+def causal_cache_mask(q_pos: Array, cache_len: int, window: int | None, live: Array | None = None) -> Array:
+    """[B, T, S] for a block at positions q_pos [B, T] over cache slots holding positions 0..S-1. Rows not
+    ``live`` [B] (done: their outputs are never kept) attend to nothing, so that attention's span
+    (``layers.softmax_over_blocks``) follows the live rows only."""
     slots = jnp.broadcast_to(jnp.arange(cache_len), (q_pos.shape[0], cache_len))
-    return window_mask(q_pos, slots, window)
+    mask = window_mask(q_pos, slots, window)
+    return mask if live is None else mask & live[:, None, None]
 
 
 def processed(logits: Array, rs: RowSampling, block: Array | None = None, paths: Array | None = None) -> Array:
@@ -154,7 +150,8 @@ def _draft_chain(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None
             break
         pos = (st.length + i)[:, None]
         normed, feat3, cache = drafter.layer(
-            feat[:, None], drafter.draft_to_target(d)[:, None], pos, causal_cache_mask(pos, plan.attend_len, None), cache, st.length + i
+            feat[:, None], drafter.draft_to_target(d)[:, None], pos, causal_cache_mask(pos, plan.cache_len, None, ~st.done), cache,
+            st.length + i
         )
         logits, feat = drafter.lm_head(normed[:, 0]), feat3[:, 0]
     draft_ids = jnp.stack(ids, axis=1) if ids else jnp.zeros((b, 0), jnp.int32)
@@ -165,7 +162,8 @@ def _draft_chain(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None
     return drafter.draft_to_target(draft_ids), draft_ids, q, cache
 
 
-def extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array, n: Array, length: Array, cache):
+def extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array, n: Array, length: Array, cache,
+                   live: Array | None = None):
     """Feeds the accepted pairs (target feature, next token) at positions length.. into the drafter cache.
 
     Returns the drafter's logits and feature at the last accepted pair (index n).
@@ -173,7 +171,7 @@ def extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array,
     b, w = next_tokens.shape
     pos = length[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
     normed, feat, cache = drafter.layer(
-        drafter.fuse(aux.astype(drafter.dtype)), next_tokens, pos, causal_cache_mask(pos, plan.attend_len, None), cache, length
+        drafter.fuse(aux.astype(drafter.dtype)), next_tokens, pos, causal_cache_mask(pos, plan.cache_len, None, live), cache, length
     )
     normed_n = jnp.take_along_axis(normed, n[:, None, None], axis=1)[:, 0]
     return drafter.lm_head(normed_n), jnp.take_along_axis(feat, n[:, None, None], axis=1)[:, 0], cache
@@ -195,7 +193,8 @@ class RoundOut:
 def _round_plain(target: Target, plan: Plan, st: LoopState, keys: Array | None) -> RoundOut:
     pos = st.length[:, None]
     hidden, _, t_cache = target_forward(
-        target, None, plan, st.pending[:, None], pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
+        target, None, plan, st.pending[:, None], pos, causal_cache_mask(pos, plan.cache_len, target.config.sliding_window, ~st.done), st.t_cache,
+        st.length
     )
     nxt = pick(target.logits(hidden[:, 0]), plan, st.sampling, keys)
     return RoundOut(t_cache, None, jnp.zeros_like(st.length), nxt[:, None])
@@ -212,7 +211,8 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     block = jnp.concatenate([st.pending[:, None], drafts], axis=1)
     pos = st.length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     hidden, aux, t_cache = target_forward(
-        target, drafter, plan, block, pos, causal_cache_mask(pos, plan.attend_len, target.config.sliding_window), st.t_cache, st.length
+        target, drafter, plan, block, pos, causal_cache_mask(pos, plan.cache_len, target.config.sliding_window, ~st.done), st.t_cache,
+        st.length
     )
     logits = processed(target.logits(hidden), st.sampling, block, penalties.chain_paths(k + 1))
     if plan.greedy:
@@ -227,7 +227,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     if k == 0 and plan.lazy_feed:
         d_logits, d_feat, d_cache = _feed_lazily(drafter, plan, st, aux, emitted, d_cache, last)
     else:
-        d_logits, d_feat, d_cache = extend_drafter(drafter, plan, aux, emitted, n, st.length, d_cache)
+        d_logits, d_feat, d_cache = extend_drafter(drafter, plan, aux, emitted, n, st.length, d_cache, ~st.done)
     probe = None
     if k == 0 and st.probe is not None:
         def observe(probe):
@@ -248,7 +248,7 @@ def _feed_lazily(drafter: Drafter, plan: Plan, st: LoopState, aux: Array, emitte
     cache = drafter.write_cache(g, emitted, pos, cache, st.length)
 
     def outputs(_):  # the pair just written attends over the cache it is in
-        normed, feat = drafter.read_cache(g, emitted, pos, causal_cache_mask(pos, plan.attend_len, None), cache)
+        normed, feat = drafter.read_cache(g, emitted, pos, causal_cache_mask(pos, plan.cache_len, None, ~st.done), cache)
         return drafter.lm_head(normed[:, 0]), feat[:, 0]
 
     d_logits, d_feat = jax.lax.cond(st.rounds == last, outputs, lambda _: (st.d_logits, st.d_feat), None)
@@ -282,14 +282,13 @@ def _gather_path(cache: KVCache, path: Array, length: Array) -> KVCache:
 
 def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None) -> RoundOut:
     sp_ = plan.spec
-    span = plan.attend_len
     shape = TreeShape(sp_.tree_top_k, sp_.tree_depth, sp_.tree_total_tokens)
-    tree, d_cache = grow(drafter, shape, st.d_logits, st.d_feat, st.d_cache, st.length, span)
+    tree, d_cache = grow(drafter, shape, st.d_logits, st.d_feat, st.d_cache, st.length, plan.cache_len, ~st.done)
     tree.tokens = tree.tokens.at[:, 0].set(st.pending)
     pos = st.length[:, None] + tree.depth
-    mask = verify_mask(tree, st.length, span)
+    mask = verify_mask(tree, st.length, plan.cache_len) & ~st.done[:, None, None]
     if target.config.sliding_window is not None:
-        mask &= causal_cache_mask(pos, span, target.config.sliding_window) | (jnp.arange(span) >= st.length[:, None])[:, None, :]
+        mask &= causal_cache_mask(pos, plan.cache_len, target.config.sliding_window) | (jnp.arange(plan.cache_len) >= st.length[:, None])[:, None, :]
     hidden, aux, t_cache = target_forward(target, drafter, plan, tree.tokens, pos, mask, st.t_cache, st.length)
     # A node's penalties count the drafted nodes on its path (its ancestors and itself, the root, already out, aside).
     on_path = tree.ancestors & (jnp.arange(tree.tokens.shape[1]) > 0)[None, None, :]
@@ -300,7 +299,7 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
     w = shape.depth + 1
     emitted = jnp.where(jnp.arange(w)[None, :] == n[:, None], bonus[:, None], jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1))
     path_aux = jnp.take_along_axis(aux, path[:, :, None], axis=1)
-    d_logits, d_feat, d_cache = extend_drafter(drafter, plan, path_aux, emitted, n, st.length, d_cache)
+    d_logits, d_feat, d_cache = extend_drafter(drafter, plan, path_aux, emitted, n, st.length, d_cache, ~st.done)
     return RoundOut(t_cache, d_cache, n, emitted, d_logits, d_feat)
 
 
@@ -352,42 +351,12 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
     )
 
 
-SPAN_MIN_CACHE = 1024  # caches from this many slots decode in growing spans (``growing_spans``)
-SPAN_ALIGN = 128
-
-
-def growing_spans(plan: Plan) -> tuple[int, ...]:
-    """Spans (leading cache slots read) of the loop's first phases, before the whole cache.
-
-    Attention reads every slot it is given, used or not (about 2 us per slot and step for the bundled
-    target on a CPU core), so a one-shot cache sized for prompt + max_new costs a short row as much as
-    a full one. From SPAN_MIN_CACHE slots the rounds run in phases: while every active row fits in a
-    quarter, then a half of the cache, they read only that; then all of it. Each phase is a copy of
-    the round in the program (compile time), hence only for large caches. Spans the prompts already
-    fill are skipped (the prompt length is the plan's cache length less max_new and the scratch)."""
-    if plan.span is not None or plan.cache_len < SPAN_MIN_CACHE:
-        return ()
-    prompt_len = plan.cache_len - plan.max_rounds - scratch_slots(plan.spec) - 1
-    spans = {-(-plan.cache_len // (4 // f) // SPAN_ALIGN) * SPAN_ALIGN for f in (1, 2)}
-    return tuple(sorted(s for s in spans if prompt_len + 2 * (scratch_slots(plan.spec) + 1) <= s < plan.cache_len))
-
-
 def run_rounds(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, limit: Array) -> LoopState:
-    """Rounds until every row is done or ``limit`` rounds have run in total (at most ``plan.max_rounds``);
-    for large caches, the first ones over the leading slots only (``growing_spans``). A round's span
-    changes what attention reads, never the tokens: slots past a row's length are masked either way."""
+    """Rounds until every row is done or ``limit`` rounds have run in total (at most ``plan.max_rounds``).
+    Attention reads only the cache blocks the rows reach (``layers.softmax_over_blocks``)."""
     stop = jnp.minimum(limit, plan.max_rounds)
-    scratch = scratch_slots(plan.spec) + 1
 
     def going(s: LoopState):
         return jnp.any(~s.done) & (s.rounds < stop)
-
-    for span in growing_spans(plan):
-        phase = dataclasses.replace(plan, span=span)
-
-        def fits(s: LoopState, span=span):  # every active row's writes this round stay below the span
-            return going(s) & (jnp.max(jnp.where(s.done, 0, s.length)) + scratch <= span)
-
-        st = jax.lax.while_loop(fits, lambda s, phase=phase: one_round(target, drafter, phase, s, stop - 1), st)
 
     return jax.lax.while_loop(going, lambda s: one_round(target, drafter, plan, s, stop - 1), st)

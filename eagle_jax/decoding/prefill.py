@@ -1,7 +1,6 @@
-"""Prompts into caches: the whole prompt at once (``prefill``, ``start``: ``generate``'s first step),
-several whole prompts packed into one row (``prefill_packed``: the serving engine's inserts), or a
-chunk at a time after what a cache already holds (``prefill_chunk``: the serving engine's chunked
-prefill and prefix reuse).
+"""Prompts into caches: the whole prompt at once (``prefill``, ``start``: ``generate``'s first step), or a
+chunk at a time after what a cache already holds (``prefill_chunk``: the serving engine's prefill, in
+chunks, and its prefix reuse).
 
 A drafter's cache entry at position t pairs the target's aux states at t with token t+1, so a prompt's
 entries need only the prompt, except the last one, which pairs with the first generated token. An
@@ -21,7 +20,6 @@ from eagle_jax.decoding.engine import Plan, causal_cache_mask, pick, placed, tar
 from eagle_jax.decoding.sampling import RowSampling, split_rows
 from eagle_jax.decoding.state import LoopState, counted, emit
 from eagle_jax.modeling.drafter import Drafter
-from eagle_jax.modeling.layers import document_mask
 from eagle_jax.modeling.target import KVCache, Target, window_mask
 
 Array = jax.Array
@@ -37,10 +35,6 @@ class Prefilled:
     first: Array  # [B]
     d_logits: Array | None
     d_feat: Array | None
-    # The target's logits and captured aux states at the last prompt position: what another first token
-    # for the same prompt needs (the slot engine's ``fork``: ``n`` choices sharing one prefill).
-    last_logits: Array | None = None  # [B, V]
-    last_aux: Array | None = None  # [B, A]
 
 
 def _drafter_prompt(drafter: Drafter, aux: Array, nxt: Array, positions: Array, cache, write_index: Array, at: Array, mask_at: Array):
@@ -75,48 +69,13 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     last_logits = target.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
     first = pick(last_logits, plan, rs, keys)
     if drafter is None:
-        return Prefilled(t_cache, None, first, None, None, last_logits)
+        return Prefilled(t_cache, None, first, None, None)
     # Pair (feature of position t, token t+1): the prompt shifted left, the first generated token last.
     nxt = jnp.concatenate([prompt[:, 1:], zero[:, None]], axis=1)
     nxt = jnp.where(jnp.arange(p)[None, :] == last[:, None], first[:, None], nxt)
     d_logits, d_feat, d_cache = _drafter_prompt(drafter, aux, nxt, positions, placed(plan, drafter.init_cache(b, s)), zero, last[:, None],
                                                 causal_cache_mask(last[:, None], s, None))
-    last_aux = jnp.take_along_axis(aux, last[:, None, None], axis=1)[:, 0]
-    return Prefilled(t_cache, d_cache, first, d_logits[:, 0], d_feat[:, 0], last_logits, last_aux)
-
-
-def prefill_packed(target: Target, drafter: Drafter | None, plan: Plan, ids: Array, positions: Array, segments: Array,
-                   starts: Array, lens: Array, rs: RowSampling, keys: Array) -> Prefilled:
-    """Prompts packed one after another in one row (``ids``, ``positions``, ``segments`` [1, P]: prompt i
-    at ``starts[i]..starts[i]+lens[i]-1`` with positions from 0 and segment id i+1, padding segment 0),
-    each attending only to itself: one forward for all of them and no padding per prompt (the
-    variable-length prefill of vLLM and SGLang). Returns per prompt [M, ...] what ``prefill`` gives for
-    it alone, with caches of P slots holding prompt i at slots 0..lens[i]-1 (past them: whatever
-    followed it in the row, rewritten before it is read). A prompt may be listed twice (the same start
-    and length): its rows are then the same."""
-    p = ids.shape[1]
-    window = target.config.sliding_window
-    zero = jnp.zeros((1,), jnp.int32)
-    t_cache = placed(plan, target.init_cache(1, p, target_dtype(target, plan)))
-    hidden, aux, t_cache = target_forward(target, drafter, plan, ids, positions, document_mask(positions, segments, window), t_cache, zero)
-    last = starts + lens - 1
-    slots = jnp.clip(starts[:, None] + jnp.arange(p)[None, :], 0, p - 1)  # [M, P]: prompt i's row of the cache
-
-    def unpack(cache):  # [1, H, P, D] -> [M, H, P, D]
-        return jnp.moveaxis(cache[0][:, slots], 1, 0)
-
-    last_logits = target.logits(hidden[0, last])
-    first = pick(last_logits, plan, rs, keys)
-    t_rows = jax.tree.map(unpack, t_cache)
-    if drafter is None:
-        return Prefilled(t_rows, None, first, None, None, last_logits)
-    # Pair (feature of position t, token t+1) within each prompt, its first generated token last.
-    nxt = jnp.concatenate([ids[0, 1:], jnp.zeros((1,), ids.dtype)]).at[last].set(first)[None]
-    # Each prompt's last position attends to its own earlier slots.
-    mask_at = (segments[0][None, :] == segments[0][last][:, None]) & (jnp.arange(p)[None, :] <= last[:, None])
-    d_logits, d_feat, d_cache = _drafter_prompt(drafter, aux, nxt, positions, placed(plan, drafter.init_cache(1, p)), zero, last[None],
-                                                mask_at[None])
-    return Prefilled(t_rows, jax.tree.map(unpack, d_cache), first, d_logits[0], d_feat[0], last_logits, aux[0, last])
+    return Prefilled(t_cache, d_cache, first, d_logits[:, 0], d_feat[:, 0])
 
 
 def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array,
@@ -153,7 +112,7 @@ def prefill_chunk(target: Target, drafter: Drafter | None, plan: Plan, ids: Arra
                   t_cache: KVCache, d_cache, rs: RowSampling, keys: Array) -> Prefilled:
     """One chunk of a prompt after the ``start`` [B] positions the caches already hold: target positions
     ``start..start+C-1`` of ``ids`` [B, C+1] (the prompt's tokens from ``start``, padded; the last column
-    only feeds the drafter its next token), attending over the cache's leading ``plan.attend_len`` slots.
+    only feeds the drafter its next token), attending over the cache's leading ``plan.cache_len`` slots.
     The drafter's entries ``start..start+C-1`` are written too, each with the next prompt token, and the
     one at the prompt's last position with the first generated token.
 
@@ -163,14 +122,15 @@ def prefill_chunk(target: Target, drafter: Drafter | None, plan: Plan, ids: Arra
     are rewritten before they are read."""
     c = ids.shape[1] - 1
     pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
-    mask = causal_cache_mask(pos, plan.attend_len, target.config.sliding_window)
+    mask = causal_cache_mask(pos, plan.cache_len, target.config.sliding_window)
     hidden, aux, t_cache = target_forward(target, drafter, plan, ids[:, :c], pos, mask, t_cache, start)
     at = jnp.clip(plen - 1 - start, 0, c - 1)  # the prompt's last position within the chunk
     last_logits = target.logits(jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0])
     first = pick(last_logits, plan, rs, keys)
     if drafter is None:
-        return Prefilled(t_cache, None, first, None, None, last_logits)
-    nxt = jnp.where(jnp.arange(c)[None, :] == at[:, None], first[:, None], ids[:, 1:])
+        return Prefilled(t_cache, None, first, None, None)
+    ends = (jnp.arange(c)[None, :] == at[:, None]) & (start + c >= plen)[:, None]  # the prompt's last position is here
+    nxt = jnp.where(ends, first[:, None], ids[:, 1:])
     d_logits, d_feat, d_cache = _drafter_prompt(drafter, aux, nxt, pos, d_cache, start, at[:, None],
-                                                causal_cache_mask((start + at)[:, None], plan.attend_len, None))
-    return Prefilled(t_cache, d_cache, first, d_logits[:, 0], d_feat[:, 0], last_logits, jnp.take_along_axis(aux, at[:, None, None], axis=1)[:, 0])
+                                                causal_cache_mask((start + at)[:, None], plan.cache_len, None))
+    return Prefilled(t_cache, d_cache, first, d_logits[:, 0], d_feat[:, 0])

@@ -41,16 +41,17 @@ class Tree:
     ancestors: Array  # [B, N, N] node i sees node j (ancestor or itself)
 
 
-def grow(drafter, shape: TreeShape, d_logits: Array, d_feat: Array, d_cache, length: Array, span: int):
+def grow(drafter, shape: TreeShape, d_logits: Array, d_feat: Array, d_cache, length: Array, cache_len: int,
+         live: Array | None = None):
     """Drafts a tree from the root's drafter outputs (EAGLE-2): frontier expansion by cumulative log-prob.
 
     Returns (Tree, drafter cache). Expansion e runs the k frontier nodes at position length + e; they are
-    written to drafter slots length + e*k + j and see the prefix plus their own ancestors, all within the
-    first ``span`` cache slots.
+    written to drafter slots length + e*k + j and see the prefix plus their own ancestors (masks over the
+    ``cache_len`` slots; rows not ``live`` [B] attend to nothing, as in ``engine.causal_cache_mask``).
     """
     k, depth, n_nodes = shape.top_k, shape.depth, shape.total_tokens
     b = d_logits.shape[0]
-    s = span
+    s = cache_len
     e_slots = shape.expanded_slots
     to_target = drafter.draft_to_target
 
@@ -66,6 +67,8 @@ def grow(drafter, shape: TreeShape, d_logits: Array, d_feat: Array, d_cache, len
         vis = front_anc | jax.nn.one_hot(e * k + jnp.arange(k), max(e_slots, 1), dtype=bool)[None]
         tree_vis = jnp.take_along_axis(vis, jnp.clip(rel, 0, e_slots - 1)[:, None, :].repeat(k, 1), axis=2)
         mask = (rel < 0)[:, None, :] | (tree_vis & ((rel >= 0) & (rel < e_slots))[:, None, :])
+        if live is not None:
+            mask &= live[:, None, None]
         positions = jnp.broadcast_to((length + e)[:, None], (b, k))
         normed, feat, d_cache = drafter.layer(front_feat, to_target(front_tok), positions, mask, d_cache, length + e * k)
         child_logp = jax.nn.log_softmax(drafter.lm_head(normed).astype(jnp.float32), axis=-1)

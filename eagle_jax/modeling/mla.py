@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import MLAConfig, RopeConfig, TargetConfig
-from eagle_jax.modeling.layers import KeySource, Linear, RMSNorm, apply_rope, write_kv
+from eagle_jax.modeling.layers import KV_BLOCK, KeySource, Linear, RMSNorm, apply_rope, softmax_over_blocks, write_kv
 
 Array = jax.Array
 
@@ -142,20 +142,6 @@ class MLAttention(nnx.Module):
         probs = _softmax(scores * self.scale, mask[:, None], v.dtype)
         return jnp.einsum("bhts,bshd->bthd", probs, v)
 
-    def _absorbed(self, q_nope: Array, q_rot: Array, latent: Array, k_rot: Array, mask: Array) -> Array:
-        """Scores against the latents directly: W_UK folded into the query, W_UV after the average."""
-        b, t, h, _ = q_nope.shape
-        w_uk, w_uv = self._up_kernels(q_nope.dtype)
-        # Heads and query positions share one latent per key: fold them into one row axis (heads major,
-        # so a split over heads stays a split of rows), making each batch row a single [h*t, R] x [R, S]
-        # matmul (the MQA shape).
-        q_lat = jnp.einsum("bthd,rhd->bhtr", q_nope, w_uk).reshape(b, h * t, -1)
-        q_rot = q_rot.transpose(0, 2, 1, 3).reshape(b, h * t, -1)
-        scores = jnp.einsum("bqr,bsr->bqs", q_lat, latent) + jnp.einsum("bqd,bsd->bqs", q_rot, k_rot)
-        probs = _softmax((scores * self.scale).reshape(b, h, t, -1), mask[:, None], latent.dtype)
-        o_lat = jnp.einsum("bqs,bsr->bqr", probs.reshape(b, h * t, -1), latent).reshape(b, h, t, -1)
-        return jnp.einsum("bhtr,rhd->bthd", o_lat, w_uv)
-
     def _project(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array, Array]:
         """x [B, T, d_in] -> q_nope [B,T,heads,nope], rotated q_rot [B,T,heads,rope], normed latents
         [B,T,kv_lora_rank], rotated shared rope keys [B,T,rope]."""
@@ -184,11 +170,30 @@ class MLAttention(nnx.Module):
         return write_kv(kv[0], latent[:, :, None], write_index), write_kv(kv[1], k_rot[:, :, None], write_index)
 
     def _over_cache(self, q_nope: Array, q_rot: Array, kv: tuple[Array, Array], mask: Array) -> Array:
-        """Absorbed attention over the cache's leading ``mask.shape[-1]`` slots of its leading rows: a
-        program sized for short rows skips the unused tail."""
-        b, t, span = q_nope.shape[0], q_nope.shape[1], mask.shape[-1]
-        out = self._absorbed(q_nope, q_rot, kv[0][:b, 0, :span].astype(q_nope.dtype), kv[1][:b, 0, :span].astype(q_nope.dtype), mask)
-        return self.o_proj(out.reshape(b, t, -1))
+        """Absorbed attention (W_UK folded into the query, W_UV after the average) over the cache's leading ``mask.shape[-1]`` slots of its
+        leading rows, reading only the blocks the mask reaches (``layers.softmax_over_blocks``)."""
+        b, t, h, _ = q_nope.shape
+        dtype = q_nope.dtype
+        w_uk, w_uv = self._up_kernels(dtype)
+        latent, k_rot = (c[:b, 0, : mask.shape[-1]] for c in kv)
+        block = min(KV_BLOCK, latent.shape[1])
+        q_lat = jnp.einsum("bthd,rhd->bhtr", q_nope, w_uk).reshape(b, h * t, -1)
+        q_rope = q_rot.transpose(0, 2, 1, 3).reshape(b, h * t, -1)
+
+        def scores_of(start, block_mask):
+            lat = jax.lax.dynamic_slice_in_dim(latent, start, block, axis=1).astype(dtype)
+            rot = jax.lax.dynamic_slice_in_dim(k_rot, start, block, axis=1).astype(dtype)
+            scores = jnp.einsum("bqr,bsr->bqs", q_lat, lat) + jnp.einsum("bqd,bsd->bqs", q_rope, rot)
+            scores = (scores * self.scale).astype(jnp.float32).reshape(b, h, t, block)
+            return jnp.where(block_mask[:, None], scores, jnp.finfo(jnp.float32).min)
+
+        def values_of(probs, start):
+            lat = jax.lax.dynamic_slice_in_dim(latent, start, block, axis=1).astype(dtype)
+            out = jnp.einsum("bqs,bsr->bqr", probs.astype(dtype).reshape(b, h * t, block), lat, preferred_element_type=jnp.float32)
+            return out.reshape(b, h, t, -1)
+
+        o_lat = softmax_over_blocks(scores_of, values_of, mask, latent.shape[-1]).astype(dtype)
+        return self.o_proj(jnp.einsum("bhtr,rhd->bthd", o_lat, w_uv).reshape(b, t, -1))
 
     def read(self, x: Array, cos: Array, sin: Array, mask: Array, kv: tuple[Array, Array]) -> Array:
         """``layers.Attention.read`` for the latent cache: x attends (absorbed) over the leading

@@ -29,6 +29,7 @@ from eagle_jax.serving.protocol import APIError, ChatRequest, CompletionRequest,
 from eagle_jax.serving.text import TextStream
 
 DISCONNECT_POLL_S = 0.5
+MAX_REQUEST_BYTES = 8 * 2**20  # request bodies past this are refused (``create_app``)
 
 
 @dataclass
@@ -295,13 +296,46 @@ def _service(http: HTTPRequest) -> Service:
     return http.app.state.service
 
 
-def create_app(service: Service) -> FastAPI:
+async def _body(http: HTTPRequest) -> bytes:
+    """The request body, refused past the app's ``max_request_bytes`` (before it is parsed or queued)."""
+    limit = http.app.state.max_request_bytes
+    raw = await http.body()
+    if len(raw) > limit:
+        raise APIError(400, f"the request body has {len(raw)} bytes, more than this server's limit of {limit} "
+                            f"(eagle-jax-serve --max-request-bytes)", code="request_too_large")
+    return raw
+
+
+def _authorized(header: str | None, api_key: str) -> bool:
+    """Whether an ``Authorization`` header is ``Bearer <api_key>`` (compared in constant time)."""
+    scheme, _, token = (header or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def create_app(service: Service, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """The OpenAI-compatible app over ``service``. ``api_key``: every ``/v1/*`` route then needs
+    ``Authorization: Bearer <api_key>`` (``/health``, ``/metrics`` and the tokenizer routes stay open, as in
+    vLLM); ``max_request_bytes``: larger request bodies are refused with a 400."""
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("the API key is empty: give a non-empty key, or none to serve without one")
+    if max_request_bytes < 1:
+        raise ConfigError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     app = FastAPI(title="eagle_jax", version="0.1.0")
     # The endpoints get the service from the app (``Depends(_service)``), never from a closure: FastAPI
     # caches endpoint functions process-wide, so a closure would keep the service's engine (its caches and
     # programs) alive after the app is gone, and a process that serves one model after another runs out.
     app.state.service = service
+    app.state.max_request_bytes = int(max_request_bytes)
     name = service.model_name
+
+    if api_key is not None:
+        @app.middleware("http")
+        async def _check_key(http: HTTPRequest, call_next):
+            if http.url.path.startswith("/v1/") and not _authorized(http.headers.get("authorization"), api_key):
+                error = APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(http)
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -334,7 +368,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, service: Service = Depends(_service)):
-        body = _parse(await http.body(), CompletionRequest)
+        body = _parse(await _body(http), CompletionRequest)
         check_model(body)
         prompts = [_prompt_ids(service, p, body.add_special_tokens) for p in body.prompt]
         gens = _start(service, prompts, body.max_tokens, body)
@@ -362,7 +396,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest, service: Service = Depends(_service)):
-        body = _parse(await http.body(), ChatRequest)
+        body = _parse(await _body(http), ChatRequest)
         check_model(body)
         gens = _start(service, [_chat_ids(service, body, body.add_special_tokens)], body.limit, body)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -389,7 +423,7 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(http: HTTPRequest, service: Service = Depends(_service)):
         """vLLM's: the prompt's token ids (a text prompt, or chat messages through the template)."""
-        body = _parse(await http.body(), TokenizeRequest)
+        body = _parse(await _body(http), TokenizeRequest)
         if body.model is not None:
             check_model(body)
         if body.messages is not None:
@@ -412,7 +446,7 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(http: HTTPRequest, service: Service = Depends(_service)):
         """vLLM's: the text of token ids, special tokens included."""
-        body = _parse(await http.body(), DetokenizeRequest)
+        body = _parse(await _body(http), DetokenizeRequest)
         if body.model is not None:
             check_model(body)
         size = len(service.tokenizer)

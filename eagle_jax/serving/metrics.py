@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from eagle_jax.serving import Handle, Scheduler, StepOutput
+from eagle_jax.serving.program_cache import describe
 
 disable_created_metrics()  # no *_created series: they double the exposition and nobody graphs them
 
@@ -32,17 +33,22 @@ class Metrics:
         self.position = Counter("eagle_spec_accepted_position", "Rounds whose draft at this position (0-based) was accepted.", ["position"], registry=r)
         self.steps = Counter("eagle_steps", "Engine steps.", registry=r)
         self.steps_by_depth = Counter("eagle_steps_by_depth", "Engine steps by drafts per round (0: none).", ["depth"], registry=r)
-        self.compiles = Counter("eagle_compile_events", "Programs compiled, by kind (insert, step).", ["program"], registry=r)
+        self.compiles = Counter("eagle_compile_events", "Programs compiled, by kind (chunk, row, copy, score, step).", ["program"], registry=r)
         self.compile_seconds = Counter("eagle_compile_seconds", "Seconds spent compiling.", registry=r)
+        Gauge("eagle_programs", "Programs of the engine's precompiled set (eagle-jax-serve --list-programs).",
+              registry=r).set(len(scheduler.engine.program_set()))
+        self.program_seconds = Gauge("eagle_program_compile_seconds", "Seconds each program took to compile (or load from "
+                                     "the compilation cache).", ["program"], registry=r)
         self.prefix_queries = Counter("eagle_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
         self.prefix_hits = Counter("eagle_prefix_cache_hits", "Prompt tokens reused from the prefix cache (not computed).", registry=r)
         self.prefix_rate = Gauge("eagle_prefix_cache_hit_rate", "Prompt tokens reused / looked up, so far.", registry=r)
         self._prefix_on = scheduler.engine.prefix_cache
         self._rounds = self._emitted = self._queried = self._hit = 0  # written by the engine thread only
 
-    def on_compile(self, kind: str, seconds: float) -> None:
-        self.compiles.labels(kind).inc()
+    def on_compile(self, key: tuple, seconds: float) -> None:
+        self.compiles.labels(key[0]).inc()
         self.compile_seconds.inc(seconds)
+        self.program_seconds.labels(describe(key)).set(seconds)
 
     def on_step(self, active: int, spec, out: StepOutput) -> None:
         self.steps.inc()

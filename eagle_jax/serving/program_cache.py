@@ -3,8 +3,8 @@ compilation cache, ``compile_cache.compile_program``), every compile reported (`
 server's log line and metric), and a program not compiled yet stood in for by a compiled one that
 covers it while it compiles in the background (``get``).
 
-Keys (``describe``): ``("insert", bucket)``, ``("score", bucket)``, ``("fork",)``, ``("chunk", size,
-span)``, ``("row",)``, ``("copy", src, dst)`` and ``("step", spec, greedy, span, rows)``.
+Keys (``describe``): ``("chunk", size)``, ``("row",)``, ``("copy",)``, ``("score", bucket)`` and
+``("step", spec, greedy, rows)``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import jax
 
 from eagle_jax.compile_cache import compile_program
 from eagle_jax.config import ConfigError
-from eagle_jax.serving.slot_programs import INSERT_ROWS
 
 # Memory maps one compiled program holds on the CPU backend (LLVM maps each kernel's code sections apart;
 # measured: ~410 per program of the serving set); Linux allows 65530 maps per process by default.
@@ -28,22 +27,18 @@ CPU_MAPS_PER_PROGRAM = 450
 
 def describe(key: tuple) -> str:
     """A program key in words (the server logs one line per compiled program)."""
-    if key[0] == "insert":
-        return f"insert of up to {INSERT_ROWS} prompts, {key[1]} tokens in all"
     if key[0] == "score":
         return f"score of sequences up to {key[1]} tokens"
-    if key[0] == "fork":
-        return "fork (another choice of a prefilled prompt)"
     if key[0] == "chunk":
-        return f"prefill chunk of up to {key[1]} tokens, span {key[2]}"
+        return f"prefill chunk of {key[1]} tokens"
     if key[0] == "copy":
-        return f"cache row copy, {key[1]} to {key[2]}"
+        return "cache row copy"
     if key[0] == "row":
         return "cache row read (a prefill chunk's input)"
-    _, spec, greedy, span, rows = key
+    _, spec, greedy, rows = key
     depth = "no drafts" if spec is None else (f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else
                                               f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}")
-    return f"step, {depth}, {'greedy' if greedy else 'sampling'}, {rows} rows, span {span}"
+    return f"step, {depth}, {'greedy' if greedy else 'sampling'}, {rows} row{'s' if rows > 1 else ''}"
 
 
 def check_map_limit(programs: int, limit_file: str = "/proc/sys/vm/max_map_count") -> None:
@@ -92,7 +87,7 @@ class ProgramCache:
             program = self.programs.get(key)
         return program if program is not None else self.compile(key, build, shapes(args), donate_argnums)
 
-    def get(self, key: tuple, build: Callable, args: tuple, covers: Sequence[tuple] = ()):
+    def get(self, key: tuple, build: Callable, args: tuple, covers: Sequence[tuple] = (), donate_argnums: tuple[int, ...] = (2,)):
         """The compiled program for ``key``. If it is not compiled yet but a program in ``covers`` is (a
         larger one that computes the same thing), that one runs now and ``key`` is compiled in the
         background; with none, ``key`` is compiled here.
@@ -108,9 +103,9 @@ class ProgramCache:
         if used is not None and not background:  # already being compiled
             return used, self.programs[used]
         if background:
-            self._compiler.submit(self.compile, key, build, shapes(args))
+            self._compiler.submit(self.compile, key, build, shapes(args), donate_argnums)
             return used, self.programs[used]
-        return key, self.compile(key, build, shapes(args))
+        return key, self.compile(key, build, shapes(args), donate_argnums)
 
     def compile(self, key: tuple, build: Callable, abstract: Any, donate_argnums: tuple[int, ...] = (2,)):
         t0 = time.perf_counter()

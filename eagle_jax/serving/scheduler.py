@@ -5,10 +5,11 @@ that collects tokens as they come (and calls an optional listener from the engin
 steps the loop frees finished and cancelled slots, prefills waiting requests into free slots in arrival
 order, and picks the speculation config for the number of occupied slots (``SpecSchedule``).
 
-A prompt is prefilled whole (``insert_many``: the waiting prompts that fit the step's budget, packed
-into one program) or, past the engine's per-step prefill budget (``chunk`` tokens), in chunks between steps, so a long prompt never stalls the running streams for long. With
-the engine's ``prefix_cache`` a prompt starts from the longest prefix of it that a cache row holds
-(``prefix_cache.PrefixIndex``: a busy or freed slot, or a pool row), copied into its slot.
+A prompt is prefilled (``SlotEngine.prefill``) within the engine's per-step prefill budget (``chunk``
+tokens) while streams decode, the rest in later iterations, so a long prompt never stalls the running
+streams for long. With the engine's ``prefix_cache`` a prompt starts from the longest prefix of it that a
+cache row holds (``prefix_cache.PrefixIndex``: a busy or freed slot, or a pool row), copied into its slot;
+the ``n`` choices of one prompt start from the first one's cache row likewise.
 
 A step runs at most ``rounds_per_step`` rounds, and no more than fit in ``step_ms`` at the per-round time
 its rows and spec took last (``Scheduler._rounds``): a request arriving during a step waits for its end,
@@ -18,7 +19,7 @@ host round trip.
 
 While prompts are owed prefill (chunks in progress, or requests waiting with a slot free), a step runs
 ``ROUNDS_WHILE_PREFILLING`` rounds instead of the engine's ``rounds_per_step``, so that the next chunk
-or pack comes one round later, not a whole step: a burst of arrivals waits for the prefills ahead of it
+comes one round later, not a whole step: a burst of arrivals waits for the prefills ahead of it
 and little else, and a running stream's gaps while a long prompt is prefilled stay near one round plus
 one chunk (vLLM's chunked prefill interleaves one decode step per scheduler iteration likewise).
 
@@ -46,7 +47,7 @@ from eagle_jax.decoding.calls import acceptance_summary
 from eagle_jax.decoding import chooser
 from eagle_jax.decoding.chooser import Acceptance, Chooser
 from eagle_jax.serving.prefix_cache import PrefixIndex
-from eagle_jax.serving.slots import INSERT_ROWS, Admission, SlotEngine, StepOutput
+from eagle_jax.serving.slots import SlotEngine, StepOutput
 
 log = logging.getLogger("eagle_jax.serving")
 ROUNDS_WHILE_PREFILLING = 1
@@ -67,7 +68,7 @@ class Request:
     ignore_eos: bool = False  # generate through EOS up to max_tokens
     stop_token_ids: tuple[int, ...] = ()  # stop after any of these as after EOS
     # Requests of one group share a prompt (the ``n`` choices of one prompt): one admitted while another of
-    # its group holds a slot starts from that slot's prefill (``SlotEngine.fork``) instead of its own.
+    # its group holds a slot starts from a copy of that slot's prefill instead of its own.
     group: int | None = None
 
     def stop_ids(self, eos_ids: Sequence[int]) -> frozenset[int]:
@@ -342,7 +343,7 @@ class Scheduler:
         span = self.engine.span_for(lengths, spec)
         short = self._owed()
         kind = (rows, spec, greedy)
-        out = self.engine.step(spec, greedy, span, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if short else self._rounds(kind))
+        out = self.engine.step(spec, greedy, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if short else self._rounds(kind))
         self._stale.clear()
         now = time.perf_counter()
         # A short step's time is mostly what every step costs once (dispatch, the drafter's outputs, the probe): as a
@@ -443,11 +444,11 @@ class Scheduler:
             if isinstance(self.schedule, Chooser):
                 h.estimate = self.schedule.new_row(r.sampling.greedy)
             self._slots[slot] = h
-            if src is not None:  # the copies of one prompt: all of it is in the source slot
-                h.cached_tokens = len(r.prompt)
-                self._run_prefill([slot], lambda: [self.engine.fork(src, slot, r.max_tokens, r.sampling, r.seed,
-                                                                   stop_at_eos=not r.ignore_eos)])
-                continue
+            if src is not None:  # the copies of one prompt: all of it is in the source slot, but its last position,
+                reuse = len(r.prompt) - 1  # recomputed for this request's first token and the drafter's last pair
+                self.engine.copy_row(("slot", src), ("slot", slot), held=reuse)
+                if self._prefix is not None:
+                    self._prefix.set(("slot", slot), r.prompt[:reuse])
             self._prefilling[slot] = h.cached_tokens = reuse
         self._prefill(budget)
 
@@ -470,50 +471,21 @@ class Scheduler:
         return slot, reuse
 
     def _prefill(self, budget: int) -> int:
-        """Prefills prompts in progress within ``budget`` tokens: whole prompts from their start together,
-        packed into ``insert_many`` programs, others in chunks of at most the engine's ``chunk``; returns
-        the budget left."""
-        whole: list[int] = []
+        """Prefills prompts in progress, oldest first, within ``budget`` tokens; returns the budget left."""
         for slot in list(self._prefilling):
-            while slot in self._prefilling:
-                h, start = self._slots[slot], self._prefilling[slot]
-                r = h.request
-                left = len(r.prompt) - start
-                if budget < min(left, self.engine.chunk_sizes[0]):
-                    self._insert(whole)
-                    return budget
-                if start == 0 and left <= budget:
-                    budget -= left
-                    whole.append(slot)
-                    break
-                end = start + min(left, budget, self.engine.chunk)
-                budget -= end - start
-                self._prefilling[slot] = end
-                if self._prefix is not None and end < len(r.prompt):
-                    self._prefix.set(("slot", slot), r.prompt[:end])
-                self._run_prefill([slot], lambda: [self.engine.prefill_chunk(
-                    slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos)])
-        self._insert(whole)
+            h, start = self._slots[slot], self._prefilling[slot]
+            r = h.request
+            left = len(r.prompt) - start
+            if budget < min(left, self.engine.chunk_sizes[0]):
+                break
+            end = start + min(left, budget)
+            budget -= end - start
+            self._prefilling[slot] = end
+            if self._prefix is not None and end < len(r.prompt):
+                self._prefix.set(("slot", slot), r.prompt[:end])
+            self._run_prefill([slot], lambda: [self.engine.prefill(
+                slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos)])
         return budget
-
-    def _insert(self, slots: list[int]) -> None:
-        """Prefills the whole prompts of ``slots`` in packs of at most ``INSERT_ROWS`` prompts and the
-        engine's ``chunk`` tokens (a longer prompt alone): a pack's attention spans all of it, masked,
-        so a longer pack would cost more than its prompts apart."""
-
-        def admission(slot: int) -> Admission:
-            r = self._slots[slot].request
-            return Admission(slot, r.prompt, r.max_tokens, r.sampling, r.seed, not r.ignore_eos)
-
-        packs: list[list[Admission]] = []
-        for row in map(admission, slots):
-            pack = packs[-1] if packs else None
-            if pack is None or len(pack) == INSERT_ROWS or sum(len(a.prompt) for a in pack) + len(row.prompt) > self.engine.chunk:
-                packs.append([row])
-            else:
-                pack.append(row)
-        for pack in packs:
-            self._run_prefill([a.slot for a in pack], lambda: self.engine.insert_many(pack))
 
     def _run_prefill(self, slots: list[int], program: Callable[[], list[tuple[int, bool] | None]]) -> None:
         """Runs a prefill program for the requests in ``slots``; once it gives a request's first token the

@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import jax
 
 from eagle_jax.checkpoint.hub import looks_like_repo_id
 from eagle_jax.checkpoint.tokenizer import is_gguf_file
@@ -135,31 +134,51 @@ def make_service(target, drafter, tokenizer, schedule: SpecSchedule | Chooser, e
     most (longer prompts go in chunks); ``prefix_cache``: prompts start from the longest prefix a cache
     row holds, with ``prefix_pool_rows`` rows beside the slots keeping what freed slots held. ``step_ms``: a
     step's rounds are cut to about this long (``Scheduler``; 0: always ``rounds_per_step``)."""
-    holder: dict[str, Metrics] = {}
+    holder: dict = {}
 
     def on_compile(key: tuple, seconds: float) -> None:
-        log.info("compiled %s in %.1f s", describe(key), seconds)
+        log.info("compiled %s (%s) in %.1f s", describe(key), holder["engine"].program_shapes(key), seconds)
         if "metrics" in holder:
-            holder["metrics"].on_compile(key[0], seconds)
+            holder["metrics"].on_compile(key, seconds)
 
     engine = SlotEngine(target, drafter, slots=slots, max_len=max_len, specs=schedule.specs, rounds_per_step=rounds_per_step,
                         eos_ids=eos_ids, exact=exact, on_compile=on_compile, chunk=prefill_chunk, prefix_cache=prefix_cache,
                         pool_rows=prefix_pool_rows if prefix_cache else 0)
+    holder["engine"] = engine
     scheduler = Scheduler(engine, schedule, max_queue=max_queue, step_ms=step_ms)
     metrics = holder["metrics"] = Metrics(scheduler)
     scheduler.on_step = metrics.on_step
     log.info("%d slots of %d tokens; speculation %s; prompts prefilled %d tokens per step at most", slots, engine.max_len,
              schedule.describe(), engine.chunk)
     if prefix_cache:
-        row_mb = sum(a.nbytes for a in jax.tree.leaves(engine.pool)) / max(engine.pool_rows, 1) / 2**20
-        log.info("prefix caching: the slots and %d pool rows (%.1f MiB each)", engine.pool_rows, row_mb)
+        log.info("prefix caching: the slots and %d pool rows (%.1f MiB each)", engine.pool_rows, engine.row_bytes / 2**20)
     if precompile:
         t0 = time.perf_counter()
         workers = default_compile_workers() if compile_workers is None else compile_workers
         engine.precompile(workers=workers)
-        log.info("%d programs ready and run once in %.1f s (%d compiled, %d at a time; the rest from the compilation cache or "
-                 "already built)", len(engine.program_set()), time.perf_counter() - t0, len(engine.compile_events), workers)
+        log.info("%d programs ready and run once in %.1f s (%.1f s of compiles or loads from the compilation cache, %d at a time)",
+                 len(engine.program_set()), time.perf_counter() - t0, sum(s for _, s in engine.compile_events), workers)
     return Service(scheduler, tokenizer, model_name, metrics)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback interface only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def program_listing(engine: SlotEngine) -> str:
+    """The engine's precompiled program set, one line per program with its shapes (``--list-programs``)."""
+    keys = engine.program_set()
+    lines = [f"{len(keys)} programs ({engine.slots} slots x {engine.max_len} tokens, {engine.pool_rows} prefix-cache pool rows):"]
+    lines += [f"  {describe(key)}: {engine.program_shapes(key)}" for key in keys]
+    return "\n".join(lines)
 
 
 def freeze_startup_heap() -> float:
@@ -179,11 +198,11 @@ def freeze_startup_heap() -> float:
 class Server:
     """uvicorn in a background thread (tests, benchmarks); ``eagle-jax-serve`` runs it in the foreground."""
 
-    def __init__(self, service: Service, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, service: Service, host: str = "127.0.0.1", port: int = 0, **app_options):
         import uvicorn
 
         self.service = service
-        config = uvicorn.Config(create_app(service), host=host, port=port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(create_app(service, **app_options), host=host, port=port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

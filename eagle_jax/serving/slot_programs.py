@@ -1,8 +1,8 @@
-"""The slot engine's device programs, as functions to jit: ``insert`` (packed prompts), ``fork``, a
-prefill ``chunk`` (and the ``row`` read it starts from), a cache row ``copy`` and a ``step``. Each takes the target's and the drafter's
-states, the engine's ``LoopState`` (donated) and its own arguments, and returns the new state first;
-``merge`` rebuilds the models from their states. ``slots.SlotEngine`` builds the arguments, compiles
-the programs (``program_set``) and runs them.
+"""The slot engine's device programs, as functions to jit: a prefill ``chunk`` (and the ``row`` read it
+starts from), a cache row ``copy`` and a ``step``. Each takes the target's and the drafter's states, the
+engine's ``LoopState`` (donated) and its own arguments, and returns the new state first; ``merge``
+rebuilds the models from their states. ``slots.SlotEngine`` builds the arguments, compiles the programs
+(``program_set``) and runs them.
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from eagle_jax.decoding.engine import Plan, extend_drafter, pick, run_rounds
-from eagle_jax.decoding.prefill import prefill_chunk, prefill_packed
+from eagle_jax.decoding.engine import Plan, run_rounds
+from eagle_jax.decoding.prefill import prefill_chunk
 from eagle_jax.decoding.sampling import split_rows
-from eagle_jax.decoding.state import DrafterOut, LoopState, start_row
+from eagle_jax.decoding.state import LoopState, start_row
 
-INSERT_ROWS = 8  # prompts one insert prefills at most, packed into one row (``SlotEngine.insert_many``)
 # LoopState fields with one entry per slot (the caches are shared whole; ``rounds`` is a scalar).
 PER_ROW = tuple(f.name for f in dataclasses.fields(LoopState) if f.name not in ("t_cache", "d_cache", "rounds"))
 Merge = Callable  # (target state, drafter state) -> (Target, Drafter | None)
@@ -27,59 +26,6 @@ Merge = Callable  # (target state, drafter state) -> (Target, Drafter | None)
 def _done(first, max_tokens, stop_at_eos, eos: tuple[int, ...]):
     """Whether a request ends at its first token: a one-token limit, or EOS where EOS stops it."""
     return (max_tokens <= 1) | (stop_at_eos & jnp.isin(first, jnp.asarray(eos or (-1,), jnp.int32)))
-
-
-def insert_program(merge: Merge, plan: Plan):
-    """Prefills ``INSERT_ROWS`` prompts packed into one row (``prefill_packed``; a repeated prompt writes
-    what its first listing does) and starts each in its slot."""
-
-    def insert(t_state, d_state, st: LoopState, slots, ids, positions, segments, starts, plen, rs, keys, max_tokens, stop_at_eos):
-        tgt, drf = merge(t_state, d_state)
-        keys = split_rows(keys, 2)
-        pre = prefill_packed(tgt, drf, plan, ids, positions, segments, starts, plen, rs, keys[:, 1])
-        done = _done(pre.first, max_tokens, stop_at_eos, plan.eos_ids)
-
-        def put(big, rows, i):  # prompt i's cache row [P slots] into row ``slots[i]`` of big [slots, ...]
-            return jax.lax.dynamic_update_slice(big, rows[i: i + 1].astype(big.dtype), (slots[i],) + (0,) * (big.ndim - 1))
-
-        for i in range(INSERT_ROWS):
-            st = dataclasses.replace(
-                st, t_cache=jax.tree.map(lambda a, r: put(a, r, i), st.t_cache, pre.t_cache),
-                d_cache=None if drf is None else jax.tree.map(lambda a, r: put(a, r, i), st.d_cache, pre.d_cache))
-            row_rs = jax.tree.map(lambda a: a[i: i + 1], rs)
-            drafted = None if drf is None else DrafterOut(pre.d_logits[i: i + 1], pre.d_feat[i: i + 1])
-            st = start_row(st, slots[i], plen[i], pre.first[i], done[i], max_tokens[i], stop_at_eos[i], row_rs, keys[i, 0], drafted)
-        return st, pre.first, done, pre.last_logits, pre.last_aux
-
-    return insert
-
-
-def fork_program(merge: Merge, plan: Plan):
-    """Starts another request for the prompt prefilled in slot ``src`` in slot ``dst``: its caches copied,
-    its first token drawn from the stored last-position logits, the drafter's last prompt pair recomputed."""
-
-    def fork(t_state, d_state, st: LoopState, src, dst, plen, last_logits, last_aux, rs, key, max_tokens, stop_at_eos):
-        tgt, drf = merge(t_state, d_state)
-        keys = split_rows(key[None], 2)
-        first = pick(last_logits, plan, rs, keys[:, 1])
-
-        def copy(c):  # row src of a cache into row dst (positions past the prompt are rewritten before they are read)
-            return c.at[dst].set(c[src])
-
-        st = dataclasses.replace(st, t_cache=jax.tree.map(copy, st.t_cache))
-        d_out = None
-        if drf is not None:
-            # The drafter's last prompt pair is (feature of the last prompt token, first token): recomputed for this one.
-            row = tuple(jax.lax.dynamic_slice_in_dim(c, src, 1, axis=0) for c in st.d_cache)
-            logits_1, feat_1, row = extend_drafter(drf, plan, last_aux[:, None], first[:, None], jnp.zeros((1,), jnp.int32),
-                                                   (plen - 1)[None], row)
-            st = dataclasses.replace(st, d_cache=tuple(jax.lax.dynamic_update_slice_in_dim(c, r, dst, axis=0) for c, r in zip(st.d_cache, row)))
-            d_out = DrafterOut(logits_1, feat_1)
-        first = first[0]
-        done = _done(first, max_tokens, stop_at_eos, plan.eos_ids)
-        return start_row(st, dst, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], d_out), first, done
-
-    return fork
 
 
 def row_program():
@@ -108,8 +54,9 @@ def chunk_program(merge: Merge, plan: Plan, c: int):
         tgt, drf = merge(t_state, d_state)
         keys = split_rows(key[None], 2)
 
-        def put(a, r):
-            return jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0)
+        def put(a, r):  # only the chunk's positions back into the slot's row (every cache is [rows, heads, slots, dim])
+            part = jax.lax.dynamic_slice_in_dim(r, start, c, axis=2).astype(a.dtype)
+            return jax.lax.dynamic_update_slice(a, part, (slot, 0, start, 0))
 
         pre = prefill_chunk(tgt, drf, plan, ids, start[None], plen[None], t_row, d_row, rs, keys[:, 1])
         st = dataclasses.replace(st, t_cache=jax.tree.map(put, st.t_cache, pre.t_cache),
@@ -118,23 +65,22 @@ def chunk_program(merge: Merge, plan: Plan, c: int):
         done = _done(first, max_tokens, stop_at_eos, plan.eos_ids)
         new = start_row(st, slot, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre,
                         when=plen <= start + c, held=start + c)
-        return new, first, done, pre.last_logits, pre.last_aux
+        return new, first, done
 
     return chunk
 
 
-def copy_program(src_kind: str, dst_kind: str):
-    """Copies one cache row between the slots ("slot") and the prefix pool ("pool"); a destination slot
-    stops at length ``held`` (``SlotEngine.copy_row``)."""
+def copy_program():
+    """Copies one cache row into another, whole (``SlotEngine.copy_row``: the rows past the slots keep
+    prefixes for reuse); a destination slot stops at length ``held``."""
 
-    def copy(st: LoopState, pool, src, dst, held):
-        caches = {"slot": (st.t_cache, st.d_cache), "pool": pool}
-        row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, src, 1, axis=0), caches[src_kind])
-        out = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), dst, axis=0), caches[dst_kind], row)
-        if dst_kind == "pool":
-            return st, out
-        return dataclasses.replace(st, t_cache=out[0], d_cache=out[1], length=st.length.at[dst].set(held),
-                                   done=st.done.at[dst].set(True)), pool
+    def copy(st: LoopState, src, dst, held):
+        def row(a):
+            return jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1, axis=0), dst, axis=0)
+
+        # A destination past the slots has no per-slot state: those updates are dropped.
+        return dataclasses.replace(st, t_cache=jax.tree.map(row, st.t_cache), d_cache=jax.tree.map(row, st.d_cache),
+                                   length=st.length.at[dst].set(held, mode="drop"), done=st.done.at[dst].set(True, mode="drop"))
 
     return copy
 

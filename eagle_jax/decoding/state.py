@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,39 +83,29 @@ def counted(rs: RowSampling, tokens: Array, n: Array) -> RowSampling:
     return rs if rs.penalties is None else dataclasses.replace(rs, penalties=rs.penalties.count(tokens, n))
 
 
-class DrafterOut(NamedTuple):
-    """The drafter's outputs after a prompt, for one row."""
-
-    d_logits: Array  # [1, Vd]
-    d_feat: Array  # [1, H]
-
-
 def start_row(st: LoopState, slot, plen, first, done, max_tokens, stop_at_eos, rs: RowSampling, key, drafted,
-               when=None, held=None) -> LoopState:
+               when, held) -> LoopState:
     """``st`` with row ``slot`` starting a request whose prompt (``plen`` tokens) is in the caches:
     ``first`` is its first token (already out: it counts for the penalties and comes off ``max_tokens``),
     ``drafted`` the drafter's outputs after the prompt (anything with ``d_logits`` and ``d_feat`` [1, ...];
-    None without a drafter). With ``when`` (a traced bool, a chunked prefill's last chunk) the row changes
-    only where it holds; otherwise it stays stopped (``done``) at length ``held``, the positions its
+    None without a drafter). The row changes only where ``when`` (a traced bool: the prefill chunk reached the
+    prompt's end) holds; otherwise it stays stopped (``done``) at length ``held``, the positions its
     caches hold so far: a stopped row's rounds still write the cache slots past its length, which must
     therefore lie past everything it holds (the next chunk recomputes them)."""
 
     def set_row(arr, value):
         if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):  # keys: chosen between as their data
-            if when is not None:
-                value = jax.random.wrap_key_data(jnp.where(when, jax.random.key_data(value), jax.random.key_data(arr[slot])))
-            return arr.at[slot].set(value)
-        value = jnp.asarray(value).astype(arr.dtype)
-        return arr.at[slot].set(value if when is None else jnp.where(when, value, arr[slot]))
+            return arr.at[slot].set(jax.random.wrap_key_data(jnp.where(when, jax.random.key_data(value), jax.random.key_data(arr[slot]))))
+        return arr.at[slot].set(jnp.where(when, jnp.asarray(value).astype(arr.dtype), arr[slot]))
 
     rs = counted(rs, first[None, None], jnp.ones((1,), jnp.int32))
     return dataclasses.replace(
         st,
-        length=st.length.at[slot].set(plen if when is None else jnp.where(when, plen, held)),
+        length=st.length.at[slot].set(jnp.where(when, plen, held)),
         pending=set_row(st.pending, first),
         n_out=set_row(st.n_out, 0),
         limit=set_row(st.limit, max_tokens - 1),  # the first token is already out
-        done=st.done.at[slot].set(done if when is None else jnp.where(when, done, True)),
+        done=st.done.at[slot].set(jnp.where(when, done, True)),
         d_logits=st.d_logits if drafted is None else set_row(st.d_logits, drafted.d_logits[0]),
         d_feat=st.d_feat if drafted is None else set_row(st.d_feat, drafted.d_feat[0]),
         sampling=jax.tree.map(lambda a, r: set_row(a, r[0]), st.sampling, rs),

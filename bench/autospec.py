@@ -82,8 +82,24 @@ def orders(prompts: list[dict], acceptance: list[float], n: int, seed: int) -> l
     """The lowest-acceptance-first order, then n - 1 random ones (indices into prompts)."""
     rng = np.random.default_rng(seed)
     out = [("hardest first", [int(i) for i in np.argsort(acceptance, kind="stable")])]
-    out += [(f"random {i}", [int(i) for i in rng.permutation(len(prompts))]) for i in range(1, n)]
+    out += [(name, [int(i) for i in rng.permutation(len(prompts))]) for name in order_names(n)[1:]]
     return out
+
+
+def order_names(n: int) -> list[str]:
+    """The names ``orders`` gives its n orders."""
+    return ["hardest first", *(f"random {i}" for i in range(1, n))]
+
+
+def resumed(previous: dict, config: dict) -> dict:
+    """``previous`` results to continue, if they were measured with ``config`` (all but the run's own
+    flags and the grid's extent); else exit, naming the first option that differs."""
+    loose = {"resume", "report_only", "out", "plot", "dtypes", "temps", "batch", "orders"}
+    for key, value in config.items():
+        if key not in loose and previous["config"].get(key) != value:
+            raise SystemExit(f"--resume: {config['out']} was measured with {key}={previous['config'].get(key)!r}, "
+                             f"not {value!r}; use another --out")
+    return {**previous, "config": config}
 
 
 def calls_of(order: list[int], prompts: list[dict], batch: int, calls: int) -> list[list[list[int]]]:
@@ -216,6 +232,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="bench/results/autospec.json")
     ap.add_argument("--plot", default="bench/figures/autospec.png")
     ap.add_argument("--report-only", action="store_true", help="re-summarise --out's runs (table and plot), measure nothing")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the orders --out already holds (same configuration) and measure the rest")
     args = ap.parse_args(argv)
     if args.report_only:
         results = json.loads(Path(args.out).read_text())
@@ -227,7 +245,12 @@ def main(argv=None) -> dict:
         return results
 
     results = {"config": vars(args), "runs": []}
+    if args.resume and Path(args.out).exists():
+        results = resumed(json.loads(Path(args.out).read_text()), vars(args))
+    done = {(r["dtype"], r["temperature"], r["batch"], r["order"]) for r in results["runs"]}
     for dtype in args.dtypes:
+        if all((dtype, t, b, name) in done for t in args.temps for b in args.batch for name in order_names(args.orders)):
+            continue
         target, drafters, tokenizer, source, _ = load_models(args.target, [args.drafter], dtype)
         drafter = next(iter(drafters.values()))
         eos = stop_ids(tokenizer)
@@ -245,7 +268,10 @@ def main(argv=None) -> dict:
             fixed[CONTROL] = fixed[args.control]
         for temp in args.temps:
             for batch in args.batch:
-                seqs = orders(prompts, al, args.orders, args.seed)
+                seqs = [(name, order) for name, order in orders(prompts, al, args.orders, args.seed)
+                        if (dtype, temp, batch, name) not in done]
+                if not seqs:
+                    continue
                 warm(target, drafter, [c for _, order in seqs for c in calls_of(order, prompts, batch, args.calls)], fixed,
                      max_new=args.max_new, temperature=temp, eos=eos)
                 gc.collect()

@@ -142,6 +142,28 @@ def test_chunk_errors(pair):
         SlotEngine(*pair, slots=2, max_len=MAX_LEN, specs=(SPEC,), pool_rows=2)
 
 
+def test_a_prompt_is_cut_into_the_cheapest_chunks(pair):
+    """Chunks cover start..end back to back inside the cache, and no other choice of chunk sizes costs
+    less (positions computed + CHUNK_OVERHEAD per chunk; checked against every choice of up to 4 chunks)."""
+    import itertools
+
+    from eagle_jax.serving.slots import CHUNK_OVERHEAD
+
+    engine = _engine(pair, chunk=128)
+    sizes = engine.chunk_sizes
+    assert len(sizes) >= 3
+    cost = lambda cs: sum(cs) + CHUNK_OVERHEAD * len(cs)  # noqa: E731
+    for n in range(1, 300):
+        chosen = [c for _, c in engine.chunks(0, n)]
+        assert sum(chosen) >= n and sum(chosen) - min(chosen) < n, (n, chosen)
+        rivals = [cs for k in range(1, 5) for cs in itertools.combinations_with_replacement(sizes, k) if sum(cs) >= n]
+        assert cost(chosen) <= min(map(cost, rivals)), (n, chosen)
+    one = engine.chunks(MAX_LEN - 1, MAX_LEN)  # a prefix hit's last position: the smallest chunk, kept inside the cache
+    assert [c for _, c in one] == [sizes[0]] and one[0][0] + sizes[0] <= engine.cache_len
+    spans = engine.chunks(5, 150)
+    assert spans[0][0] == 5 and all(a + c == b for (a, c), (b, _) in zip(spans, spans[1:]))
+
+
 def _serve(pair, requests: list[Request], **kw) -> list:
     """The requests one after another through a scheduler (one slot: the same steps with or without reuse)."""
     engine = _engine(pair, slots=1, **{"chunk": 512, "prefix_cache": False, "pool_rows": 0, **kw})

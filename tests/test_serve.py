@@ -357,8 +357,8 @@ def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path, 
         compile_cache.enable(tmp_path / "xla")
         service = build_service(t_dir, d_dir, spec="1:2", slots=1, max_len=64, rounds_per_step=2, precompile=True)
         engine = service.scheduler.engine
-        # prefill chunks of 32 and of the whole cache, the row read, the row copy, one scoring program, the step
-        assert len(engine.compile_events) == len(engine.program_set()) == 2 + 1 + 1 + 1 + 1
+        # prefill chunks of 8, 32 and the whole cache, the row read, the row copy, one scoring program, the step
+        assert len(engine.compile_events) == len(engine.program_set()) == 3 + 1 + 1 + 1 + 1
         srv = Server(service).start()
         try:
             bodies = [dict(prompt="abc", max_tokens=12, temperature=0), dict(prompt="x" * 40, max_tokens=6, temperature=1.0, seed=1),

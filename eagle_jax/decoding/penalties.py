@@ -97,9 +97,10 @@ class RowPenalties:
                 bias_ids[i, j], bias[i, j] = t, v
             stop_ids[i, : len(p.stop_ids[:MAX_STOP_IDS])] = p.stop_ids[:MAX_STOP_IDS]
             seen[i, np.asarray(prompt, np.int64)] = True
-        col = lambda name, dtype: jnp.asarray([getattr(p, name) for p in penalties], dtype)  # noqa: E731
-        return cls(col("presence", jnp.float32), col("frequency", jnp.float32), col("repetition", jnp.float32), jnp.asarray(bias_ids),
-                   jnp.asarray(bias), col("min_tokens", jnp.int32), jnp.asarray(stop_ids), jnp.zeros((b, vocab), jnp.int32), jnp.asarray(seen))
+        # Host arrays: a program's arguments, moved with its call (eager jnp ops here cost ~2 ms a prefill chunk).
+        col = lambda name, dtype: np.asarray([getattr(p, name) for p in penalties], dtype)  # noqa: E731
+        return cls(col("presence", np.float32), col("frequency", np.float32), col("repetition", np.float32), bias_ids,
+                   bias, col("min_tokens", np.int32), stop_ids, np.zeros((b, vocab), np.int32), seen)
 
     def count(self, tokens: Array, n: Array) -> "RowPenalties":
         """Adds each row's first ``n`` of ``tokens`` [B, W] (what it emitted) to its counts."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eagle_jax.config import ConfigError
 from eagle_jax.decoding.penalties import Penalties, RowPenalties
@@ -81,11 +82,11 @@ class RowSampling:
 
     @classmethod
     def fill(cls, sp: SamplingParams, batch: int, penalties: RowPenalties | None = None) -> "RowSampling":
-        return cls(
-            jnp.full((batch,), sp.temperature, jnp.float32),
-            jnp.full((batch,), sp.top_k, jnp.int32),
-            jnp.full((batch,), sp.top_p, jnp.float32),
-            jnp.full((batch,), sp.min_p, jnp.float32),
+        return cls(  # host arrays, as RowPenalties.build's
+            np.full((batch,), sp.temperature, np.float32),
+            np.full((batch,), sp.top_k, np.int32),
+            np.full((batch,), sp.top_p, np.float32),
+            np.full((batch,), sp.min_p, np.float32),
             penalties,
         )
 

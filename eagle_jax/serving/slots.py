@@ -49,7 +49,10 @@ from eagle_jax.serving.program_cache import ProgramCache, check_map_limit
 from eagle_jax.serving.slot_programs import chunk_program, copy_program, row_program, step_program
 
 Array = jax.Array
-CHUNK_SIZES = (32, 128)  # prefill chunk programs below the engine's ``chunk`` (its per-step prefill budget)
+CHUNK_SIZES = (8, 32, 128)  # prefill chunk programs below the engine's ``chunk`` (its per-step prefill budget)
+# What one more chunk costs, in computed prompt positions (the row read, the write-back, the call): a
+# prompt is cut into the chunks of least positions + CHUNK_OVERHEAD each (BENCHMARKS.md, "A server's start").
+CHUNK_OVERHEAD = 48
 # Prompt tokens one step's prefill computes at most while streams decode: smaller keeps running streams
 # smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill").
 DEFAULT_CHUNK = 512
@@ -140,6 +143,7 @@ class SlotEngine:
         self.cache_len = max_len + self.scratch + 1
         self.chunk_sizes = tuple(sorted({min(c, self.cache_len) for c in CHUNK_SIZES if c < chunk} | {min(chunk, self.cache_len)}))
         self.chunk, self.prefix_cache, self.pool_rows = chunk, bool(prefix_cache), pool_rows
+        self._size_plans: dict[int, list[int]] = {}  # prompt positions -> chunk sizes (``_sizes_for``)
         self._t_graph, self._t_state = nnx.split(target)
         self._d_graph, self._d_state = (None, None) if drafter is None else nnx.split(drafter)
         self._precompiled = False  # ``precompile`` ran: steps use its programs only
@@ -178,7 +182,8 @@ class SlotEngine:
             done=jnp.ones((b,), bool),
             accepted=jnp.full((b, self.rounds_per_step), -1, jnp.int32),
             rounds=jnp.int32(0),
-            sampling=RowSampling.fill(SamplingParams(), b, RowPenalties.build([SamplingParams().penalties] * b, [[]] * b, self.target.config.vocab_size)),
+            sampling=jax.tree.map(jnp.array, RowSampling.fill(  # device buffers of its own: the state is donated
+                SamplingParams(), b, RowPenalties.build([SamplingParams().penalties] * b, [[]] * b, self.target.config.vocab_size))),
             key=jax.random.split(jax.random.key(0), b),
             probe=None if d is None else jnp.zeros((b, 2), jnp.float32),
             ignore_eos=jnp.zeros((b,), bool),
@@ -347,11 +352,11 @@ class SlotEngine:
         return self._prompts.get(slot)
 
     def chunks(self, start: int, end: int) -> list[tuple[int, int]]:
-        """(first position, size) of the prefill chunks that compute positions start..end-1: the fewest
-        positions computed (then the fewest chunks), where a last chunk past ``end`` computes later prompt
-        tokens (recomputed by the next prefill) or padding past the prompt (rewritten before it is read).
-        Near the cache's end a chunk starts earlier instead, recomputing positions the cache holds (with
-        the same values)."""
+        """(first position, size) of the prefill chunks that compute positions start..end-1: the least
+        cost, counting each chunk's positions plus CHUNK_OVERHEAD, where a last chunk past ``end`` computes
+        later prompt tokens (recomputed by the next prefill) or padding past the prompt (rewritten before it
+        is read). Near the cache's end a chunk starts earlier instead, recomputing positions the cache
+        holds (with the same values)."""
         out = []
         for c in self._sizes_for(end - start):
             at = min(start, self.cache_len - c)
@@ -360,16 +365,18 @@ class SlotEngine:
         return out
 
     def _sizes_for(self, n: int) -> list[int]:
-        """Chunk sizes covering ``n`` positions with the fewest computed, then the fewest chunks."""
-        sizes = self.chunk_sizes
-        if n >= sizes[-1]:
-            return [sizes[-1], *self._sizes_for(n - sizes[-1])] if n > sizes[-1] else [sizes[-1]]
-        up = next(c for c in sizes if c >= n)
-        down = [c for c in sizes if c < n]
-        if not down:
-            return [up]
-        split = [down[-1], *self._sizes_for(n - down[-1])]
-        return [up] if up <= sum(split) else split
+        """Chunk sizes covering ``n`` positions at the least cost (``chunks``), largest first."""
+        best = self._size_plans.get(n)
+        if best is None:  # cost[i]: the least cost of covering i positions, a last chunk free to overshoot
+            cost, pick = [0] + [0] * n, [0] * (n + 1)
+            for i in range(1, n + 1):
+                cost[i], pick[i] = min((cost[max(i - c, 0)] + c + CHUNK_OVERHEAD, c) for c in self.chunk_sizes)
+            best, i = [], n
+            while i > 0:
+                best.append(pick[i])
+                i = max(i - pick[i], 0)
+            best = self._size_plans[n] = sorted(best, reverse=True)
+        return list(best)
 
     def prefill(self, slot: int, prompt: Sequence[int], start: int, end: int, max_tokens: int, sampling: SamplingParams,
                 seed: int, stop_at_eos: bool = True) -> tuple[int, bool] | None:
@@ -396,9 +403,9 @@ class SlotEngine:
         part = prompt[start: start + c + 1]
         ids[0, : len(part)] = part
         rows = RowPenalties.build([sampling.penalties], [list(prompt)], self.target.config.vocab_size)
-        t_row, d_row = self._row_program()(self.state, jnp.int32(slot))
-        return (self._t_state, self._d_state, self.state, t_row, d_row, jnp.int32(slot), jnp.asarray(ids), jnp.int32(start), jnp.int32(len(prompt)),
-                RowSampling.fill(sampling, 1, rows), jax.random.key(seed), jnp.int32(max_tokens), jnp.bool_(stop_at_eos))
+        t_row, d_row = self._row_program()(self.state, np.int32(slot))
+        return (self._t_state, self._d_state, self.state, t_row, d_row, np.int32(slot), ids, np.int32(start), np.int32(len(prompt)),
+                RowSampling.fill(sampling, 1, rows), jax.random.key(seed), np.int32(max_tokens), np.bool_(stop_at_eos))
 
     def copy_row(self, src: tuple[str, int], dst: tuple[str, int], held: int = 0) -> None:
         """Copies one row of the target's and the drafter's caches, whole: ``("slot", i)`` or ``("pool", j)``
@@ -413,7 +420,7 @@ class SlotEngine:
             rows.append(i if kind == "slot" else self.slots + i)
         if not 0 <= held < self.cache_len:
             raise ConfigError(f"a copied row holds 0..{self.cache_len - 1} positions, got {held}")
-        self.state = self._copy_program()(self.state, jnp.int32(rows[0]), jnp.int32(rows[1]), jnp.int32(held))
+        self.state = self._copy_program()(self.state, np.int32(rows[0]), np.int32(rows[1]), np.int32(held))
         if dst[0] == "slot":
             self._prompts.pop(dst[1], None)
 
@@ -469,7 +476,7 @@ class SlotEngine:
         rounds = self.rounds_per_step if rounds is None else rounds
         if not 1 <= rounds <= self.rounds_per_step:
             raise ConfigError(f"a step runs 1..{self.rounds_per_step} rounds, got {rounds}")
-        args = (self._t_state, self._d_state, self.state, jnp.asarray(cancel), jnp.int32(rounds))
+        args = (self._t_state, self._d_state, self.state, cancel, np.int32(rounds))
         if greedy and self._precompiled and ("step", spec, True, rows) not in self.programs:
             greedy = False  # the precompiled sampling program runs greedy rows exactly: nothing compiles while serving
         key = ("step", spec, greedy, rows)

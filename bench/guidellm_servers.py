@@ -9,8 +9,8 @@ its default) at 1 / 4 / 16 users, greedy and at the API's default temperature, t
         --questions ../shared/data/eval/mt_bench.jsonl ../shared/data/eval/gsm8k.jsonl ../shared/data/eval/alpaca.jsonl
 
 ``--server LABEL[@CHECKOUT]=FLAGS``: a server started as ``python -m eagle_jax.cli.serve FLAGS`` (plus
-``--target`` when given) in CHECKOUT (default: this one), over an empty compilation cache, so each start
-is a cold start; servers start one after another on an otherwise idle machine. Prompts: held-out code
+``--target`` when given) in CHECKOUT (default: this one), over an empty compilation cache unless FLAGS name
+one, so each start is a cold start; servers start one after another on an otherwise idle machine. Prompts: held-out code
 (``/v1/completions``, text) for the bundled pair, or with ``--questions`` the questions' first turns as
 chat messages (``/v1/chat/completions``); every request asks for ``--max-new`` tokens (guidellm then sends
 ``ignore_eos``). Each server is warmed by one pass, then every (repeat, temperature) runs one guidellm
@@ -47,7 +47,6 @@ class ServerSpec:
     port: int
     process: subprocess.Popen | None = None
     start_s: float | None = None
-    cache_dir: str = ""
     passes: dict = field(default_factory=dict)  # "T=<t> C=<c>" -> [per-pass summaries]
 
     @property
@@ -75,9 +74,9 @@ def _get(url: str, timeout: float = 5.0) -> str:
 def start(server: ServerSpec, target: str | None, log_dir: Path, timeout_s: float) -> None:
     """Start the server over an empty compilation cache and wait for ``/health``; the time it took is
     its cold start."""
-    server.cache_dir = tempfile.mkdtemp(prefix=f"xla-{server.label}-")
-    cmd = [sys.executable, "-m", "eagle_jax.cli.serve", *server.flags, "--port", str(server.port),
-           "--compile-cache", server.cache_dir, *(["--target", target] if target else [])]
+    cache = [] if "--compile-cache" in server.flags else ["--compile-cache", tempfile.mkdtemp(prefix=f"xla-{server.label}-")]
+    cmd = [sys.executable, "-m", "eagle_jax.cli.serve", *server.flags, "--port", str(server.port), *cache,
+           *(["--target", target] if target else [])]
     env = {**os.environ, "PYTHONPATH": str(server.checkout)}
     log = open(log_dir / f"{server.label}.log", "w")
     t0 = time.perf_counter()

@@ -198,6 +198,31 @@ def test_scheduler_reuses_prefixes_through_slots_and_the_pool(pair):
     assert cached[:2] == [0, 39] and cached[2] >= n - 2 and cached[3:] == [0, 39, 0, 0, 0], cached
 
 
+def test_a_prefix_in_a_high_slot_is_copied_down_rather_than_widening_steps(pair):
+    """After six requests at once filled slots 0..5, the prompt slot 5 held comes back alone: it reuses its
+    prefix from a copy in slot 0, so its steps run one row (not the four a step over slot 5 would take),
+    with the tokens and acceptance of a cold prefill."""
+    engine = _engine(pair, slots=8, chunk=32, pool_rows=1)
+    prompts = [Request(tuple(_prompt(20 + i, 30)), 8) for i in range(6)]
+    sched = Scheduler(engine, SpecSchedule.fixed(SPEC)).start()
+    rows_run = []
+    step = engine.step
+    try:
+        first = [sched.submit(r) for r in prompts]
+        [h.wait(300) for h in first]
+        held = [s for s in range(6) if engine.prompt_of(s) == prompts[5].prompt]
+        assert held and held[0] > 0, "the prompt should be held by a slot past the first"
+        engine.step = lambda *a, **kw: rows_run.append(kw.get("rows", a[2] if len(a) > 2 else None)) or step(*a, **kw)
+        again = sched.submit(Request(prompts[5].prompt, 8)).wait(300)
+    finally:
+        engine.step = step
+        sched.stop()
+    cold = _serve(pair, [prompts[5]])[0]
+    assert again.cached_tokens == len(prompts[5].prompt) - 1
+    assert (again.tokens, again.accepted) == (cold.tokens, cold.accepted)
+    assert rows_run and set(rows_run) == {1}, rows_run
+
+
 def test_long_prompts_prefill_in_chunks_between_steps(attending):
     """Chunk budget 32: a 120-token prompt takes four steps' budgets while a running request keeps
     getting tokens, and both equal their runs alone (on a target that reads its whole cache, in slots

@@ -13,13 +13,14 @@ speculative config (one depth for every step), or a schedule of chain depths by 
 slots, e.g. ``1:5,4:3,9:0`` (K=5 while 1-3 slots are busy, K=3 from 4, none from 9).
 
 Before it listens, the server compiles every program it may run (``--list-programs`` prints them;
-``--no-precompile``: each compiles when first needed, while serving): a prefill chunk of 32, 128 and
+``--no-precompile``: each compiles when first needed, while serving): a prefill chunk of 8, 32, 128 and
 ``--prefill-chunk`` tokens (every prompt goes through them), the cache row read and copy (prefix reuse,
 ``n`` choices), a scoring program per length (128, x4, ..., the context), and per speculation depth and
 number of computed rows (powers of four up to ``--slots``) a step (a sampling program: greedy rows run on
 it exactly). Attention reads only the cache slots a program's rows reach, so no program is compiled per
-cache length. Then it runs each once on throwaway rows, so that no program's first run (which links its
-kernels on the CPU) falls on a request, and logs each program's compile time and the total. Compiled
+cache length. Then it runs each once on throwaway rows (scoring programs up to 512 tokens), so that no
+program's first run (which links its kernels on the CPU) falls on a request, and logs each program's compile
+time and the total. Compiled
 programs go to JAX's persistent compilation cache (``--compile-cache``), so a restart loads them.
 ``--drafter none`` serves the target alone (a profile's speculation schedule is then ignored). Checkpoints are directories or Hugging Face Hub repo ids; a
 target may also be a .gguf file or a named model (``smollm2-135m-instruct``); relative paths in a profile

@@ -59,6 +59,9 @@ DEFAULT_CHUNK = 512
 DEFAULT_MAX_LEN = 4096  # a slot's tokens when no max_len is given (the target's context if shorter)
 ROW_GROWTH = 4  # steps are compiled for 1, 4, 16, ... leading slots (``SlotEngine.rows_for``)
 SCORE_MIN = 128  # the shortest scoring program; then four times longer each, up to the context
+# Scoring programs longer than this are not run at warm-up: their first run's one-time cost (~1-3 s) is a
+# small share of their own run, and warming the context-long one took 29 s of SmolLM2's 200 s start.
+SCORE_WARMED = 512
 CHUNK_DONATED = (2, 3, 4)  # a prefill chunk's state and its row (``row_program``'s copy, its own): written in place
 
 
@@ -267,18 +270,20 @@ class SlotEngine:
             self.warm_up(keys)
 
     def warm_up(self, keys: Sequence[tuple]) -> None:
-        """Runs each program of ``keys`` once on throwaway rows, then frees every slot. A program's first run
-        pays one-time costs (the CPU backend links its kernels then), which would otherwise land on the
-        first requests; each step runs one round over rows that are not done (prefilled over whatever the
+        """Runs each program of ``keys`` once on throwaway rows (scoring programs up to SCORE_WARMED tokens),
+        then frees every slot. A program's first run pays one-time costs (the CPU backend links its kernels
+        then), which would otherwise land on the first requests; each step runs one round over rows that are not done (prefilled over whatever the
         slots held: one reset at the end, not one per program)."""
         for key in keys:
-            if key[0] == "step":
-                for slot in range(key[3]):  # live rows under the step, each done after one more token
-                    self.insert(slot, (0,), 2, SamplingParams(), 0)
+            if key[0] == "step":  # live rows under the step, each done after one more token (no prefill: throwaway)
+                live = np.arange(self.slots) < key[3]
+                self.state = dataclasses.replace(self.state, done=jnp.asarray(~live), limit=jnp.full((self.slots,), 2, jnp.int32),
+                                                 n_out=jnp.zeros((self.slots,), jnp.int32))
                 self.state = self.programs.programs[key](*self._example_args(key))
                 self._ran.add(key)
             elif key[0] == "score":
-                self._score_program(key[1])(self._t_state, jnp.zeros((1, key[1]), jnp.int32))
+                if key[1] <= SCORE_WARMED:
+                    self._score_program(key[1])(self._t_state, jnp.zeros((1, key[1]), jnp.int32))
             elif key[0] == "copy":
                 self.state = self._copy_program()(self.state, jnp.int32(0), jnp.int32(0), jnp.int32(0))
             elif key[0] == "row":

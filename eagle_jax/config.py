@@ -46,6 +46,7 @@ TARGET_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # Kimi-K2 is the DeepSeek-V3 architecture under its own model_type.
 TARGET_MODEL_TYPES = {
@@ -55,7 +56,14 @@ TARGET_MODEL_TYPES = {
     "qwen3": "qwen3",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "gemma3_text": "gemma3",
 }
+# MLP gate activations, by their HF names.
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+# Gemma 3 layer kinds (HF ``layer_types``): sliding layers see the last ``sliding_window`` positions.
+SLIDING_LAYER, FULL_LAYER = "sliding_attention", "full_attention"
+# The multimodal Gemma 3 (vision tower + text model); only the text model Gemma3ForCausalLM is a target.
+_GEMMA3_MULTIMODAL = ("Gemma3ForConditionalGeneration", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -347,10 +355,64 @@ class MoEConfig:
         return index >= self.first_k_dense_replace
 
 
+def gemma3_rope(d: dict[str, Any], source: str) -> tuple[RopeConfig, RopeConfig]:
+    """(global, sliding) RoPE of a Gemma 3 config, from either dialect: ``rope_parameters`` keyed by
+    layer kind (v5), or ``rope_theta`` + ``rope_scaling`` for the global layers and
+    ``rope_local_base_freq`` for the sliding ones (v4). Defaults as Gemma3TextConfig: 1e6 and 1e4."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and (FULL_LAYER in params or SLIDING_LAYER in params):
+        def kind(name: str, theta: float) -> RopeConfig:
+            sub = params.get(name) or {}
+            return parse_rope({"rope_parameters": sub, "max_position_embeddings": d.get("max_position_embeddings")},
+                              f"{source} (rope_parameters.{name})", ROPE_TYPES, theta)
+
+        return kind(FULL_LAYER, 1e6), kind(SLIDING_LAYER, 1e4)
+    local = d.get("rope_local_base_freq")
+    return parse_rope(d, source, ROPE_TYPES, 1e6), RopeConfig(theta=float(1e4 if local is None else local))
+
+
+def gemma3_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """The Gemma 3 fields of a ``gemma3_text`` config (TargetConfig names), with Gemma3TextConfig's
+    defaults; a variant this engine cannot run is refused naming its field."""
+    for key in ("attn_logit_softcapping",):
+        if d.get(key) is not None:
+            raise ConfigError(f"{source}: field '{key}'={d[key]} (attention logit soft-capping) is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: field 'use_bidirectional_attention'=true is not supported (decoding is causal)")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"{source}: unsupported field 'hidden_activation'='{act}' for Gemma 3 (only gelu_pytorch_tanh)")
+    layers = int(_require(d, "num_hidden_layers", source))
+    types = d.get("layer_types")
+    if types is None:  # Gemma3TextConfig: every ``sliding_window_pattern``-th layer is global
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        types = [SLIDING_LAYER if (i + 1) % pattern else FULL_LAYER for i in range(layers)]
+    rope, local = gemma3_rope(d, source)
+    window = d.get("sliding_window", 4096)
+    cap = d.get("final_logit_softcapping")
+    return dict(
+        rope=rope,
+        local_rope=local,
+        sliding_window=None if window is None else int(window),
+        layer_types=tuple(types),
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 256),
+        final_logit_softcapping=None if cap is None else float(cap),
+        qk_norm=True,
+    )
+
+
 @dataclass(frozen=True)
 class TargetConfig:
-    """A decoder-only target: the Llama family (Llama 3.x, Mistral, Qwen2, Qwen3) or DeepSeek-V3 /
-    Kimi-K2 (``mla`` and ``moe`` set).
+    """A decoder-only target: the Llama family (Llama 3.x, Mistral, Qwen2, Qwen3), Gemma 3 (text) or
+    DeepSeek-V3 / Kimi-K2 (``mla`` and ``moe`` set).
+
+    Gemma 3 is the Llama layout with the fields from ``layer_types`` to ``final_logit_softcapping``
+    set: per-layer windows and rope bases, (1 + w) norms around both sublayers, a scaled embedding,
+    gelu-tanh gating and its own query scale.
 
     For DeepSeek-V3, ``num_kv_heads`` equals ``num_heads`` (every head decodes its own key and value from
     the shared latent), ``head_dim`` is the query/key head width ``qk_nope_head_dim + qk_rope_head_dim``
@@ -372,7 +434,16 @@ class TargetConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: q/k/v bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    sliding_window: int | None = None  # Mistral
+    sliding_window: int | None = None  # Mistral: every layer; Gemma 3: the layers ``layer_types`` calls sliding
+    # Per-layer attention kinds (HF ``layer_types``, SLIDING_LAYER / FULL_LAYER); None: every layer alike.
+    layer_types: tuple[str, ...] | None = None
+    local_rope: RopeConfig | None = None  # RoPE of the sliding layers, when it differs from ``rope`` (Gemma 3: base 10k)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 before the cast back (Gemma)
+    sandwich_norms: bool = False  # norms on both sublayers' outputs too, before the residual adds (Gemma)
+    scale_embeddings: bool = False  # the embedding times sqrt(hidden_size), in the embedding's dtype (Gemma)
+    hidden_act: str = "silu"  # the MLP gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scores over sqrt(this) instead of sqrt(head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # generation_config.json's when it names them
@@ -400,6 +471,32 @@ class TargetConfig:
                 raise ConfigError(f"{source}: {unsupported} are not supported with MLA")
         if (self.mla is None) != (self.moe is None) or (self.architecture == "deepseek_v3") != (self.mla is not None):
             raise ConfigError(f"{source}: architecture deepseek_v3 has both 'mla' and 'moe' set, the other families neither")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"{source}: unsupported hidden activation '{self.hidden_act}' (supported: {', '.join(HIDDEN_ACTS)})")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            bad = sorted(set(self.layer_types) - {SLIDING_LAYER, FULL_LAYER})
+            if len(self.layer_types) != self.num_layers or bad:
+                raise ConfigError(
+                    f"{source}: field 'layer_types' must name {self.num_layers} layers, each '{SLIDING_LAYER}' or "
+                    f"'{FULL_LAYER}'; got {len(self.layer_types)}{f' with unknown kinds {bad}' if bad else ''}"
+                )
+            if SLIDING_LAYER in self.layer_types and self.sliding_window is None:
+                raise ConfigError(f"{source}: 'layer_types' has sliding layers but field 'sliding_window' is not set")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"{source}: field 'sliding_window'={self.sliding_window} must be >= 1")
+
+    def layer_window(self, index: int) -> int | None:
+        """How many positions back (itself included) layer ``index`` attends; None: all of them."""
+        if self.layer_types is not None and self.layer_types[index] == FULL_LAYER:
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, index: int) -> RopeConfig:
+        """The rotary embedding of layer ``index`` (sliding layers may have their own)."""
+        if self.local_rope is not None and self.layer_window(index) is not None:
+            return self.local_rope
+        return self.rope
 
     @property
     def rope_dim(self) -> int:
@@ -409,6 +506,12 @@ class TargetConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> "TargetConfig":
         archs = d.get("architectures") or []
+        if any(a in _GEMMA3_MULTIMODAL for a in [*archs, d.get("model_type")]) or "vision_config" in d:
+            raise ConfigError(
+                f"{source}: a multimodal Gemma 3 checkpoint (field 'architectures'/'model_type' {archs or d.get('model_type')!r}, "
+                f"'vision_config'): its vision tower is not supported; only the text model (Gemma3ForCausalLM, "
+                f"model_type gemma3_text) is a target"
+            )
         arch = next((TARGET_ARCHITECTURES[a] for a in archs if a in TARGET_ARCHITECTURES), None)
         if arch is None:
             arch = TARGET_MODEL_TYPES.get(d.get("model_type", ""))
@@ -419,8 +522,9 @@ class TargetConfig:
             )
         hidden = int(_require(d, "hidden_size", source))
         heads = int(_require(d, "num_attention_heads", source))
+        gemma = gemma3_fields(d, source) if arch == "gemma3" else {}
         act = d.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        if arch != "gemma3" and act not in ("silu", "swish"):
             raise ConfigError(f"{source}: unsupported hidden_act '{act}' (only silu)")
         if d.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
@@ -431,6 +535,11 @@ class TargetConfig:
         mla = moe = None
         kv_heads = int(d.get("num_key_value_heads") or heads)
         head_dim = int(d.get("head_dim") or hidden // heads)
+        rope = gemma.pop("rope") if gemma else parse_rope(d, source, ROPE_TYPES, 10000.0)
+        qk_norm = bool(gemma.pop("qk_norm", arch == "qwen3"))
+        if gemma:
+            sliding = gemma.pop("sliding_window")
+            head_dim = int(d.get("head_dim") or 256)  # Gemma3TextConfig's default
         if arch == "deepseek_v3":
             try:
                 mla, moe = MLAConfig.from_hf(d, source), MoEConfig.from_hf(d, source)
@@ -449,17 +558,18 @@ class TargetConfig:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope=parse_rope(d, source, ROPE_TYPES, 10000.0),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            rope=rope,
+            max_position_embeddings=int(d.get("max_position_embeddings", 131072 if gemma else 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", bool(gemma))),
             attention_bias=bool(d.get("attention_bias", default_bias)),
-            qk_norm=arch == "qwen3",
+            qk_norm=qk_norm,
             sliding_window=None if sliding is None else int(sliding),
             dtype=_dtype_name(d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             mla=mla,
             moe=moe,
+            **gemma,
         )
 
     @classmethod
@@ -490,10 +600,12 @@ class TargetConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
         }
-        if self.sliding_window is not None:
+        if self.sliding_window is not None and self.architecture != "gemma3":
             out["sliding_window"] = self.sliding_window
             if self.architecture != "mistral":
                 out["use_sliding_window"] = True
+        if self.architecture == "gemma3":
+            out.update(self._gemma3_hf())
         if self.mla is not None:
             del out["head_dim"]  # transformers derives it (the rope width) from qk_rope_head_dim
             out.update(self.mla.to_hf())
@@ -502,6 +614,23 @@ class TargetConfig:
         if self.dtype:
             out["torch_dtype"] = self.dtype
         return out
+
+    def _gemma3_hf(self) -> dict[str, Any]:
+        """The Gemma3TextConfig fields (v4 dialect: the sliding layers' rope as ``rope_local_base_freq``)."""
+        local = self.local_rope or self.rope
+        if local.type != "default":
+            raise ConfigError(f"gemma3 target config: a '{local.type}' rope on the sliding layers has no transformers-4 field")
+        return {
+            "model_type": "gemma3_text",
+            "hidden_activation": self.hidden_act,
+            "hidden_act": self.hidden_act,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "sliding_window": self.sliding_window,
+            "layer_types": list(self.layer_types) if self.layer_types else None,
+            "rope_local_base_freq": local.theta,
+            "final_logit_softcapping": self.final_logit_softcapping,
+            "attn_logit_softcapping": None,
+        }
 
     def replace(self, **kw: Any) -> "TargetConfig":
         return dataclasses.replace(self, **kw)

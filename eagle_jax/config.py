@@ -355,6 +355,10 @@ class MoEConfig:
         return index >= self.first_k_dense_replace
 
 
+def _int_if_whole(x: float | None) -> float | int | None:
+    return int(x) if x is not None and float(x).is_integer() else x
+
+
 def gemma3_rope(d: dict[str, Any], source: str) -> tuple[RopeConfig, RopeConfig]:
     """(global, sliding) RoPE of a Gemma 3 config, from either dialect: ``rope_parameters`` keyed by
     layer kind (v5), or ``rope_theta`` + ``rope_scaling`` for the global layers and
@@ -624,7 +628,7 @@ class TargetConfig:
             "model_type": "gemma3_text",
             "hidden_activation": self.hidden_act,
             "hidden_act": self.hidden_act,
-            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "query_pre_attn_scalar": _int_if_whole(self.query_pre_attn_scalar),  # transformers' field is an int
             "sliding_window": self.sliding_window,
             "layer_types": list(self.layer_types) if self.layer_types else None,
             "rope_local_base_freq": local.theta,

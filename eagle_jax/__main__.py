@@ -4,11 +4,11 @@ speculation, and print the text, the acceptance length and tokens/s of both.
     python -m eagle_jax [--target T --drafter DIR|ORG/NAME] [--prompt TEXT | --chat MESSAGE] [--max-new-tokens N] [--k K | --tree]
 
 (also installed as ``eagle-jax``). T: an HF checkpoint directory or Hub repo id, a .gguf file, or a
-named model (``smollm2-135m-instruct``). The bundled pair is found beside the package
-(``eagle_jax.bundled``), from any working directory. Only when the bundle is absent and no pair is given
-does it build a tiny RANDOM Llama in HF format, import it through the real checkpoint path, check it
-against transformers, and run the same comparison on it: that shows the pipeline runs, and its figures
-mean nothing.
+named model (``smollm2-135m-instruct``, ``gemma-3-270m``); ``--drafter none`` decodes plainly only.
+The bundled pair is found beside the package (``eagle_jax.bundled``), from any working directory. Only
+when the bundle is absent and no pair is given does it build a tiny RANDOM Llama in HF format, import it
+through the real checkpoint path, check it against transformers, and run the same comparison on it:
+that shows the pipeline runs, and its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ def _tiny_random_pair(workdir: Path):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct "
-                                     "(default: the bundled target)")
-    ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id (default: the bundled EAGLE-3.1 drafter)")
+    ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or a named model "
+                                     "(eagle-jax-fetch --list; default: the bundled target)")
+    ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id (default: the bundled EAGLE-3.1 drafter); "
+                                      "'none': plain decoding only")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="raw text to continue")
     ap.add_argument("--chat", metavar="MESSAGE", help="a user message, sent through the target's chat template "
                                                       "(its default system prompt included) instead of --prompt")
@@ -94,22 +95,29 @@ def main(argv: list[str] | None = None) -> None:
             target_dir, drafter_dir = args.target, args.drafter
             print(f"target:  {args.target}\ndrafter: {args.drafter}")
         target = eagle_jax.load_target(target_dir, dtype="float32")
-        drafter = eagle_jax.load_drafter(drafter_dir, target, dtype="float32")
+        drafter = None if drafter_dir == "none" else eagle_jax.load_drafter(drafter_dir, target, dtype="float32")
         tokenizer = eagle_jax.load_tokenizer(target_dir)
         if args.chat is not None:
             if tokenizer.chat_template is None:
                 ap.error(f"--chat: the target {target_dir} has no chat template; use --prompt")
             prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True,
                                                           tokenize=True, return_dict=True)["input_ids"])]
-        else:
-            prompts = [tokenizer.encode(args.prompt, add_special_tokens=False)]
+        else:  # the tokenizer's own special tokens: Gemma's <bos>, nothing for SmolLM2
+            prompts = [tokenizer.encode(args.prompt)]
     spec = SpecConfig(method="tree") if args.tree else SpecConfig(num_speculative_tokens=args.k)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, tokenizer=tokenizer)
     runs = {}
     for name, d in (("plain", None), ("speculative", drafter)):
+        if name == "speculative" and drafter is None:
+            continue
         eagle_jax.generate(target, d, prompts, spec=spec, **kw)  # compile once, then measure a warm run
         runs[name] = eagle_jax.generate(target, d, prompts, spec=spec, **kw)
-    spec_run, plain = runs["speculative"], runs["plain"]
+    plain = runs["plain"]
+    if drafter is None:
+        print("=" * 72 + "\n" + args.prompt + plain.text[0] + "\n" + "=" * 72)
+        print(f"plain: {plain.tokens_per_s:8.1f} tokens/s")
+        return
+    spec_run = runs["speculative"]
     if tokenizer is not None:
         print("=" * 72)
         print((f"user: {args.chat}\nassistant: " if args.chat is not None else args.prompt) + spec_run.text[0])

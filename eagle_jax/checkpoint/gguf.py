@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp's file format) -> ``Target``: architectures llama, qwen2, qwen3.
+"""GGUF (llama.cpp's file format) -> ``Target``: architectures llama, qwen2, qwen3, gemma3.
 
 llama.cpp writes Llama 2/3.x and Mistral 7B / Mistral-Nemo models alike as architecture ``llama`` (it
 keeps no sliding window for them), so those load through ``llama``.
@@ -22,13 +22,17 @@ from typing import Any
 
 import numpy as np
 
+from eagle_jax.checkpoint.formats import GGUF_MAGIC, check_gguf_header
+from eagle_jax.checkpoint.target_keys import resolve_dtype, target_key
 from eagle_jax.checkpoint.tensor_files import CheckpointError
-from eagle_jax.config import ConfigError, TargetConfig
+from eagle_jax.config import FULL_LAYER, ROPE_TYPES, SLIDING_LAYER, ConfigError, TargetConfig
 
-GGUF_MAGIC = b"GGUF"
 # general.architecture -> the HF model_type it loads as; llama's q/k rows are permuted in the file.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 PERMUTED_QK = ("llama",)
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (the factor itself); transformers'
+# GGUF load subtracts the 1 again, and so does this one (the model adds it back: norm_unit_offset).
+NORM_SHIFTED = ("gemma3",)
 # The tensor types dequantized here (all tested against transformers' load of the same file).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -49,30 +53,31 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's sandwich norms: ffn_norm is the MLP's input norm, the post norms sit on the sublayers' outputs.
+_ARCH_LAYER_TENSORS = {
+    "gemma3": {
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
+# Tensor name prefixes of a vision tower (a multimodal file; llama.cpp normally keeps them in an mmproj file).
+_VISION_PREFIXES = ("v.", "mm.", "vision")
 _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 # Llama 3.1+ files store the llama3 rope scaling as per-frequency divisors; it is read back into the config.
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_tensor_name(name: str) -> str | None:
-    """llama.cpp's name of a tensor -> the HF key (None for a name this loader does not know)."""
+def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
+    """llama.cpp's name of a tensor of architecture ``arch`` -> the HF key (None for a name this loader
+    does not know)."""
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
+    layer_tensors = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}"
     return None
-
-
-def check_gguf_header(file: str | os.PathLike) -> None:
-    """Raises CheckpointError unless ``file`` is a file that starts with the GGUF magic."""
-    file = Path(file)
-    if not file.is_file():
-        raise CheckpointError(f"{file}: no such GGUF file")
-    with open(file, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise CheckpointError(f"{file}: bad magic {magic!r} (field 'magic'), expected {GGUF_MAGIC!r}: not a GGUF file")
 
 
 def _reader_class():
@@ -237,7 +242,13 @@ def hf_config(reader, file: Path) -> dict[str, Any]:
     if window:
         d["sliding_window"] = int(window)
         d["use_sliding_window"] = True
+    if arch == "gemma3":
+        d.update(_gemma3_config(meta, tensors, d, file))
     scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", *ROPE_TYPES):
+        raise CheckpointError(
+            f"{file}: unsupported rope scaling '{scaling}' (metadata field '{arch}.rope.scaling.type'); supported: {', '.join(ROPE_TYPES)}"
+        )
     if scaling not in (None, "none"):
         factor = meta.get(f"{arch}.rope.scaling.factor")
         if factor is None:
@@ -254,6 +265,28 @@ def hf_config(reader, file: Path) -> dict[str, Any]:
     return d
 
 
+def _gemma3_config(meta: GGUFMetadata, tensors: dict, d: dict[str, Any], file: Path) -> dict[str, Any]:
+    """What a gemma3 file leaves to llama.cpp's (and transformers') fixed Gemma 3 rules: every sixth
+    layer global, the sliding layers' rope base 10k, the query scale 1/sqrt(head_dim) (27B, 62 blocks:
+    1/sqrt(hidden / heads)). Soft-capping is read where the file has it (the config refuses it for
+    attention)."""
+    vision = sorted(name for name in tensors if name.startswith(_VISION_PREFIXES))
+    if vision:
+        raise CheckpointError(f"{file}: tensor '{vision[0]}' belongs to a vision tower (a multimodal Gemma 3); only the text model is supported")
+    layers = d["num_hidden_layers"]
+    out: dict[str, Any] = {
+        "layer_types": [SLIDING_LAYER if (i + 1) % 6 else FULL_LAYER for i in range(layers)],
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": d["hidden_size"] // d["num_attention_heads"] if layers == 62 else d["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        value = meta.get(f"gemma3.{key}")
+        if value is not None:
+            out[key] = float(value)
+    return out
+
+
 class GGUFSource:
     """The tensors of a GGUF under their HF keys (the ``TensorSource`` interface ``fill_module`` reads):
     dequantized to float32 (F16 / BF16 kept as they are), q/k rows un-permuted for llama."""
@@ -263,6 +296,7 @@ class GGUFSource:
         self.file = file
         self._tensors: dict[str, Any] = {}
         self._permute: dict[str, int] = {}
+        self._shifted: set[str] = set()
         for t in reader.tensors:
             if t.name == ROPE_FREQS:
                 continue  # read into the config's rope scaling
@@ -271,8 +305,10 @@ class GGUFSource:
                     f"{file}: tensor '{t.name}' has quantization type {t.tensor_type.name}, which is not supported "
                     f"(field 'type'; supported: {', '.join(SUPPORTED_TYPES)})"
                 )
-            key = hf_tensor_name(t.name) or t.name  # an unknown name is reported by fill_module as unexpected
+            key = hf_tensor_name(t.name, arch) or t.name  # an unknown name is reported by fill_module as unexpected
             self._tensors[key] = t
+            if arch in NORM_SHIFTED and t.name.endswith("norm.weight"):
+                self._shifted.add(key)
             kind = t.name.split(".")[-2] if t.name.count(".") >= 1 else ""
             if arch in PERMUTED_QK and kind in ("attn_q", "attn_k"):
                 self._permute[key] = config.num_heads if kind == "attn_q" else config.num_kv_heads
@@ -304,6 +340,8 @@ class GGUFSource:
         arr = arr.reshape(self.shape(key))
         if key in self._permute:
             arr = unpermute_rows(arr, self._permute[key])
+        if key in self._shifted:
+            arr = arr.astype(np.float32) - np.float32(1.0)
         return arr
 
     def release(self) -> None:
@@ -343,7 +381,6 @@ def load_gguf_target(path: str | os.PathLike, dtype=None):
     """A ``Target`` from a GGUF file (``eagle_jax.load_target`` dispatches here for .gguf files)."""
     from flax import nnx
 
-    from eagle_jax.checkpoint.hf_target import resolve_dtype, target_key
     from eagle_jax.checkpoint.module_fill import fill_module
     from eagle_jax.modeling.target import Target
 
@@ -362,5 +399,5 @@ def load_gguf_target(path: str | os.PathLike, dtype=None):
         source.release()
 
 
-__all__ = ["ARCHITECTURES", "SUPPORTED_TYPES", "check_gguf_header", "gguf_target_config", "hf_tensor_name", "load_gguf_target",
+__all__ = ["ARCHITECTURES", "GGUF_MAGIC", "SUPPORTED_TYPES", "check_gguf_header", "gguf_target_config", "hf_tensor_name", "load_gguf_target",
            "read_gguf", "unpermute_rows"]

@@ -1,4 +1,4 @@
-"""HF target checkpoints (Llama, Mistral, Qwen2, Qwen3, DeepSeek-V3 / Kimi-K2) <-> ``Target``."""
+"""HF target checkpoints (Llama, Mistral, Qwen2, Qwen3, Gemma 3, DeepSeek-V3 / Kimi-K2) <-> ``Target``."""
 
 from __future__ import annotations
 
@@ -11,40 +11,16 @@ from flax import nnx
 
 from eagle_jax.checkpoint.block_fp8 import DequantizedFP8, block_size
 from eagle_jax.checkpoint.expert_layout import StackedExperts, per_expert_tensors
+from eagle_jax.checkpoint.formats import is_gguf_file
 from eagle_jax.checkpoint.gguf import load_gguf_target
 from eagle_jax.checkpoint.hub import resolve_checkpoint
 from eagle_jax.checkpoint.models import resolve_model
 from eagle_jax.checkpoint.module_fill import export_tensors, fill_module
+from eagle_jax.checkpoint.target_keys import DTYPES, resolve_dtype, target_key
 from eagle_jax.checkpoint.tensor_files import CheckpointError, TensorSource, write_safetensors
-from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import ConfigError, TargetConfig, read_config_json
 from eagle_jax.modeling.moe import FLOAT32_VARIABLES
 from eagle_jax.modeling.target import Target
-
-DTYPES = {
-    "float32": jnp.float32,
-    "fp32": jnp.float32,
-    "float16": jnp.float16,
-    "fp16": jnp.float16,
-    "half": jnp.float16,
-    "bfloat16": jnp.bfloat16,
-    "bf16": jnp.bfloat16,
-}
-
-
-def resolve_dtype(requested, config_dtype: str | None, source: TensorSource, probe_key: str):
-    """The requested dtype, else the config's, else the dtype of the checkpoint's tensor ``probe_key``."""
-    if requested is not None:
-        if isinstance(requested, str):
-            if requested not in DTYPES:
-                raise ConfigError(f"dtype '{requested}' is not one of {sorted(DTYPES)}")
-            return DTYPES[requested]
-        return jnp.dtype(requested).type
-    if config_dtype in DTYPES:
-        return DTYPES[config_dtype]
-    if source is not None and probe_key in source.keys():
-        return jnp.dtype(source.get(probe_key).dtype).type
-    return jnp.float32
 
 
 def generation_eos_ids(path: str | Path) -> int | list[int] | None:
@@ -57,18 +33,6 @@ def generation_eos_ids(path: str | Path) -> int | list[int] | None:
     except (json.JSONDecodeError, AttributeError) as e:
         raise ConfigError(f"{file}: not a valid generation config ({e})") from e
     return eos
-
-
-def target_key(path: tuple) -> str:
-    """NNX path of a ``Target`` variable -> HF key."""
-    if path[0] == "lm_head":
-        return "lm_head.weight"
-    name = ".".join(str(p) for p in path)
-    if path[-1] == "kernel":
-        name = name[: -len("kernel")] + "weight"
-    if path == ("embed_tokens",):
-        name = "embed_tokens.weight"
-    return "model." + name
 
 
 def _ignored_target_key(key: str, config: TargetConfig, extra_layers: int) -> bool:
@@ -143,4 +107,4 @@ def save_target(target: Target, path: str | Path, dtype=None) -> None:
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
-__all__ = ["load_target", "save_target", "CheckpointError", "resolve_dtype", "target_key"]
+__all__ = ["DTYPES", "load_target", "save_target", "CheckpointError", "resolve_dtype", "target_key"]

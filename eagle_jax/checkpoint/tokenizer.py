@@ -14,22 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from eagle_jax.checkpoint.formats import check_gguf_header, is_gguf_file
 from eagle_jax.checkpoint.models import cache_dir, resolve_model
 from eagle_jax.checkpoint.tensor_files import CheckpointError
-
-GGUF_MAGIC = b"GGUF"
-
-
-def is_gguf_file(path: str | os.PathLike) -> bool:
-    """True for an existing file that starts with the GGUF magic, or any existing ``*.gguf`` file (whose
-    bad magic the GGUF loader then reports)."""
-    p = Path(path)
-    if not p.is_file():
-        return False
-    if p.suffix.lower() == ".gguf":
-        return True
-    with open(p, "rb") as f:
-        return f.read(4) == GGUF_MAGIC
 
 
 def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> Any:
@@ -52,8 +39,6 @@ def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> A
 
 def _gguf_tokenizer(file: Path) -> Any:
     from transformers import AutoTokenizer
-
-    from eagle_jax.checkpoint.gguf import check_gguf_header
 
     file = file.resolve()
     stat = file.stat()

@@ -3,7 +3,7 @@
 Usage: ``eagle-jax-eval --target T --drafter DIR --data heldout.jsonl [--k 5] [--tree 8,5,48]
 [--max-new-tokens 128] [--temperature 0] [--limit 64] [--batch-size 16] [--out result.json]``
 
-T: an HF checkpoint directory or Hub repo id, a .gguf file, or a named model (``smollm2-135m-instruct``).
+T: an HF checkpoint directory or Hub repo id, a .gguf file, or a named model (``smollm2-135m-instruct``, ``gemma-3-270m``).
 
 Records: chats (``messages`` / ShareGPT ``conversations``: the conversation up to its first
 assistant turn, rendered with the chat template and a generation prompt) or ``{"prompt": ...}`` /
@@ -67,7 +67,7 @@ def run(argv: list[str] | None = None) -> dict:
     """The command; returns what it writes to ``--out``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True,
-                   help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct")
+                   help="HF target checkpoint directory or Hub repo id, a .gguf file, or a named model (eagle-jax-fetch --list)")
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory or Hub repo id")
     p.add_argument("--data", required=True)
     p.add_argument("--tokenizer", help="a directory, Hub repo id, .gguf file or named model (default: the target's)")

@@ -1,6 +1,6 @@
 """Fetch a named model into the local cache, once; later uses need no network.
 
-Usage: ``eagle-jax-fetch smollm2-135m-instruct [--dir D]`` or ``eagle-jax-fetch --list``
+Usage: ``eagle-jax-fetch NAME [--dir D]`` (``smollm2-135m-instruct``, ``gemma-3-270m``) or ``eagle-jax-fetch --list``
 
 Prints the model file's path as the last line of stdout (pip's progress and notes go to stderr), so
 ``MODEL=$(eagle-jax-fetch NAME | tail -1)`` works in scripts. The path is then what every command's

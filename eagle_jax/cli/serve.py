@@ -23,7 +23,7 @@ program's first run (which links its kernels on the CPU) falls on a request, and
 time and the total. Compiled
 programs go to JAX's persistent compilation cache (``--compile-cache``), so a restart loads them.
 ``--drafter none`` serves the target alone (a profile's speculation schedule is then ignored). Checkpoints are directories or Hugging Face Hub repo ids; a
-target may also be a .gguf file or a named model (``smollm2-135m-instruct``); relative paths in a profile
+target may also be a .gguf file or a named model (``smollm2-135m-instruct``, ``gemma-3-270m``); relative paths in a profile
 are relative to the profile's folder. The served model name (``/v1/models``) defaults to the target's
 directory name, the .gguf file's stem, or the named model's name.
 """
@@ -41,7 +41,7 @@ API_KEY_ENV = "EAGLE_JAX_API_KEY"
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="YAML serving profile; flags override it (default: the bundled pair's)")
-    ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct")
+    ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or a named model (eagle-jax-fetch --list)")
     ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id, or 'none'")
     ap.add_argument("--tokenizer", help="tokenizer directory, Hub repo id, .gguf file or named model (default: the target's)")
     ap.add_argument("--spec", help="auto (default with a drafter), none, a MIN_ACTIVE:K schedule, or vLLM's JSON speculative config")

@@ -193,7 +193,7 @@ class RoundOut:
 def _round_plain(target: Target, plan: Plan, st: LoopState, keys: Array | None) -> RoundOut:
     pos = st.length[:, None]
     hidden, _, t_cache = target_forward(
-        target, None, plan, st.pending[:, None], pos, causal_cache_mask(pos, plan.cache_len, target.config.sliding_window, ~st.done), st.t_cache,
+        target, None, plan, st.pending[:, None], pos, causal_cache_mask(pos, plan.cache_len, None, ~st.done), st.t_cache,
         st.length
     )
     nxt = pick(target.logits(hidden[:, 0]), plan, st.sampling, keys)
@@ -211,7 +211,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     block = jnp.concatenate([st.pending[:, None], drafts], axis=1)
     pos = st.length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     hidden, aux, t_cache = target_forward(
-        target, drafter, plan, block, pos, causal_cache_mask(pos, plan.cache_len, target.config.sliding_window, ~st.done), st.t_cache,
+        target, drafter, plan, block, pos, causal_cache_mask(pos, plan.cache_len, None, ~st.done), st.t_cache,
         st.length
     )
     logits = processed(target.logits(hidden), st.sampling, block, penalties.chain_paths(k + 1))
@@ -286,9 +286,7 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
     tree, d_cache = grow(drafter, shape, st.d_logits, st.d_feat, st.d_cache, st.length, plan.cache_len, ~st.done)
     tree.tokens = tree.tokens.at[:, 0].set(st.pending)
     pos = st.length[:, None] + tree.depth
-    mask = verify_mask(tree, st.length, plan.cache_len) & ~st.done[:, None, None]
-    if target.config.sliding_window is not None:
-        mask &= causal_cache_mask(pos, plan.cache_len, target.config.sliding_window) | (jnp.arange(plan.cache_len) >= st.length[:, None])[:, None, :]
+    mask = verify_mask(tree, st.length, plan.cache_len) & ~st.done[:, None, None]  # sliding windows: Target.forward
     hidden, aux, t_cache = target_forward(target, drafter, plan, tree.tokens, pos, mask, st.t_cache, st.length)
     # A node's penalties count the drafted nodes on its path (its ancestors and itself, the root, already out, aside).
     on_path = tree.ancestors & (jnp.arange(tree.tokens.shape[1]) > 0)[None, None, :]

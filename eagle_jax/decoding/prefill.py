@@ -58,11 +58,10 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     fresh caches of ``plan.cache_len`` slots; picks each row's first token with its key."""
     b, p = prompt.shape
     s = plan.cache_len
-    window = target.config.sliding_window
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     zero = jnp.zeros((b,), jnp.int32)
     # The prompt block attends only to itself (P x P), then sits in cache slots 0..P-1.
-    block_mask = window_mask(positions, positions, window)
+    block_mask = window_mask(positions, positions, None)  # sliding layers narrow it themselves (Target.forward)
     t_cache = placed(plan, target.init_cache(b, s, target_dtype(target, plan)))
     hidden, aux, t_cache = target_forward(target, drafter, plan, prompt, positions, block_mask, t_cache, zero)
     last = lens - 1
@@ -122,7 +121,7 @@ def prefill_chunk(target: Target, drafter: Drafter | None, plan: Plan, ids: Arra
     are rewritten before they are read."""
     c = ids.shape[1] - 1
     pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
-    mask = causal_cache_mask(pos, plan.cache_len, target.config.sliding_window)
+    mask = causal_cache_mask(pos, plan.cache_len, None)
     hidden, aux, t_cache = target_forward(target, drafter, plan, ids[:, :c], pos, mask, t_cache, start)
     at = jnp.clip(plen - 1 - start, 0, c - 1)  # the prompt's last position within the chunk
     last_logits = target.logits(jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0])

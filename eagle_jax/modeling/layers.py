@@ -26,13 +26,19 @@ class Frozen(nnx.Variable):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+    """Llama: ``weight * normed`` with normed cast back first. ``unit_offset`` (Gemma): ``(1 + weight) * normed``
+    in float32, then cast, as Gemma's reference does (its weight is stored as the offset from 1)."""
+
+    def __init__(self, dim: int, eps: float, *, unit_offset: bool = False, dtype=jnp.float32):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.unit_offset = unit_offset
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if unit_offset else jnp.ones((dim,), dtype))
 
     def __call__(self, x: Array) -> Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * normed.astype(x.dtype)
 
 
@@ -145,17 +151,27 @@ class Linear(nnx.Module):
         return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+# The gate activations by their HF names, each computed in float32 (as torch does for half inputs).
+GATE_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
 
-    def __init__(self, hidden: int, inter: int, *, dtype, rngs: KeySource):
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_pytorch_tanh, Gemma)."""
+
+    def __init__(self, hidden: int, inter: int, *, act: str = "silu", dtype, rngs: KeySource):
+        if act not in GATE_ACTIVATIONS:
+            raise ValueError(f"unknown MLP activation '{act}'; known: {', '.join(GATE_ACTIVATIONS)}")
+        self.act = act
         self.gate_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(inter, hidden, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
-        # silu in fp32, rounded once (torch computes it in fp32 for half inputs)
-        act = jax.nn.silu(self.gate_proj(x).astype(jnp.float32)).astype(x.dtype)
+        # the activation in fp32, rounded once (torch computes it in fp32 for half inputs)
+        act = GATE_ACTIVATIONS[self.act](self.gate_proj(x).astype(jnp.float32)).astype(x.dtype)
         return self.down_proj(act * self.up_proj(x))
 
 
@@ -242,15 +258,17 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 # ------------------------------------------------------------------------------------------ attention
 
 
-def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
+def attend(q: Array, k: Array, v: Array, mask: Array, score_dim: float | None = None) -> Array:
     """Grouped-query attention with an explicit boolean mask.
 
     q: [B, T, Hq, D]; k, v: head-major [B, Hkv, S, D], the cache's layout; mask: [B, T, S] (True = may
     attend). As the reference (EAGLE code, HF eager attention): scores q.k / sqrt(D) in the activation
     dtype, softmax in fp32, probabilities cast back to the activation dtype before the value product.
+    ``score_dim``: the scores are over sqrt(score_dim) (default D; Gemma's ``query_pre_attn_scalar``).
     Returns [B, T, Hq * D].
     """
     b, t, hq, d = q.shape
+    root = math.sqrt(score_dim or d)
     hkv, s = k.shape[1], k.shape[2]
     g = hq // hkv
     # Head-major operands and the query group folded into the row axis: two plain batched matmuls
@@ -258,9 +276,9 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     # Only the query block is transposed: the cache is stored head-major, so reading it copies nothing.
     qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
     if _keys_lead(b, t):
-        return _attend_keys_lead(qh, k, v, mask, g)
+        return _attend_keys_lead(qh, k, v, mask, g, root)
     kh, vh = k, v
-    scores = (jnp.einsum("bkqd,bksd->bkqs", qh, kh) / math.sqrt(d)).astype(jnp.float32).reshape(b, hkv, g, t, s)
+    scores = (jnp.einsum("bkqd,bksd->bkqs", qh, kh) / root).astype(jnp.float32).reshape(b, hkv, g, t, s)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hkv, g * t, s)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, vh).reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)
@@ -278,12 +296,12 @@ def _keys_lead(b: int, t: int) -> bool:
     return b > 1 and t <= KEYS_LEAD_MAX_QUERIES and jax.default_backend() == "cpu"
 
 
-def _attend_keys_lead(qh: Array, k: Array, v: Array, mask: Array, g: int) -> Array:
+def _attend_keys_lead(qh: Array, k: Array, v: Array, mask: Array, g: int, root: float) -> Array:
     """``attend`` with the scores laid out [B, Hkv, S, g*T] (the cache as the dot's left operand, softmax
     over S): the same numbers up to summation order. qh: [B, Hkv, g*T, D]."""
     b, hkv, gt, d = qh.shape
     s, t = k.shape[2], gt // g
-    scores = (jnp.einsum("bksd,bkqd->bksq", k, qh) / math.sqrt(d)).astype(jnp.float32).reshape(b, hkv, s, g, t)
+    scores = (jnp.einsum("bksd,bkqd->bksq", k, qh) / root).astype(jnp.float32).reshape(b, hkv, s, g, t)
     scores = jnp.where(jnp.swapaxes(mask, 1, 2)[:, None, :, None, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=2).astype(v.dtype).reshape(b, hkv, s, gt)
     out = jnp.einsum("bksq,bksd->bkqd", probs, v).reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)
@@ -337,12 +355,13 @@ def softmax_over_blocks(scores_of: Callable[[Array, Array], Array], values_of: C
     return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def attend_cache(q: Array, k: Array, v: Array, mask: Array) -> Array:
+def attend_cache(q: Array, k: Array, v: Array, mask: Array, score_dim: float | None = None) -> Array:
     """``attend`` over a head-major cache k, v [B, Hkv, S, D] under mask [B, T, S], block by block
     (``softmax_over_blocks``): the same scores (q.k / sqrt(D) in the activation dtype, the softmax in
     float32) and probabilities cast to the activation dtype before the value product, accumulated in
-    float32. Returns [B, T, Hq * D] in q's dtype."""
+    float32; ``score_dim`` as for ``attend``. Returns [B, T, Hq * D] in q's dtype."""
     b, t, hq, d = q.shape
+    root = math.sqrt(score_dim or d)
     hkv = k.shape[1]
     g = hq // hkv
     qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
@@ -350,7 +369,7 @@ def attend_cache(q: Array, k: Array, v: Array, mask: Array) -> Array:
 
     def scores_of(start, block_mask):
         kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2).astype(q.dtype)
-        scores = (jnp.einsum("bkqd,bksd->bkqs", qh, kb) / math.sqrt(d)).astype(jnp.float32).reshape(b, hkv, g, t, block)
+        scores = (jnp.einsum("bkqd,bksd->bkqs", qh, kb) / root).astype(jnp.float32).reshape(b, hkv, g, t, block)
         return jnp.where(block_mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
 
     def values_of(probs, start):
@@ -381,6 +400,13 @@ def document_mask(positions: Array, segment_ids: Array, window: int | None = Non
     Positions restart at 0 in every document, so they order keys only inside one; the segment test
     keeps documents (and the padding, segment 0) apart. One document per row: ``window_mask``."""
     return window_mask(positions, positions, window) & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
+def attends_block(t: int, mask_width: int, cache_len: int | None) -> bool:
+    """Whether a block of ``t`` queries under a mask ``mask_width`` wide attends over the block itself
+    (no cache, or a [B, T, T] mask over a longer cache: a prefill from an empty cache) rather than over
+    the cache's leading ``mask_width`` slots."""
+    return cache_len is None or (mask_width == t and t < cache_len)
 
 
 def heads_first(x: Array) -> Array:
@@ -418,7 +444,8 @@ def write_kv(cache: Array, new: Array, start: Array) -> Array:
 
 
 class Attention(nnx.Module):
-    """Multi-head attention with GQA, optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3).
+    """Multi-head attention with GQA, optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3; Gemma's with
+    ``norm_unit_offset``), scores over sqrt(``score_dim``) (default head_dim; Gemma's query_pre_attn_scalar).
 
     ``d_in`` is the input width: H for a target layer, 2H for the drafter (embedding and feature).
     """
@@ -433,18 +460,21 @@ class Attention(nnx.Module):
         *,
         bias: bool = False,
         qk_norm_eps: float | None = None,
+        norm_unit_offset: bool = False,
+        score_dim: float | None = None,
         dtype,
         rngs: KeySource,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.score_dim = score_dim
+        self.scale = 1.0 / math.sqrt(score_dim or head_dim)
         self.q_proj = Linear(d_in, num_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d_in, num_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d_in, num_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(num_heads * head_dim, d_out, dtype=dtype, rngs=rngs)
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=norm_unit_offset, dtype=dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=norm_unit_offset, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
 
@@ -466,7 +496,7 @@ class Attention(nnx.Module):
         """q attending over the cache's leading ``mask.shape[-1]`` slots of its leading rows, reading only
         the blocks the mask reaches (``attend_cache``)."""
         b, span = q.shape[0], mask.shape[-1]
-        return self.o_proj(attend_cache(q, kv[0][:b, :, :span], kv[1][:b, :, :span], mask))
+        return self.o_proj(attend_cache(q, kv[0][:b, :, :span], kv[1][:b, :, :span], mask, self.score_dim))
 
     def write(self, x: Array, cos: Array, sin: Array, kv: tuple[Array, Array], write_index: Array) -> tuple[Array, Array]:
         """Writes the block's keys/values into ``kv`` at slots ``write_index`` [B] without attending
@@ -497,8 +527,8 @@ class Attention(nnx.Module):
         t = x.shape[1]
         q, k, v = self.heads(x, cos, sin)
         if kv is None:
-            return self.o_proj(attend(q, heads_first(k), heads_first(v), mask)), None
+            return self.o_proj(attend(q, heads_first(k), heads_first(v), mask, self.score_dim)), None
         kv = self._written(kv, k, v, write_index)
-        if mask.shape[-1] == t and t < kv[0].shape[2]:
-            return self.o_proj(attend(q, heads_first(k), heads_first(v), mask)), kv
+        if attends_block(t, mask.shape[-1], kv[0].shape[2]):
+            return self.o_proj(attend(q, heads_first(k), heads_first(v), mask, self.score_dim)), kv
         return self._over_cache(q, kv, mask), kv

@@ -1,9 +1,15 @@
 """Target decoders with KV cache and aux-state capture: the Llama family (Llama 3.x, Mistral, Qwen2,
-Qwen3; GQA + dense MLP) and DeepSeek-V3 / Kimi-K2 (multi-head latent attention + mixture of experts).
-Each decoder layer picks its attention and MLP from the config; everything else is shared."""
+Qwen3; GQA + dense MLP), Gemma 3 (the same with sandwich norms and sliding-window layers) and
+DeepSeek-V3 / Kimi-K2 (multi-head latent attention + mixture of experts). Each decoder layer picks its
+attention, MLP, norms, window and rope from the config; everything else is shared.
+
+Sliding windows are applied here, per layer, to whatever mask a caller passes (``Target.forward``):
+every decoding path (prefill, chunks, verification, trees, serving slots) gets them without building
+windowed masks itself. The cache keeps every position for every layer (sliding layers included)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -18,6 +24,7 @@ from eagle_jax.modeling.layers import (
     KeySource,
     Linear,
     RMSNorm,
+    attends_block,
     causal_mask,
     document_mask,
     project,
@@ -61,11 +68,28 @@ class KVCache:
         return self.k[0].shape[2]
 
 
+def key_positions(positions: Array, mask_width: int, cache_len: int | None, write_index: Array | None) -> Array:
+    """[B, S'] the position each key column of a mask holds, for the sliding windows: the block's own
+    positions when attention is over the block itself (``attends_block``); over a cache, slot s holds
+    position s, except the block's slots ``write_index + j``, which hold ``positions[:, j]`` (a tree's
+    nodes sit at their depth, not their slot)."""
+    t = positions.shape[1]
+    if attends_block(t, mask_width, cache_len):
+        return positions
+    slots = jnp.arange(mask_width, dtype=jnp.int32)[None, :]
+    rel = slots - write_index[:, None]
+    in_block = (rel >= 0) & (rel < t)
+    return jnp.where(in_block, jnp.take_along_axis(positions, jnp.clip(rel, 0, t - 1), axis=1), slots)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block; attention GQA or MLA and MLP dense or MoE, as the config says for layer ``index``."""
 
     def __init__(self, c: TargetConfig, index: int, *, dtype, rngs: KeySource):
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
+
+        self.input_layernorm = norm(c.hidden_size)
         if c.mla is not None:
             self.self_attn = MLAttention(
                 c.hidden_size, c.hidden_size, c.num_heads, c.mla, c.rope, bias=c.attention_bias, dtype=dtype, rngs=rngs
@@ -79,19 +103,31 @@ class DecoderLayer(nnx.Module):
                 c.head_dim,
                 bias=c.attention_bias,
                 qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+                norm_unit_offset=c.norm_unit_offset,
+                score_dim=c.query_pre_attn_scalar,
                 dtype=dtype,
                 rngs=rngs,
             )
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        # HF's names: in the Llama layout post_attention_layernorm is the MLP's input norm; with sandwich
+        # norms (Gemma) it normalises the attention's output, and pre_feedforward_layernorm the MLP's input.
+        self.post_attention_layernorm = norm(c.hidden_size)
+        if c.sandwich_norms:
+            self.pre_feedforward_layernorm = norm(c.hidden_size)
+            self.post_feedforward_layernorm = norm(c.hidden_size)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if c.moe is not None and c.moe.is_moe_layer(index):
             self.mlp = MoE(c.hidden_size, c.moe, dtype=dtype, rngs=rngs)
         else:
-            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, act=c.hidden_act, dtype=dtype, rngs=rngs)
 
     def __call__(self, h, cos, sin, mask, kv=None, write_index=None):
         attn, kv = self.self_attn(self.input_layernorm(h), cos, sin, mask, kv, write_index)
-        h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), kv
+        if self.post_feedforward_layernorm is None:
+            h = h + attn
+            return h + self.mlp(self.post_attention_layernorm(h)), kv
+        h = h + self.post_attention_layernorm(attn)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), kv
 
 
 class Target(nnx.Module):
@@ -112,18 +148,24 @@ class Target(nnx.Module):
         # A weight matrix (gathered, and the lm_head when tied): float32-stored on CPU for bf16 (layers.weight_matrix).
         self.embed_tokens = weight_matrix(jax.random.normal(keys.params(), (c.vocab_size, c.hidden_size)) * 0.02, dtype)
         self.layers = nnx.List([DecoderLayer(c, i, dtype=dtype, rngs=keys) for i in range(c.num_layers)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, unit_offset=c.norm_unit_offset, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=keys)
         keys.commit()
 
     def embed(self, input_ids: Array) -> Array:
-        return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        h = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        if self.config.scale_embeddings:  # Gemma: times sqrt(H) rounded to the embedding's dtype, as HF does
+            h = h * jnp.asarray(math.sqrt(self.config.hidden_size), self.dtype)
+        return h
 
     def logits(self, hidden: Array) -> Array:
         """Final-normed hidden [..., H] -> logits [..., V] (fp32 accumulation, model dtype out)."""
         if self.lm_head is None:
-            return project("...h,vh->...v", hidden, self.embed_tokens[...])
-        return self.lm_head(hidden)
+            out = project("...h,vh->...v", hidden, self.embed_tokens[...])
+        else:
+            out = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return out if cap is None else (jnp.tanh(out / cap) * cap).astype(out.dtype)
 
     def forward(
         self,
@@ -143,19 +185,30 @@ class Target(nnx.Module):
 
         input_ids, positions: [B, T]. Without ``cache``, ``mask`` is [B, T, T] over the block itself. With
         a cache, the block's keys/values are written at slots ``write_index + 0..T-1`` and ``mask`` is
-        [B, T, S] over all cache slots: any pattern (causal decode, tree verification).
+        [B, T, S] over all cache slots: any pattern (causal decode, tree verification). Sliding layers
+        also mask keys ``config.sliding_window`` or more positions back (``key_positions``): callers
+        pass the mask without windows.
         """
         c = self.config
         h = self.embed(input_ids)
         if compute_dtype is not None:
             h = h.astype(compute_dtype)  # every matmul, norm and cache write follows the activations
-        cos, sin = rope_cos_sin(c.rope, c.rope_dim, positions, h.dtype)
+        ropes: dict = {}  # one cos/sin per distinct rope, one mask per distinct window
+        masks: dict = {None: mask}
+        keys = None
         aux, ks, vs = [], [], []
         for i, layer in enumerate(self.layers):
             if i in aux_layer_ids:
                 aux.append(h)
+            rope, window = c.layer_rope(i), c.layer_window(i)
+            if rope not in ropes:
+                ropes[rope] = rope_cos_sin(rope, c.rope_dim, positions, h.dtype)
+            if window not in masks:
+                if keys is None:
+                    keys = key_positions(positions, mask.shape[-1], None if cache is None else cache.max_len, write_index)
+                masks[window] = mask & window_mask(positions, keys, window)
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            h, kv = layer(h, cos, sin, mask, kv, write_index)
+            h, kv = layer(h, *ropes[rope], masks[window], kv, write_index)
             if kv is not None:
                 ks.append(kv[0])
                 vs.append(kv[1])
@@ -179,13 +232,10 @@ class Target(nnx.Module):
         if aux_layer_ids is None:
             aux_layer_ids = default_aux_layer_ids(self.config.num_layers)
         b, t = input_ids.shape
-        window = self.config.sliding_window
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids is not None:
-            mask = document_mask(positions, segment_ids, window)
-        elif window is not None:
-            mask = window_mask(positions, positions, window)
+            mask = document_mask(positions, segment_ids)
         else:
             mask = causal_mask(b, t)
         hidden, aux, _ = self.forward(input_ids, positions, mask, aux_layer_ids=tuple(aux_layer_ids))

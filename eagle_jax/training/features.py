@@ -182,7 +182,7 @@ def _forward_fn(target: Target, aux_layer_ids: tuple[int, ...]) -> Callable:
     @jax.jit
     def run(state, ids, positions, segments):
         t = nnx.merge(graphdef, state)
-        mask = document_mask(positions, segments, t.config.sliding_window)
+        mask = document_mask(positions, segments)
         hidden, aux, _ = t.forward(ids, positions, mask, aux_layer_ids=aux_layer_ids)
         return aux.astype(jnp.float32), hidden.astype(jnp.float32), jnp.argmax(t.logits(hidden), axis=-1).astype(jnp.int32)
 

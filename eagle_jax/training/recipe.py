@@ -261,7 +261,7 @@ def random_target_config(random: dict) -> TargetConfig:
     for ``architecture: deepseek_v3`` the ``mla`` and ``moe`` dicts; num_kv_heads and head_dim follow
     from them there, as in a DeepSeek-V3 config.json. ``logit_scale`` is build_target's."""
     fields = {"architecture": "llama", **{k: v for k, v in random.items() if k != "logit_scale"}}
-    subconfigs = {"rope": RopeConfig, "mla": MLAConfig, "moe": MoEConfig}
+    subconfigs = {"rope": RopeConfig, "local_rope": RopeConfig, "mla": MLAConfig, "moe": MoEConfig}
     try:
         if "rope_theta" in fields:
             fields["rope"] = {**fields.get("rope", {}), "theta": float(fields.pop("rope_theta"))}
@@ -393,8 +393,10 @@ def warm_start(drafter: Drafter, target: Target, parts: Iterable[str]) -> None:
             used = np.arange(c.draft_vocab_size) + np.asarray(drafter.d2t[...])
             drafter.lm_head.kernel.set_value(draft_vocab_head(target, used).T.astype(drafter.lm_head.kernel[...].dtype))
         elif part == "norm":
-            # a copy: the step donates the drafter's parameters, never the target's buffers
-            drafter.norm.weight.set_value(jnp.array(target.norm.weight[...], drafter.norm.weight[...].dtype, copy=True))
+            # a copy: the step donates the drafter's parameters, never the target's buffers. A (1 + w) norm
+            # (Gemma) scales by 1 + its weight; the drafter's scales by its weight.
+            weight = target.norm.weight[...] + (1.0 if target.norm.unit_offset else 0.0)
+            drafter.norm.weight.set_value(jnp.array(weight, drafter.norm.weight[...].dtype, copy=True))
         elif part == "fc":
             if c.target_hidden_size != c.hidden_size:
                 raise TrainConfigError(

@@ -1,0 +1,50 @@
+"""An EAGLE-3.1 drafter for a Gemma 3 target: the training recipe builds its config (Gemma 3 270M's
+sizes, a 32k draft vocabulary) and starts it from the target, whose (1 + w) final norm becomes the
+drafter's plain RMSNorm weight 1 + w."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax import Drafter
+from eagle_jax.config import FULL_LAYER, SLIDING_LAYER, RopeConfig, TargetConfig, check_pair
+from eagle_jax.training.recipe import build_target, drafter_config_for, load_config, merge_config, warm_start
+
+GEMMA3_270M = TargetConfig(
+    architecture="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
+    num_kv_heads=1, head_dim=256, rope=RopeConfig(theta=1e6), local_rope=RopeConfig(theta=1e4), sliding_window=512,
+    layer_types=tuple(SLIDING_LAYER if (i + 1) % 6 else FULL_LAYER for i in range(18)), norm_unit_offset=True,
+    sandwich_norms=True, scale_embeddings=True, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=256.0, qk_norm=True,
+    tie_word_embeddings=True, max_position_embeddings=32768,
+)
+EAGLE31 = {"drafter": {"draft_vocab_size": 32768, "fc_norm": True, "norm_output": True}}
+
+
+def test_eagle31_drafter_config_for_gemma3_270m():
+    cfg = merge_config(load_config(), EAGLE31)
+    target = SimpleNamespace(config=GEMMA3_270M)  # the recipe reads only the target's config here
+    dc = drafter_config_for(cfg, target)
+    assert check_pair(GEMMA3_270M, dc) == (2, 9, 15)
+    assert (dc.hidden_size, dc.target_hidden_size, dc.draft_vocab_size, dc.vocab_size) == (640, 640, 32768, 262144)
+    assert dc.fc_norm and dc.norm_output and dc.num_aux_hidden_states == 3
+    drafter = nnx.eval_shape(lambda: Drafter(dc, jnp.zeros((262144, 640))))  # shapes only: no 671 MB of weights
+    assert drafter.fc.kernel.shape == (3 * 640, 640) and drafter.lm_head.kernel.shape == (640, 32768)
+    assert drafter.self_attn.q_proj.kernel.shape == (2 * 640, 4 * 256)
+
+
+def test_warm_started_norm_scales_as_the_targets():
+    random = dict(architecture="gemma3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                  num_kv_heads=1, head_dim=16, sliding_window=4, layer_types=[SLIDING_LAYER, FULL_LAYER],
+                  local_rope={"theta": 100.0}, norm_unit_offset=True, sandwich_norms=True, scale_embeddings=True,
+                  hidden_act="gelu_pytorch_tanh", qk_norm=True, tie_word_embeddings=True)
+    cfg = merge_config(load_config(), {"target": {"random": random}, **EAGLE31, "drafter": {"draft_vocab_size": 16}})
+    target = build_target(cfg)
+    target.norm.weight.set_value(jnp.linspace(-0.5, 0.5, 32))
+    drafter = Drafter(drafter_config_for(cfg, target), target.embed_tokens[...])
+    warm_start(drafter, target, ["norm"])
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 32)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(drafter.norm(x)), np.asarray(target.norm(x)), rtol=1e-6)

@@ -42,9 +42,9 @@ from bench.common import (
     parse_tree,
     print_table,
     pyplot,
-    save_plot,
     question_prompts,
     run_batched,
+    save_plot,
     spec_name,
     stop_ids,
     write_json,
@@ -58,12 +58,25 @@ def plot(runs: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     keys = sorted({(r["dataset"], r["drafter"], r["temperature"]) for r in runs if r["method"] == "chain"})
     for ds, dr, temp in keys:
-        rs = sorted((r for r in runs if (r["dataset"], r["drafter"], r["temperature"]) == (ds, dr, temp) and r["method"] == "chain"),
-                    key=lambda r: r["k"])
+        rs = sorted(
+            (
+                r
+                for r in runs
+                if (r["dataset"], r["drafter"], r["temperature"]) == (ds, dr, temp) and r["method"] == "chain"
+            ),
+            key=lambda r: r["k"],
+        )
         ks = [r["k"] for r in rs]
         al = [r["al_mean"] for r in rs]
         err = [0 if np.isnan(r["al_ci95"]) else r["al_ci95"] for r in rs]
-        ax.errorbar(ks, al, yerr=err, marker="o", capsize=3, label=f"{dr}, T={temp:g}" + ("" if len({k[0] for k in keys}) == 1 else f", {ds}"))
+        ax.errorbar(
+            ks,
+            al,
+            yerr=err,
+            marker="o",
+            capsize=3,
+            label=f"{dr}, T={temp:g}" + ("" if len({k[0] for k in keys}) == 1 else f", {ds}"),
+        )
     ax.set_xlabel("chain K (drafts per round)")
     ax.set_ylabel("acceptance length (tokens / target forward)")
     ax.set_title("Acceptance length vs K (mean over prompts, 95% CI)")
@@ -95,18 +108,40 @@ def main(argv=None) -> dict:
     limit = target.config.max_position_embeddings
     datasets: dict[str, list[dict]] = {}
     if args.n_prompts:
-        datasets["heldout-code"] = fit_prompts(heldout_code_prompts(tokenizer, args.n_prompts, seed=args.seed, min_chars=args.min_chars,
-                                                                    max_chars=args.max_chars, vocab_size=target.config.vocab_size), args.max_new, limit)
+        datasets["heldout-code"] = fit_prompts(
+            heldout_code_prompts(
+                tokenizer,
+                args.n_prompts,
+                seed=args.seed,
+                min_chars=args.min_chars,
+                max_chars=args.max_chars,
+                vocab_size=target.config.vocab_size,
+            ),
+            args.max_new,
+            limit,
+        )
     for q in args.questions:
         # FastChat keeps every bench in <name>/question.jsonl: name the data set after the folder then.
-        datasets[Path(q).parent.name if Path(q).stem == "question" and Path(q).parent.name else Path(q).stem] = fit_prompts(question_prompts(q, tokenizer, args.n_questions or None), args.max_new, limit)
+        datasets[Path(q).parent.name if Path(q).stem == "question" and Path(q).parent.name else Path(q).stem] = (
+            fit_prompts(question_prompts(q, tokenizer, args.n_questions or None), args.max_new, limit)
+        )
     specs = [SpecConfig(num_speculative_tokens=k) for k in args.ks] + [parse_tree(t) for t in args.trees]
     eos = stop_ids(tokenizer, not args.no_eos)
 
-    results = {"models": source, "settings": {k: v for k, v in vars(args).items() if k != "out"}, "eos_ids": list(eos),
-               "datasets": {name: {"n": len(ps), "mean_prompt_tokens": float(np.mean([len(p["ids"]) for p in ps])) if ps else 0,
-                                   "names": [p["name"] for p in ps]} for name, ps in datasets.items()},
-               "runs": []}
+    results = {
+        "models": source,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "eos_ids": list(eos),
+        "datasets": {
+            name: {
+                "n": len(ps),
+                "mean_prompt_tokens": float(np.mean([len(p["ids"]) for p in ps])) if ps else 0,
+                "names": [p["name"] for p in ps],
+            }
+            for name, ps in datasets.items()
+        },
+        "runs": [],
+    }
     rows, cat_rows = [], []
     for ds, prompts in datasets.items():
         if not prompts:
@@ -115,32 +150,91 @@ def main(argv=None) -> dict:
         for dname, drafter in drafters.items():
             for temp in args.temperatures:
                 for spec in specs:
-                    r = run_batched(target, drafter, ids, spec=spec, max_new=args.max_new, temperature=temp, eos=eos,
-                                    seed=args.seed, batch_size=args.batch_size)
+                    r = run_batched(
+                        target,
+                        drafter,
+                        ids,
+                        spec=spec,
+                        max_new=args.max_new,
+                        temperature=temp,
+                        eos=eos,
+                        seed=args.seed,
+                        batch_size=args.batch_size,
+                    )
                     st = acceptance_stats(r["accepted"], spec.max_emitted - 1)
                     n_tok = sum(len(t) for t in r["tokens"])
-                    run = {"dataset": ds, "drafter": dname, "temperature": temp, "spec": spec_name(spec), "method": spec.method,
-                           "k": spec.num_speculative_tokens if spec.method == "chain" else None,
-                           "tree": None if spec.method == "chain" else [spec.tree_top_k, spec.tree_depth, spec.tree_total_tokens],
-                           **st, "tokens": n_tok, "compile_s": r["compile_s"], "run_s": r["run_s"],
-                           "tokens_per_s": n_tok / r["run_s"] if r["run_s"] > 0 else None}
+                    run = {
+                        "dataset": ds,
+                        "drafter": dname,
+                        "temperature": temp,
+                        "spec": spec_name(spec),
+                        "method": spec.method,
+                        "k": spec.num_speculative_tokens if spec.method == "chain" else None,
+                        "tree": None
+                        if spec.method == "chain"
+                        else [spec.tree_top_k, spec.tree_depth, spec.tree_total_tokens],
+                        **st,
+                        "tokens": n_tok,
+                        "compile_s": r["compile_s"],
+                        "run_s": r["run_s"],
+                        "tokens_per_s": n_tok / r["run_s"] if r["run_s"] > 0 else None,
+                    }
                     cats = sorted({p.get("category") for p in prompts if p.get("category")})
                     if cats:
                         run["per_category"] = {}
                         for c in cats:
-                            m, h = mean_ci95([a for a, p in zip(st["per_prompt_al"], prompts) if p.get("category") == c])
-                            run["per_category"][c] = {"al_mean": m, "al_ci95": h, "n": sum(p.get("category") == c for p in prompts)}
-                            cat_rows.append([ds, dname, f"{temp:g}", spec_name(spec), c, run["per_category"][c]["n"],
-                                             f"{m:.2f}" + ("" if np.isnan(h) else f" ± {h:.2f}")])
+                            m, h = mean_ci95(
+                                [a for a, p in zip(st["per_prompt_al"], prompts) if p.get("category") == c]
+                            )
+                            run["per_category"][c] = {
+                                "al_mean": m,
+                                "al_ci95": h,
+                                "n": sum(p.get("category") == c for p in prompts),
+                            }
+                            cat_rows.append(
+                                [
+                                    ds,
+                                    dname,
+                                    f"{temp:g}",
+                                    spec_name(spec),
+                                    c,
+                                    run["per_category"][c]["n"],
+                                    f"{m:.2f}" + ("" if np.isnan(h) else f" ± {h:.2f}"),
+                                ]
+                            )
                     results["runs"].append(run)
                     pos = " ".join(f"{p:.2f}" for p in st["position_acceptance"])
-                    rows.append([ds, dname, f"{temp:g}", spec_name(spec), st["prompts"], fmt_al(st), f"{st['al_pooled']:.2f}", pos,
-                                 f"{r['compile_s']:.1f}"])
+                    rows.append(
+                        [
+                            ds,
+                            dname,
+                            f"{temp:g}",
+                            spec_name(spec),
+                            st["prompts"],
+                            fmt_al(st),
+                            f"{st['al_pooled']:.2f}",
+                            pos,
+                            f"{r['compile_s']:.1f}",
+                        ]
+                    )
                     print(f"  {ds} | {dname} | T={temp:g} | {spec_name(spec)}: AL {fmt_al(st)}", flush=True)
     print()
     if is_random:
         print("(random models: acceptance meaningless)")
-    print_table(["data", "drafter", "T", "speculation", "prompts", "AL (95% CI)", "AL pooled", "pos acceptance 1..", "compile s"], rows)
+    print_table(
+        [
+            "data",
+            "drafter",
+            "T",
+            "speculation",
+            "prompts",
+            "AL (95% CI)",
+            "AL pooled",
+            "pos acceptance 1..",
+            "compile s",
+        ],
+        rows,
+    )
     if cat_rows:
         print()
         print_table(["data", "drafter", "T", "speculation", "category", "n", "AL (95% CI)"], cat_rows)

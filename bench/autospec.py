@@ -71,7 +71,9 @@ CONTROL = "control"  # a fixed configuration measured twice (``--control``)
 def collect_prompts(tokenizer, per_set: int, max_prompt: int) -> list[dict]:
     """``per_set`` held-out code prompts and first turns of each QUESTION_SETS file, at most
     ``max_prompt`` tokens each, as {"ids", "set"}."""
-    out = [{"ids": p["ids"][:max_prompt], "set": "code"} for p in heldout_code_prompts(tokenizer, per_set, max_chars=1200)]
+    out = [
+        {"ids": p["ids"][:max_prompt], "set": "code"} for p in heldout_code_prompts(tokenizer, per_set, max_chars=1200)
+    ]
     for name in QUESTION_SETS:
         qs = [q for q in question_prompts(EVAL / f"{name}.jsonl", tokenizer) if len(q["ids"]) <= max_prompt]
         out += [{"ids": q["ids"], "set": name} for q in qs[:per_set]]
@@ -97,8 +99,10 @@ def resumed(previous: dict, config: dict) -> dict:
     loose = {"resume", "report_only", "out", "plot", "dtypes", "temps", "batch", "orders"}
     for key, value in config.items():
         if key not in loose and previous["config"].get(key) != value:
-            raise SystemExit(f"--resume: {config['out']} was measured with {key}={previous['config'].get(key)!r}, "
-                             f"not {value!r}; use another --out")
+            raise SystemExit(
+                f"--resume: {config['out']} was measured with {key}={previous['config'].get(key)!r}, "
+                f"not {value!r}; use another --out"
+            )
     return {**previous, "config": config}
 
 
@@ -125,10 +129,14 @@ def warm(target, drafter, calls, fixed: dict, *, max_new: int, temperature: floa
     for prompts in by_shape.values():
         for d, spec in fixed.values():
             eagle_jax.generate(target, d, prompts, spec=spec, **kw)
-        eagle_jax.generate(target, drafter, prompts, spec="auto", **kw)  # its first call compiles and runs all of auto's
+        eagle_jax.generate(
+            target, drafter, prompts, spec="auto", **kw
+        )  # its first call compiles and runs all of auto's
 
 
-def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperature: float, eos, seed: int = 0) -> list[dict]:
+def run_sequence(
+    target, drafter, calls, fixed: dict, *, max_new: int, temperature: float, eos, seed: int = 0
+) -> list[dict]:
     """One sequence from a fresh chooser: per call, auto and every fixed configuration on the same
     prompts, their order rotated by one each call (the first run after another program is often the
     slowest here: no configuration always takes that place)."""
@@ -138,7 +146,7 @@ def run_sequence(target, drafter, calls, fixed: dict, *, max_new: int, temperatu
     rows = []
     for c, prompts in enumerate(calls):
         row, tokens = {}, {}
-        for name, (d, spec) in systems[c % len(systems):] + systems[: c % len(systems)]:
+        for name, (d, spec) in systems[c % len(systems) :] + systems[: c % len(systems)]:
             gc.collect()  # the garbage of the calls before, not this call's (the module docstring)
             t0 = time.perf_counter()
             r = eagle_jax.generate(target, d, prompts, spec=spec, **kw)
@@ -187,7 +195,11 @@ def summarise(rows: list[dict], names: list[str], twin: str | None = None) -> di
     best = max(names, key=rate.get)
     control = {}
     if CONTROL in rate:
-        control = {"control_vs_best": rate[CONTROL] / rate[best], "control_vs_twin": rate[CONTROL] / rate[twin], "control_of": twin}
+        control = {
+            "control_vs_best": rate[CONTROL] / rate[best],
+            "control_vs_twin": rate[CONTROL] / rate[twin],
+            "control_of": twin,
+        }
     firsts = [r for i, r in enumerate(rows) if i == 0 or r.get("repeat", 0) != rows[i - 1].get("repeat", 0)]
     repeats = sorted({r.get("repeat", 0) for r in rows})
     depths = np.mean([[r["auto_depth"] for r in rows if r.get("repeat", 0) == i] for i in repeats], axis=0)
@@ -198,18 +210,30 @@ def summarise(rows: list[dict], names: list[str], twin: str | None = None) -> di
     even = [r for r in rows if len({r[n][1] for n in ["auto", *names]}) == 1]
     if len(even) < len(rows) and even:
         fair = {n: _rate(even, n) for n in ["auto", *names]}
-        same_length = {"vs_best_same_length": fair["auto"] / max(fair[n] for n in names), "same_length_calls": len(even)}
+        same_length = {
+            "vs_best_same_length": fair["auto"] / max(fair[n] for n in names),
+            "same_length_calls": len(even),
+        }
     held_out = {}
     if len(repeats) > 1:
         reference = held_out_best(rows, names)
         held_out["vs_best_held_out"] = rate["auto"] / reference
         if control:
             held_out["control_vs_best_held_out"] = rate[CONTROL] / reference
-    return {"tok_s": rate, "best_fixed": best, "vs_best": rate["auto"] / rate[best], **held_out, "vs_plain": rate["auto"] / rate["plain"],
-            # per token: sampled calls may stop at EOS after different numbers of tokens
-            "first_call_vs_plain": max((r["auto"][0] / r["auto"][1]) / (r["plain"][0] / r["plain"][1]) for r in firsts),
-            "equal_to_plain": all(r.get("equal_to_plain", True) for r in rows), "depths": [float(d) for d in depths],
-            "repeats": len(repeats), **control, **same_length}
+    return {
+        "tok_s": rate,
+        "best_fixed": best,
+        "vs_best": rate["auto"] / rate[best],
+        **held_out,
+        "vs_plain": rate["auto"] / rate["plain"],
+        # per token: sampled calls may stop at EOS after different numbers of tokens
+        "first_call_vs_plain": max((r["auto"][0] / r["auto"][1]) / (r["plain"][0] / r["plain"][1]) for r in firsts),
+        "equal_to_plain": all(r.get("equal_to_plain", True) for r in rows),
+        "depths": [float(d) for d in depths],
+        "repeats": len(repeats),
+        **control,
+        **same_length,
+    }
 
 
 def main(argv=None) -> dict:
@@ -226,14 +250,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--ks", type=int, nargs="+", default=list(chooser.DEPTHS))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="sequences per order (generation seeds seed, seed+1, ...; a fresh chooser each): rates pool them")
-    ap.add_argument("--control", help="a fixed configuration (plain, K=1, ...) measured a second time in each call, as the control")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="sequences per order (generation seeds seed, seed+1, ...; a fresh chooser each): rates pool them",
+    )
+    ap.add_argument(
+        "--control", help="a fixed configuration (plain, K=1, ...) measured a second time in each call, as the control"
+    )
     ap.add_argument("--out", default="bench/results/autospec.json")
     ap.add_argument("--plot", default="bench/figures/autospec.png")
-    ap.add_argument("--report-only", action="store_true", help="re-summarise --out's runs (table and plot), measure nothing")
-    ap.add_argument("--resume", action="store_true",
-                    help="keep the orders --out already holds (same configuration) and measure the rest")
+    ap.add_argument(
+        "--report-only", action="store_true", help="re-summarise --out's runs (table and plot), measure nothing"
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the orders --out already holds (same configuration) and measure the rest",
+    )
     args = ap.parse_args(argv)
     if args.report_only:
         results = json.loads(Path(args.out).read_text())
@@ -249,7 +284,9 @@ def main(argv=None) -> dict:
         results = resumed(json.loads(Path(args.out).read_text()), vars(args))
     done = {(r["dtype"], r["temperature"], r["batch"], r["order"]) for r in results["runs"]}
     for dtype in args.dtypes:
-        if all((dtype, t, b, name) in done for t in args.temps for b in args.batch for name in order_names(args.orders)):
+        if all(
+            (dtype, t, b, name) in done for t in args.temps for b in args.batch for name in order_names(args.orders)
+        ):
             continue
         target, drafters, tokenizer, source, _ = load_models(args.target, [args.drafter], dtype)
         drafter = next(iter(drafters.values()))
@@ -257,10 +294,17 @@ def main(argv=None) -> dict:
         prompts = collect_prompts(tokenizer, args.per_set, args.max_prompt)
         # Per-prompt acceptance at K=5, greedy, batch 1: what the hardest-first order sorts by.
         k5 = SpecConfig(num_speculative_tokens=max(args.ks))
-        al = [eagle_jax.generate(target, drafter, [p["ids"]], max_new_tokens=args.max_new, spec=k5, eos_token_id=list(eos)).acceptance_length
-              for p in prompts]
-        print(f"{dtype}: {len(prompts)} prompts ({', '.join(sorted({p['set'] for p in prompts}))}); AL at K={max(args.ks)}: "
-              f"min {min(al):.2f}, median {np.median(al):.2f}, max {max(al):.2f}", flush=True)
+        al = [
+            eagle_jax.generate(
+                target, drafter, [p["ids"]], max_new_tokens=args.max_new, spec=k5, eos_token_id=list(eos)
+            ).acceptance_length
+            for p in prompts
+        ]
+        print(
+            f"{dtype}: {len(prompts)} prompts ({', '.join(sorted({p['set'] for p in prompts}))}); AL at K={max(args.ks)}: "
+            f"min {min(al):.2f}, median {np.median(al):.2f}, max {max(al):.2f}",
+            flush=True,
+        )
         fixed = {"plain": (None, None), **{f"K={k}": (drafter, SpecConfig(num_speculative_tokens=k)) for k in args.ks}}
         if args.control:
             if args.control not in fixed:
@@ -268,23 +312,50 @@ def main(argv=None) -> dict:
             fixed[CONTROL] = fixed[args.control]
         for temp in args.temps:
             for batch in args.batch:
-                seqs = [(name, order) for name, order in orders(prompts, al, args.orders, args.seed)
-                        if (dtype, temp, batch, name) not in done]
+                seqs = [
+                    (name, order)
+                    for name, order in orders(prompts, al, args.orders, args.seed)
+                    if (dtype, temp, batch, name) not in done
+                ]
                 if not seqs:
                     continue
-                warm(target, drafter, [c for _, order in seqs for c in calls_of(order, prompts, batch, args.calls)], fixed,
-                     max_new=args.max_new, temperature=temp, eos=eos)
+                warm(
+                    target,
+                    drafter,
+                    [c for _, order in seqs for c in calls_of(order, prompts, batch, args.calls)],
+                    fixed,
+                    max_new=args.max_new,
+                    temperature=temp,
+                    eos=eos,
+                )
                 gc.collect()
                 gc.freeze()  # the models and programs: collections while measuring walk only what the calls made
                 for name, order in seqs:
                     t0 = time.perf_counter()
-                    rows = [row | {"repeat": i}
-                            for i in range(args.repeats)
-                            for row in run_sequence(target, drafter, calls_of(order, prompts, batch, args.calls), fixed,
-                                                    max_new=args.max_new, temperature=temp, eos=eos, seed=args.seed + i)]
+                    rows = [
+                        row | {"repeat": i}
+                        for i in range(args.repeats)
+                        for row in run_sequence(
+                            target,
+                            drafter,
+                            calls_of(order, prompts, batch, args.calls),
+                            fixed,
+                            max_new=args.max_new,
+                            temperature=temp,
+                            eos=eos,
+                            seed=args.seed + i,
+                        )
+                    ]
                     s = summarise(rows, list(fixed), args.control)
-                    run = {"dtype": dtype, "temperature": temp, "batch": batch, "order": name, **s, "calls": rows,
-                           "seconds": time.perf_counter() - t0}
+                    run = {
+                        "dtype": dtype,
+                        "temperature": temp,
+                        "batch": batch,
+                        "order": name,
+                        **s,
+                        "calls": rows,
+                        "seconds": time.perf_counter() - t0,
+                    }
                     results["runs"].append(run)
                     print(summary_line(dtype, temp, batch, name, s), flush=True)
                     write_json(args.out, results | {"models": source})
@@ -297,13 +368,22 @@ def main(argv=None) -> dict:
 def summary_line(dtype: str, temp: float, batch: int, order: str, s: dict) -> str:
     """One order's summary (``summarise``), as the run prints it."""
     held_out = f"{s['vs_best_held_out']:.2f}x it chosen on the other repeats, " if "vs_best_held_out" in s else ""
-    control = f"control {s['control_vs_twin']:.2f}x its twin, {s['control_vs_best']:.2f}x best, " if CONTROL in s["tok_s"] else ""
-    even = (f"{s['vs_best_same_length']:.2f}x best on the {s['same_length_calls']} calls of one length, "
-            if "vs_best_same_length" in s else "")
-    return (f"{dtype} T={temp:g} B={batch:2d} {order:13s}: auto {s['tok_s']['auto']:7.1f} tok/s, "
-            f"{s['vs_best']:.2f}x best fixed ({s['best_fixed']} {s['tok_s'][s['best_fixed']]:.1f}), {held_out}{even}{control}"
-            f"{s['vs_plain']:.2f}x plain; first call {s['first_call_vs_plain']:.2f}x plain's time; "
-            f"depths {' '.join(f'{d:.1f}' for d in s['depths'])}" + ("" if s["equal_to_plain"] else "  OUTPUT DIFFERS"))
+    control = (
+        f"control {s['control_vs_twin']:.2f}x its twin, {s['control_vs_best']:.2f}x best, "
+        if CONTROL in s["tok_s"]
+        else ""
+    )
+    even = (
+        f"{s['vs_best_same_length']:.2f}x best on the {s['same_length_calls']} calls of one length, "
+        if "vs_best_same_length" in s
+        else ""
+    )
+    return (
+        f"{dtype} T={temp:g} B={batch:2d} {order:13s}: auto {s['tok_s']['auto']:7.1f} tok/s, "
+        f"{s['vs_best']:.2f}x best fixed ({s['best_fixed']} {s['tok_s'][s['best_fixed']]:.1f}), {held_out}{even}{control}"
+        f"{s['vs_plain']:.2f}x plain; first call {s['first_call_vs_plain']:.2f}x plain's time; "
+        f"depths {' '.join(f'{d:.1f}' for d in s['depths'])}" + ("" if s["equal_to_plain"] else "  OUTPUT DIFFERS")
+    )
 
 
 def _same_length(runs: list[dict]) -> str:
@@ -316,28 +396,52 @@ def report(results: dict, plot: Path) -> None:
     runs = results["runs"]
     controlled = all("control_vs_best" in r for r in runs)
     held_out = all("vs_best_held_out" in r for r in runs)
-    header = ["dtype", "T", "batch", "orders x repeats", "auto / best fixed (min, median)",
-              *(["auto / best fixed chosen on the other repeats (min, median)"] if held_out else []),
-              "auto / best fixed, calls of one length (min, median)",
-              "auto / plain (min)", "first call / plain (max)", "best fixed",
-              *(["control / its twin (min, max)", "control / best fixed (min, median)"] if controlled else []),
-              *(["control / best fixed chosen on the other repeats (min, median)"] if controlled and held_out else [])]
+    header = [
+        "dtype",
+        "T",
+        "batch",
+        "orders x repeats",
+        "auto / best fixed (min, median)",
+        *(["auto / best fixed chosen on the other repeats (min, median)"] if held_out else []),
+        "auto / best fixed, calls of one length (min, median)",
+        "auto / plain (min)",
+        "first call / plain (max)",
+        "best fixed",
+        *(["control / its twin (min, max)", "control / best fixed (min, median)"] if controlled else []),
+        *(["control / best fixed chosen on the other repeats (min, median)"] if controlled and held_out else []),
+    ]
     rows = []
     for key in sorted({(r["dtype"], r["temperature"], r["batch"]) for r in runs}):
         rs = [r for r in runs if (r["dtype"], r["temperature"], r["batch"]) == key]
-        vb, cb, ct = [r["vs_best"] for r in rs], [r.get("control_vs_best", 0.0) for r in rs], [r.get("control_vs_twin", 0.0) for r in rs]
+        vb, cb, ct = (
+            [r["vs_best"] for r in rs],
+            [r.get("control_vs_best", 0.0) for r in rs],
+            [r.get("control_vs_twin", 0.0) for r in rs],
+        )
         ho, ch = [r.get("vs_best_held_out", 0.0) for r in rs], [r.get("control_vs_best_held_out", 0.0) for r in rs]
-        rows.append([key[0], f"{key[1]:g}", key[2], f"{len(rs)} x {rs[0].get('repeats', 1)}", f"{min(vb):.2f}, {np.median(vb):.2f}",
-                     *([f"{min(ho):.2f}, {np.median(ho):.2f}"] if held_out else []), _same_length(rs),
-                     f"{min(r['vs_plain'] for r in rs):.2f}",
-                     f"{max(r['first_call_vs_plain'] for r in rs):.2f}", ", ".join(sorted({r["best_fixed"] for r in rs})),
-                     *([f"{min(ct):.2f}, {max(ct):.2f}", f"{min(cb):.2f}, {np.median(cb):.2f}"] if controlled else []),
-                     *([f"{min(ch):.2f}, {np.median(ch):.2f}"] if controlled and held_out else [])])
+        rows.append(
+            [
+                key[0],
+                f"{key[1]:g}",
+                key[2],
+                f"{len(rs)} x {rs[0].get('repeats', 1)}",
+                f"{min(vb):.2f}, {np.median(vb):.2f}",
+                *([f"{min(ho):.2f}, {np.median(ho):.2f}"] if held_out else []),
+                _same_length(rs),
+                f"{min(r['vs_plain'] for r in rs):.2f}",
+                f"{max(r['first_call_vs_plain'] for r in rs):.2f}",
+                ", ".join(sorted({r["best_fixed"] for r in rs})),
+                *([f"{min(ct):.2f}, {max(ct):.2f}", f"{min(cb):.2f}, {np.median(cb):.2f}"] if controlled else []),
+                *([f"{min(ch):.2f}, {np.median(ch):.2f}"] if controlled and held_out else []),
+            ]
+        )
     print_table(header, rows)
     plt = pyplot()
     panels = sorted({(r["dtype"], r["temperature"]) for r in runs})  # a row of panels per dtype and temperature
     batches = sorted({r["batch"] for r in runs})  # a column per batch size
-    fig, axes = plt.subplots(len(panels), len(batches), figsize=(3.6 * len(batches), 2.9 * len(panels)), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), len(batches), figsize=(3.6 * len(batches), 2.9 * len(panels)), sharey=True, squeeze=False
+    )
     for (dtype, temp), row in zip(panels, axes):
         for ax, batch in zip(row, batches):
             shown = [r for r in runs if (r["dtype"], r["temperature"], r["batch"]) == (dtype, temp, batch)]

@@ -53,9 +53,9 @@ from bench.common import (
     load_models,
     print_table,
     pyplot,
-    save_plot,
     round_robin,
     run_batched,
+    save_plot,
     stop_ids,
     write_json,
 )
@@ -137,7 +137,7 @@ def background_doc(i: int, text: str) -> str:
 
 def article_body(turn: str) -> str:
     """A sum.jsonl turn without its summarisation request: the text used as background."""
-    return turn[len(SUMMARY_PREFIX):] if turn.startswith(SUMMARY_PREFIX) else turn
+    return turn[len(SUMMARY_PREFIX) :] if turn.startswith(SUMMARY_PREFIX) else turn
 
 
 def long_prompt(tokenizer, end_turn: str, fillers: list[str], length: int) -> dict:
@@ -196,8 +196,14 @@ def long_prompts(tokenizer, turns: list[str], contexts: list[int], n: int, seed:
         others = [j for j in range(len(turns)) if j != e]
         order = np.random.default_rng([seed, e]).permutation(others)
         fillers = [article_body(turns[j]) for j in order]
-        out["short"].append({"ids": render_ids(tokenizer, [{"role": "user", "content": turns[e]}]), "content": turns[e], "docs": 0,
-                             "name": e})
+        out["short"].append(
+            {
+                "ids": render_ids(tokenizer, [{"role": "user", "content": turns[e]}]),
+                "content": turns[e],
+                "docs": 0,
+                "name": e,
+            }
+        )
         for L in contexts:
             out[L].append({**long_prompt(tokenizer, turns[e], fillers, L), "name": e})
     return out
@@ -229,8 +235,10 @@ def variant_texts(tokenizer, question: str, long_system: str) -> dict[str, str]:
     def template(messages: list[dict]) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    paraphrased = [{"role": "system", "content": PARAPHRASED_SYSTEM},
-                   {"role": "user", "content": f"Question: {question}\nPlease answer."}]
+    paraphrased = [
+        {"role": "system", "content": PARAPHRASED_SYSTEM},
+        {"role": "user", "content": f"Question: {question}\nPlease answer."},
+    ]
     return {
         "default": template([{"role": "user", "content": question}]),
         "long_system": template([{"role": "system", "content": long_system}, {"role": "user", "content": question}]),
@@ -277,14 +285,29 @@ def long_study(target, drafters: dict, tokenizer, args, kw: dict) -> tuple[dict,
         for dname, drafter in drafters.items():
             # generate's prefill holds a [rows, heads, L, L] score block: rows shrink as prompts grow.
             rows = max(1, min(args.batch_size, args.batch_tokens // max(len(p["ids"]) for p in ps)))
-            st = acceptance_stats(run_batched(target, drafter, [p["ids"] for p in ps], **{**kw, "batch_size": rows})["accepted"], args.k)
+            st = acceptance_stats(
+                run_batched(target, drafter, [p["ids"] for p in ps], **{**kw, "batch_size": rows})["accepted"], args.k
+            )
             stats[key, dname] = st
-            runs.append({"drafter": dname, "context": key, "mean_prompt_tokens": tokens, "prompt_tokens": [len(p["ids"]) for p in ps],
-                         "background_docs": [p["docs"] for p in ps], "end_articles": [p["name"] for p in ps], **st})
+            runs.append(
+                {
+                    "drafter": dname,
+                    "context": key,
+                    "mean_prompt_tokens": tokens,
+                    "prompt_tokens": [len(p["ids"]) for p in ps],
+                    "background_docs": [p["docs"] for p in ps],
+                    "end_articles": [p["name"] for p in ps],
+                    **st,
+                }
+            )
             print(f"  context {key} ({tokens:.0f} tokens) | {dname}: AL {fmt_al(st)}", flush=True)
     pair = eagle_pair(drafters)
     names = list(drafters)
-    header = ["context", "tokens", "prompts", *(f"AL {n}" for n in names)] + (["AL 3.1 / AL 3"] if pair else []) + [f"{n} / short" for n in names]
+    header = (
+        ["context", "tokens", "prompts", *(f"AL {n}" for n in names)]
+        + (["AL 3.1 / AL 3"] if pair else [])
+        + [f"{n} / short" for n in names]
+    )
     rows = []
     for key in prompts:
         if (key, names[0]) not in stats:
@@ -293,7 +316,10 @@ def long_study(target, drafters: dict, tokenizer, args, kw: dict) -> tuple[dict,
         row += [fmt_al(stats[key, n]) for n in names]
         if pair:
             row.append(f"{stats[key, pair[1]]['al_mean'] / stats[key, pair[0]]['al_mean']:.2f}")
-        row += [f"{stats[key, n]['al_mean'] / stats['short', n]['al_mean']:.2f}" if ("short", n) in stats else "-" for n in names]
+        row += [
+            f"{stats[key, n]['al_mean'] / stats['short', n]['al_mean']:.2f}" if ("short", n) in stats else "-"
+            for n in names
+        ]
         rows.append(row)
     return {"contexts": contexts, "runs": runs}, rows, header
 
@@ -305,13 +331,26 @@ def robustness_study(target, drafters: dict, tokenizer, args, kw: dict) -> tuple
     system = long_system_prompt(tokenizer, args.long_system_tokens)
     prompts = robustness_prompts(tokenizer, questions, system)
     # Keep a question only if it fits in every variant, so the variants compare the same questions.
-    keep = {p["name"] for p in fit_prompts([{"ids": max((ps[i]["ids"] for ps in prompts.values()), key=len), "name": i}
-                                             for i in range(len(questions))], args.max_new, limit)}
+    keep = {
+        p["name"]
+        for p in fit_prompts(
+            [
+                {"ids": max((ps[i]["ids"] for ps in prompts.values()), key=len), "name": i}
+                for i in range(len(questions))
+            ],
+            args.max_new,
+            limit,
+        )
+    }
     prompts = {v: [p for p in ps if p["name"] in keep] for v, ps in prompts.items()}
-    out = {"questions": [questions[i] for i in sorted(keep)], "sets": list(ROBUSTNESS_SETS),
-           "long_system_tokens": len(tokenizer.encode(system, add_special_tokens=False)),
-           "prompt_tokens": {v: float(np.mean([len(p["ids"]) for p in ps])) if ps else 0.0 for v, ps in prompts.items()},
-           "runs": [], "summary": []}
+    out = {
+        "questions": [questions[i] for i in sorted(keep)],
+        "sets": list(ROBUSTNESS_SETS),
+        "long_system_tokens": len(tokenizer.encode(system, add_special_tokens=False)),
+        "prompt_tokens": {v: float(np.mean([len(p["ids"]) for p in ps])) if ps else 0.0 for v, ps in prompts.items()},
+        "runs": [],
+        "summary": [],
+    }
     rows = []
     for temp in args.temperatures:
         for dname, drafter in drafters.items():
@@ -321,10 +360,21 @@ def robustness_study(target, drafters: dict, tokenizer, args, kw: dict) -> tuple
                 stats[v] = acceptance_stats(r["accepted"], args.k)
                 out["runs"].append({"drafter": dname, "temperature": temp, "variant": v, **stats[v]})
                 print(f"  T={temp:g} {v} | {dname}: AL {fmt_al(stats[v])}", flush=True)
-            worst, best = min(VARIANTS, key=lambda v: stats[v]["al_mean"]), max(VARIANTS, key=lambda v: stats[v]["al_mean"])
+            worst, best = (
+                min(VARIANTS, key=lambda v: stats[v]["al_mean"]),
+                max(VARIANTS, key=lambda v: stats[v]["al_mean"]),
+            )
             ratio = stats[worst]["al_mean"] / stats[best]["al_mean"]
-            out["summary"].append({"drafter": dname, "label": drafter_label(drafter), "temperature": temp, "worst": worst,
-                                   "best": best, "worst_over_best": ratio})
+            out["summary"].append(
+                {
+                    "drafter": dname,
+                    "label": drafter_label(drafter),
+                    "temperature": temp,
+                    "worst": worst,
+                    "best": best,
+                    "worst_over_best": ratio,
+                }
+            )
             rows.append([dname, f"{temp:g}", *(fmt_al(stats[v]) for v in VARIANTS), f"{ratio:.2f} ({worst} / {best})"])
     return out, rows, ["drafter", "T", *VARIANTS, "worst / best"]
 
@@ -335,8 +385,14 @@ def plot_long(runs: list[dict], path: Path, k: int) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for dname in dict.fromkeys(r["drafter"] for r in runs):
         rs = sorted((r for r in runs if r["drafter"] == dname), key=lambda r: r["mean_prompt_tokens"])
-        ax.errorbar([r["mean_prompt_tokens"] for r in rs], [r["al_mean"] for r in rs],
-                    yerr=[0 if np.isnan(r["al_ci95"]) else r["al_ci95"] for r in rs], marker="o", capsize=3, label=dname)
+        ax.errorbar(
+            [r["mean_prompt_tokens"] for r in rs],
+            [r["al_mean"] for r in rs],
+            yerr=[0 if np.isnan(r["al_ci95"]) else r["al_ci95"] for r in rs],
+            marker="o",
+            capsize=3,
+            label=dname,
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens (chat-rendered; leftmost: the article alone)")
     ax.set_ylabel("acceptance length (tokens / target forward)")
@@ -346,19 +402,33 @@ def plot_long(runs: list[dict], path: Path, k: int) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=DEFAULT_TARGET, help="a checkpoint directory, a .gguf file or a named chat model")
+    ap.add_argument(
+        "--target", default=DEFAULT_TARGET, help="a checkpoint directory, a .gguf file or a named chat model"
+    )
     ap.add_argument("--drafters", nargs="+", default=list(DEFAULT_DRAFTERS))
     ap.add_argument("--studies", nargs="+", choices=("long", "robustness"), default=["long", "robustness"])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8000], help="long study: prompt lengths in tokens")
+    ap.add_argument(
+        "--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8000], help="long study: prompt lengths in tokens"
+    )
     ap.add_argument("--n-prompts", type=int, default=8, help="long study: end articles from sum.jsonl")
-    ap.add_argument("--n-questions", type=int, default=16, help="robustness study: questions, in turn from mt_bench, alpaca, qa")
-    ap.add_argument("--long-system-tokens", type=int, default=400, help="robustness study: minimum length of the long system prompt")
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="robustness study (the long study is greedy)")
+    ap.add_argument(
+        "--n-questions", type=int, default=16, help="robustness study: questions, in turn from mt_bench, alpaca, qa"
+    )
+    ap.add_argument(
+        "--long-system-tokens", type=int, default=400, help="robustness study: minimum length of the long system prompt"
+    )
+    ap.add_argument(
+        "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="robustness study (the long study is greedy)"
+    )
     ap.add_argument("--k", type=int, default=5, help="chain depth")
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=4, help="rows per generate call (long prompts need memory)")
-    ap.add_argument("--batch-tokens", type=int, default=8192,
-                    help="long study: prompt tokens per generate call at most (a lone longer prompt runs alone); 8k-token rows x4 exceed 24 GB")
+    ap.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=8192,
+        help="long study: prompt tokens per generate call at most (a lone longer prompt runs alone); 8k-token rows x4 exceed 24 GB",
+    )
     ap.add_argument("--seed", type=int, default=0, help="end articles, background order and sampling keys")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="bench/results/chat_drift.json")
@@ -369,20 +439,39 @@ def main(argv=None) -> dict:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise SystemExit("bench.chat_drift needs a chat model: a target whose tokenizer has a chat template")
     eos = stop_ids(tokenizer)
-    kw = dict(spec=SpecConfig(num_speculative_tokens=args.k), max_new=args.max_new, temperature=0.0, eos=eos, seed=args.seed,
-              batch_size=args.batch_size)
+    kw = dict(
+        spec=SpecConfig(num_speculative_tokens=args.k),
+        max_new=args.max_new,
+        temperature=0.0,
+        eos=eos,
+        seed=args.seed,
+        batch_size=args.batch_size,
+    )
     results = {"models": source, "settings": {k: v for k, v in vars(args).items() if k != "out"}, "eos_ids": list(eos)}
     tables = []
     if "long" in args.studies:
         results["long"], rows, header = long_study(target, drafters, tokenizer, args, kw)
-        tables.append((f"AL vs prompt length: summarise the last of several news articles (greedy, chain K={args.k}, "
-                       f"{args.max_new} new tokens, mean ± 95% CI over prompts)", header, rows))
+        tables.append(
+            (
+                f"AL vs prompt length: summarise the last of several news articles (greedy, chain K={args.k}, "
+                f"{args.max_new} new tokens, mean ± 95% CI over prompts)",
+                header,
+                rows,
+            )
+        )
     if "robustness" in args.studies:
         results["robustness"], rows, header = robustness_study(target, drafters, tokenizer, args, kw)
         r = results["robustness"]
-        tables.append((f"AL per prompt rendering: {len(r['questions'])} questions from {', '.join(ROBUSTNESS_SETS)} (chain K={args.k}, "
-                       f"{args.max_new} new tokens; long system prompt {r['long_system_tokens']} tokens; mean prompt tokens "
-                       + ", ".join(f"{v} {t:.0f}" for v, t in r["prompt_tokens"].items()) + ")", header, rows))
+        tables.append(
+            (
+                f"AL per prompt rendering: {len(r['questions'])} questions from {', '.join(ROBUSTNESS_SETS)} (chain K={args.k}, "
+                f"{args.max_new} new tokens; long system prompt {r['long_system_tokens']} tokens; mean prompt tokens "
+                + ", ".join(f"{v} {t:.0f}" for v, t in r["prompt_tokens"].items())
+                + ")",
+                header,
+                rows,
+            )
+        )
     for title, header, rows in tables:
         print()
         print(title + ("  [RANDOM MODELS: meaningless]" if is_random else ""))
@@ -391,7 +480,9 @@ def main(argv=None) -> dict:
         for s in results["robustness"]["summary"]:
             if s["label"] == "EAGLE-3.1":
                 verdict = "met" if s["worst_over_best"] >= GOAL else "NOT met"
-                print(f"goal {s['drafter']} T={s['temperature']:g}: worst/best {s['worst_over_best']:.2f} >= {GOAL}: {verdict}")
+                print(
+                    f"goal {s['drafter']} T={s['temperature']:g}: worst/best {s['worst_over_best']:.2f} >= {GOAL}: {verdict}"
+                )
     write_json(args.out, results)
     if args.plot and results.get("long", {}).get("runs"):
         plot_long(results["long"]["runs"], Path(args.plot), args.k)

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -25,11 +20,30 @@ BUNDLED_DRAFTER = Path("assets/drafter-eagle3.1")
 
 def random_pair(vocab: int = 6144, hidden: int = 384, layers: int = 12, draft_vocab: int = 2048):
     """Untrained models of the bundled pair's shape: right for timing, meaningless for acceptance."""
-    tc = TargetConfig(architecture="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden // 3 * 2,
-                      num_layers=layers, num_heads=6, num_kv_heads=2, head_dim=hidden // 6, max_position_embeddings=4096)
+    tc = TargetConfig(
+        architecture="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden // 3 * 2,
+        num_layers=layers,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=hidden // 6,
+        max_position_embeddings=4096,
+    )
     target = eagle_jax.Target(tc, rngs=nnx.Rngs(0))
-    dc = DrafterConfig(hidden_size=hidden, num_heads=6, num_kv_heads=2, head_dim=hidden // 6, intermediate_size=tc.intermediate_size,
-                       vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=hidden, fc_norm=True, norm_output=True)
+    dc = DrafterConfig(
+        hidden_size=hidden,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=hidden // 6,
+        intermediate_size=tc.intermediate_size,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=hidden,
+        fc_norm=True,
+        norm_output=True,
+    )
     drafter = eagle_jax.Drafter(dc, target.embed_tokens[...], rngs=nnx.Rngs(1))
     drafter.set_vocab_map(np.arange(draft_vocab) * (vocab // draft_vocab) - np.arange(draft_vocab))
     return target, drafter
@@ -41,8 +55,17 @@ def local_target(target: str | Path | None) -> str | None:
     return None if target is None else str(resolve_model(str(target)))
 
 
-def load_pair_or_random(target_dir: str | None, drafter_dir: str | None, prompts_file: str | None, prompt_len: int,
-                        dtype: str = "float32", *, questions: list[str] | None = None, n_questions: int = 0, max_new: int = 0):
+def load_pair_or_random(
+    target_dir: str | None,
+    drafter_dir: str | None,
+    prompts_file: str | None,
+    prompt_len: int,
+    dtype: str = "float32",
+    *,
+    questions: list[str] | None = None,
+    n_questions: int = 0,
+    max_new: int = 0,
+):
     """(target, drafter, tokenizer or None, prompts as id lists, description of the models and prompts).
     ``target_dir``: a checkpoint directory, a Hub repo id, a .gguf file or a named model.
 
@@ -61,9 +84,13 @@ def load_pair_or_random(target_dir: str | None, drafter_dir: str | None, prompts
         target, drafter = random_pair()
         source = {"target": "random 12x384", "drafter": "random (acceptance meaningless)"}
     if questions:
-        chat = fit_prompts(chat_prompts(questions, tokenizer, n_questions), max_new, target.config.max_position_embeddings)
+        chat = fit_prompts(
+            chat_prompts(questions, tokenizer, n_questions), max_new, target.config.max_position_embeddings
+        )
         if not chat:
-            raise SystemExit(f"--questions: no question fits {target.config.max_position_embeddings} positions with {max_new} new tokens")
+            raise SystemExit(
+                f"--questions: no question fits {target.config.max_position_embeddings} positions with {max_new} new tokens"
+            )
         prompts = [p["ids"] for p in chat]
         source["prompts"] = chat_source(questions, n_questions, chat)
     elif prompts_file and tokenizer is not None:
@@ -89,7 +116,9 @@ def load_recipe_pair(recipe: str, prompt_len: int, num_prompts: int = 16):
 
     cfg = load_config(recipe)
     if not cfg["target"]["random"]:
-        raise SystemExit(f"{recipe}: --recipe takes a recipe with target.random; use --target/--drafter for checkpoints")
+        raise SystemExit(
+            f"{recipe}: --recipe takes a recipe with target.random; use --target/--drafter for checkpoints"
+        )
     export = Path(cfg["run_dir"]) / "export"
     if not (export / "config.json").exists():
         raise SystemExit(f"{export}: no exported drafter; train it first: eagle-jax-train --config {recipe}")
@@ -97,8 +126,12 @@ def load_recipe_pair(recipe: str, prompt_len: int, num_prompts: int = 16):
     drafter = eagle_jax.load_drafter(export, target)
     rng = np.random.default_rng(12345)
     prompts = [rng.integers(0, target.config.vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
-    source = {"recipe": recipe, "target": f"random {target.config.architecture} (seeded)", "drafter": str(export),
-              "prompts": {"kind": "random tokens", "prompt_len": prompt_len, "count": num_prompts}}
+    source = {
+        "recipe": recipe,
+        "target": f"random {target.config.architecture} (seeded)",
+        "drafter": str(export),
+        "prompts": {"kind": "random tokens", "prompt_len": prompt_len, "count": num_prompts},
+    }
     return target, drafter, None, prompts, source
 
 
@@ -143,10 +176,19 @@ def random_drafter(target, eagle31: bool, seed: int = 1):
     """An untrained drafter of the bundled shape for ``target`` (EAGLE-3.1 flags on or off)."""
     tc = target.config
     draft_vocab = min(2048, tc.vocab_size)
-    dc = DrafterConfig(hidden_size=tc.hidden_size, num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
-                       intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size, draft_vocab_size=draft_vocab,
-                       target_hidden_size=tc.hidden_size, num_aux_hidden_states=len(default_aux_layer_ids(tc.num_layers)),
-                       fc_norm=eagle31, norm_output=eagle31)
+    dc = DrafterConfig(
+        hidden_size=tc.hidden_size,
+        num_heads=tc.num_heads,
+        num_kv_heads=tc.num_kv_heads,
+        head_dim=tc.head_dim,
+        intermediate_size=tc.intermediate_size,
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=tc.hidden_size,
+        num_aux_hidden_states=len(default_aux_layer_ids(tc.num_layers)),
+        fc_norm=eagle31,
+        norm_output=eagle31,
+    )
     drafter = eagle_jax.Drafter(dc, target.embed_tokens[...], rngs=nnx.Rngs(seed))
     step = tc.vocab_size // draft_vocab
     drafter.set_vocab_map(np.arange(draft_vocab) * step - np.arange(draft_vocab))
@@ -197,8 +239,13 @@ def load_models(target_dir: str | None, drafter_dirs: list[str], dtype: str = "f
         drafter = random_drafter(target, eagle31, seed=1 + i)
         drafters[f"random {Path(d).name} ({drafter_label(drafter)})"] = drafter
     tokenizer = load_tokenizer(FALLBACK_TOKENIZER, target.config.vocab_size)
-    source = {"target": "random 12x384", "drafters": [f"random ({d})" for d in drafter_dirs], "dtype": "float32",
-              "random": True, "warning": "random weights: acceptance meaningless"}
+    source = {
+        "target": "random 12x384",
+        "drafters": [f"random ({d})" for d in drafter_dirs],
+        "dtype": "float32",
+        "random": True,
+        "warning": "random weights: acceptance meaningless",
+    }
     return target, drafters, tokenizer, source, True
 
 
@@ -216,23 +263,43 @@ def stop_ids(tokenizer, enabled: bool = True) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def heldout_code_prompts(tokenizer, n: int, *, seed: int = 0, min_chars: int = 200, max_chars: int = 2000,
-                         vocab_size: int = 0, manifest: str | Path = HELDOUT_MANIFEST) -> list[dict]:
+def heldout_code_prompts(
+    tokenizer,
+    n: int,
+    *,
+    seed: int = 0,
+    min_chars: int = 200,
+    max_chars: int = 2000,
+    vocab_size: int = 0,
+    manifest: str | Path = HELDOUT_MANIFEST,
+) -> list[dict]:
     """``n`` completion prompts from the held-out split (``code_prompts``), as {"ids", "name", "text"}.
 
     Without a tokenizer (random fallback only) the prompts are random token ids of similar length.
     """
     if tokenizer is None:
         rng = np.random.default_rng(seed)
-        return [{"ids": rng.integers(10, vocab_size, int(rng.integers(60, 200))).tolist(), "name": f"random{i}", "text": None}
-                for i in range(n)]
+        return [
+            {
+                "ids": rng.integers(10, vocab_size, int(rng.integers(60, 200))).tolist(),
+                "name": f"random{i}",
+                "text": None,
+            }
+            for i in range(n)
+        ]
     from workshop.corpus import code_prompts, load_corpus
 
     picked = code_prompts(load_corpus(manifest, "heldout"), n, seed=seed, min_chars=min_chars, max_chars=max_chars)
     if len(picked) < n:
         print(f"only {len(picked)} held-out prompts available (asked for {n})")
-    return [{"ids": tokenizer.encode(p["prompt"], add_special_tokens=False), "name": f"{p['name']}:{p['lineno']}", "text": p["prompt"]}
-            for p in picked]
+    return [
+        {
+            "ids": tokenizer.encode(p["prompt"], add_special_tokens=False),
+            "name": f"{p['name']}:{p['lineno']}",
+            "text": p["prompt"],
+        }
+        for p in picked
+    ]
 
 
 def question_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[dict]:
@@ -248,9 +315,18 @@ def question_prompts(path: str | Path, tokenizer, limit: int | None = None) -> l
         if not line.strip():
             continue
         q = json.loads(line)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, tokenize=False)
-        out.append({"ids": tokenizer.encode(text, add_special_tokens=False), "name": str(q.get("question_id")),
-                    "category": q.get("category", "all"), "text": text, "turn": q["turns"][0]})
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, tokenize=False
+        )
+        out.append(
+            {
+                "ids": tokenizer.encode(text, add_special_tokens=False),
+                "name": str(q.get("question_id")),
+                "category": q.get("category", "all"),
+                "text": text,
+                "turn": q["turns"][0],
+            }
+        )
         if limit and len(out) >= limit:
             break
     return out
@@ -276,7 +352,12 @@ def chat_prompts(paths: list[str | Path], tokenizer, per_file: int = 0) -> list[
     sets = []
     for path in paths:
         name = question_set_name(path)
-        sets.append([{**q, "set": name, "name": f"{name}:{q['name']}"} for q in question_prompts(path, tokenizer, per_file or None)])
+        sets.append(
+            [
+                {**q, "set": name, "name": f"{name}:{q['name']}"}
+                for q in question_prompts(path, tokenizer, per_file or None)
+            ]
+        )
     return round_robin(sets)
 
 
@@ -285,7 +366,13 @@ def chat_source(paths: list[str | Path], per_file: int, prompts: list[dict]) -> 
     sets = {question_set_name(p): 0 for p in paths}
     for p in prompts:
         sets[p["set"]] += 1
-    return {"kind": "questions", "files": [str(p) for p in paths], "n_questions": per_file, "per_set": sets, "count": len(prompts)}
+    return {
+        "kind": "questions",
+        "files": [str(p) for p in paths],
+        "n_questions": per_file,
+        "per_set": sets,
+        "count": len(prompts),
+    }
 
 
 def fit_prompts(prompts: list[dict], max_new: int, limit: int) -> list[dict]:
@@ -311,8 +398,38 @@ def spec_name(spec) -> str:
     return f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
 
 
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T95 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def mean_ci95(values) -> tuple[float, float]:
@@ -327,16 +444,34 @@ def mean_ci95(values) -> tuple[float, float]:
     return float(v.mean()), float(t * v.std(ddof=1) / np.sqrt(len(v)))
 
 
-def run_batched(target, drafter, prompts: list[list[int]], *, spec, max_new: int, temperature: float = 0.0, eos=(),
-                seed: int = 0, batch_size: int = 0) -> dict:
+def run_batched(
+    target,
+    drafter,
+    prompts: list[list[int]],
+    *,
+    spec,
+    max_new: int,
+    temperature: float = 0.0,
+    eos=(),
+    seed: int = 0,
+    batch_size: int = 0,
+) -> dict:
     """``eagle_jax.generate`` over ``prompts`` in calls of ``batch_size`` rows (0: one call); rows are
     independent, so the split changes nothing but memory (and the sampling keys). Returns the merged
     per-row tokens / accepted lists and the summed compile / run seconds."""
     bs = batch_size or len(prompts)
     tokens, accepted, compile_s, run_s = [], [], 0.0, 0.0
     for i in range(0, len(prompts), bs):
-        r = eagle_jax.generate(target, drafter, prompts[i : i + bs], max_new_tokens=max_new, temperature=temperature,
-                               spec=spec, eos_token_id=list(eos), seed=seed + i)
+        r = eagle_jax.generate(
+            target,
+            drafter,
+            prompts[i : i + bs],
+            max_new_tokens=max_new,
+            temperature=temperature,
+            spec=spec,
+            eos_token_id=list(eos),
+            seed=seed + i,
+        )
         tokens += r.tokens
         accepted += r.accepted
         compile_s += r.compile_s
@@ -356,10 +491,19 @@ def acceptance_stats(accepted: list[list[int]], max_drafts: int) -> dict:
     mean, half = mean_ci95(per_prompt)
     flat = np.asarray([a for row in accepted for a in row], float)
     pos = [float(np.mean(flat > i)) if len(flat) else float("nan") for i in range(max_drafts)]
-    cond = [pos[0] if pos else float("nan")] + [pos[i] / pos[i - 1] if pos[i - 1] > 0 else float("nan") for i in range(1, len(pos))]
-    return {"al_mean": mean, "al_ci95": half, "al_pooled": float(flat.mean() + 1) if len(flat) else float("nan"),
-            "position_acceptance": pos, "conditional_acceptance": cond, "per_prompt_al": per_prompt,
-            "rounds": int(len(flat)), "prompts": int(sum(p is not None for p in per_prompt))}
+    cond = [pos[0] if pos else float("nan")] + [
+        pos[i] / pos[i - 1] if pos[i - 1] > 0 else float("nan") for i in range(1, len(pos))
+    ]
+    return {
+        "al_mean": mean,
+        "al_ci95": half,
+        "al_pooled": float(flat.mean() + 1) if len(flat) else float("nan"),
+        "position_acceptance": pos,
+        "conditional_acceptance": cond,
+        "per_prompt_al": per_prompt,
+        "rounds": int(len(flat)),
+        "prompts": int(sum(p is not None for p in per_prompt)),
+    }
 
 
 def fmt_al(stats: dict) -> str:

@@ -162,11 +162,15 @@ def heldout_stream(tokenizer, vocab_size: int, seed: int) -> tuple[np.ndarray, i
             ids.append(sep)
     toks = np.asarray(ids, np.int64)
     vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    newline = np.array([tokenizer.convert_tokens_to_string([t]).endswith("\n") if t is not None else False for t in vocab])
+    newline = np.array(
+        [tokenizer.convert_tokens_to_string([t]).endswith("\n") if t is not None else False for t in vocab]
+    )
     return toks, sep, newline[toks]
 
 
-def context_prompts(stream, sep, ends_line, contexts: list[int], n: int, max_new: int, seed: int) -> tuple[dict[int, list[list[int]]], list[int]]:
+def context_prompts(
+    stream, sep, ends_line, contexts: list[int], n: int, max_new: int, seed: int
+) -> tuple[dict[int, list[list[int]]], list[int]]:
     """For each L in ``contexts``: the L tokens before each of ``n`` shared end points."""
     longest = max(contexts)
     idx = np.arange(longest, len(stream) - max_new)
@@ -185,7 +189,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(BUNDLED_TARGET), help=TARGET_HELP)
     ap.add_argument("--drafters", nargs="+", default=list(BUNDLED_DRAFTERS))
-    ap.add_argument("--contexts", type=int, nargs="*", help="prompt lengths in tokens (default 256 512 1024 1536 and context - max-new)")
+    ap.add_argument(
+        "--contexts",
+        type=int,
+        nargs="*",
+        help="prompt lengths in tokens (default 256 512 1024 1536 and context - max-new)",
+    )
     ap.add_argument("--k", type=int, default=7, help="chain depth for every run")
     ap.add_argument("--n-prompts", type=int, default=32, help="prompts per context length / per OOD condition")
     ap.add_argument("--max-new", type=int, default=128)
@@ -194,11 +203,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-eos", action="store_true", help="ignore eos: every row runs max-new tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
-                    help="per-position acceptance with bootstrap CIs at each; 0 reuses the greedy runs, every T > 0 reruns the "
-                         "context sweep sampled (doubles its cost, so not in the default)")
+    ap.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="per-position acceptance with bootstrap CIs at each; 0 reuses the greedy runs, every T > 0 reruns the "
+        "context sweep sampled (doubles its cost, so not in the default)",
+    )
     ap.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples of the prompts")
-    ap.add_argument("--norm-prompts", type=int, default=8, help="prompts (of the --n-prompts end points) for the norm diagnostics")
+    ap.add_argument(
+        "--norm-prompts", type=int, default=8, help="prompts (of the --n-prompts end points) for the norm diagnostics"
+    )
     ap.add_argument("--no-norms", action="store_true", help="skip the hidden-state and fed-back feature norms")
     ap.add_argument("--out", default="bench/results/drift.json")
     args = ap.parse_args(argv)
@@ -212,8 +228,14 @@ def main(argv=None) -> dict:
     spec = SpecConfig(num_speculative_tokens=args.k)
     eos = stop_ids(tokenizer, not args.no_eos)
     kw = dict(spec=spec, max_new=args.max_new, temperature=0.0, eos=eos, seed=args.seed, batch_size=args.batch_size)
-    results = {"models": source, "settings": {k: v for k, v in vars(args).items() if k != "out"}, "contexts": contexts,
-               "eos_ids": list(eos), "context": [], "ood": []}
+    results = {
+        "models": source,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "contexts": contexts,
+        "eos_ids": list(eos),
+        "context": [],
+        "ood": [],
+    }
 
     stream, sep, ends_line = heldout_stream(tokenizer, vocab, args.seed)
     by_len, ends = context_prompts(stream, sep, ends_line, contexts, args.n_prompts, args.max_new, args.seed)
@@ -225,18 +247,40 @@ def main(argv=None) -> dict:
             accepted_by[0.0, dname, L] = run_batched(target, drafter, by_len[L], **kw)["accepted"]
             st = acceptance_stats(accepted_by[0.0, dname, L], args.k)
             results["context"].append({"drafter": dname, "context": L, **st})
-            ctx_rows.append([dname, L, st["prompts"], fmt_al(st), f"{st['al_pooled']:.2f}", " ".join(f"{p:.2f}" for p in st["position_acceptance"])])
+            ctx_rows.append(
+                [
+                    dname,
+                    L,
+                    st["prompts"],
+                    fmt_al(st),
+                    f"{st['al_pooled']:.2f}",
+                    " ".join(f"{p:.2f}" for p in st["position_acceptance"]),
+                ]
+            )
             print(f"  context {L} | {dname}: AL {fmt_al(st)}", flush=True)
 
     diff_rows = paired_differences(results, contexts)
     for temp in (t for t in args.temperatures if t > 0):
         for dname, drafter in drafters.items():
             for L in contexts:
-                accepted_by[temp, dname, L] = run_batched(target, drafter, by_len[L], **{**kw, "temperature": temp})["accepted"]
-                print(f"  T={temp:g} context {L} | {dname}: AL {acceptance_stats(accepted_by[temp, dname, L], args.k)['al_pooled']:.2f}", flush=True)
-    pos_rows = position_study(results, {key: acc for key, acc in accepted_by.items() if key[0] in args.temperatures}, args.k, args.n_boot, args.seed)
+                accepted_by[temp, dname, L] = run_batched(target, drafter, by_len[L], **{**kw, "temperature": temp})[
+                    "accepted"
+                ]
+                print(
+                    f"  T={temp:g} context {L} | {dname}: AL {acceptance_stats(accepted_by[temp, dname, L], args.k)['al_pooled']:.2f}",
+                    flush=True,
+                )
+    pos_rows = position_study(
+        results,
+        {key: acc for key, acc in accepted_by.items() if key[0] in args.temperatures},
+        args.k,
+        args.n_boot,
+        args.seed,
+    )
     if not args.no_norms:
-        norm_rows, feat_rows = norm_study(results, target, drafters, by_len, args.norm_prompts, args.k, min(args.batch_size, 4))
+        norm_rows, feat_rows = norm_study(
+            results, target, drafters, by_len, args.norm_prompts, args.k, min(args.batch_size, 4)
+        )
 
     ood_rows = []
     if args.ood_tokens:
@@ -246,15 +290,27 @@ def main(argv=None) -> dict:
         results["ood_prefix_tokens"] = len(prefix)
         for dname, drafter in drafters.items():
             pair = {}
-            for cond, prompts in (("plain", [p["ids"] for p in base]), ("licence prefix", [prefix + p["ids"] for p in base])):
+            for cond, prompts in (
+                ("plain", [p["ids"] for p in base]),
+                ("licence prefix", [prefix + p["ids"] for p in base]),
+            ):
                 st = acceptance_stats(run_batched(target, drafter, prompts, **kw)["accepted"], args.k)
                 pair[cond] = st
                 results["ood"].append({"drafter": dname, "condition": cond, **st})
                 print(f"  OOD {cond} | {dname}: AL {fmt_al(st)}", flush=True)
             ratio = pair["licence prefix"]["al_mean"] / pair["plain"]["al_mean"]
             for cond, st in pair.items():
-                ood_rows.append([dname, cond, st["prompts"], fmt_al(st), f"{st['al_pooled']:.2f}", f"{ratio:.3f}" if cond != "plain" else "",
-                                 " ".join(f"{p:.2f}" for p in st["position_acceptance"])])
+                ood_rows.append(
+                    [
+                        dname,
+                        cond,
+                        st["prompts"],
+                        fmt_al(st),
+                        f"{st['al_pooled']:.2f}",
+                        f"{ratio:.3f}" if cond != "plain" else "",
+                        " ".join(f"{p:.2f}" for p in st["position_acceptance"]),
+                    ]
+                )
 
     print()
     if is_random:
@@ -264,23 +320,36 @@ def main(argv=None) -> dict:
     if diff_rows:
         print()
         print("Paired difference per context (same prompts): AL(second drafter) - AL(first), 95% t-interval")
-        print_table(["drafters", "context", "prompts", "mean diff (95% CI)", "prompts where second > / = / < first"], diff_rows)
+        print_table(
+            ["drafters", "context", "prompts", "mean diff (95% CI)", "prompts where second > / = / < first"], diff_rows
+        )
     if ood_rows:
         print()
         print(f"Out-of-distribution prefix: {results['ood_prefix_tokens']} tokens of licence text as # comments")
-        print_table(["drafter", "condition", "prompts", "AL (95% CI)", "AL pooled", "AL ratio", f"pos acceptance 1..{args.k}"], ood_rows)
+        print_table(
+            ["drafter", "condition", "prompts", "AL (95% CI)", "AL pooled", "AL ratio", f"pos acceptance 1..{args.k}"],
+            ood_rows,
+        )
     print()
-    print(f"Acceptance per draft position, chain K={args.k}: pooled over rounds, percentile-bootstrap 95% CI over prompts ({args.n_boot} resamples)")
-    print_table(["drafter", "T", "context", "prompts", "AL pooled (95% CI)"] + [f"pos {i + 1}" for i in range(args.k)], pos_rows)
+    print(
+        f"Acceptance per draft position, chain K={args.k}: pooled over rounds, percentile-bootstrap 95% CI over prompts ({args.n_boot} resamples)"
+    )
+    print_table(
+        ["drafter", "T", "context", "prompts", "AL pooled (95% CI)"] + [f"pos {i + 1}" for i in range(args.k)], pos_rows
+    )
     if not args.no_norms:
         nb = results["norms"]
         print()
-        print(f"Target residual-stream RMS entering each layer (* = aux layer read by the drafters) and the drafters' fc(aux), "
-              f"median over tokens of {nb['prompts']} prompts of {nb['context']} tokens, by position band")
+        print(
+            f"Target residual-stream RMS entering each layer (* = aux layer read by the drafters) and the drafters' fc(aux), "
+            f"median over tokens of {nb['prompts']} prompts of {nb['context']} tokens, by position band"
+        )
         print_table(["layer"] + nb["bands"], norm_rows)
         print()
-        print(f"Drafter feature RMS per draft step (median over {nb['prompts']} prompts; g = fc(target aux) at the last prompt token; "
-              "raw = pre-norm h2, fed = what step i+1 receives)")
+        print(
+            f"Drafter feature RMS per draft step (median over {nb['prompts']} prompts; g = fc(target aux) at the last prompt token; "
+            "raw = pre-norm h2, fed = what step i+1 receives)"
+        )
         print_table(["drafter", "context", "kind", "g"] + [f"step {i + 1}" for i in range(args.k)], feat_rows)
     write_json(args.out, results)
     plot_dir = Path(args.out).parent
@@ -297,14 +366,32 @@ def paired_differences(results: dict, contexts: list[int]) -> list[list]:
         return []
     rows, results["paired"] = [], []
     for L in contexts:
-        a, b = (next(r for r in results["context"] if r["drafter"] == n and r["context"] == L)["per_prompt_al"] for n in names)
+        a, b = (
+            next(r for r in results["context"] if r["drafter"] == n and r["context"] == L)["per_prompt_al"]
+            for n in names
+        )
         d = [y - x for x, y in zip(a, b) if x is not None and y is not None]
         mean, half = mean_ci95(d)
         wins = (sum(v > 0 for v in d), sum(v == 0 for v in d), sum(v < 0 for v in d))
-        results["paired"].append({"first": names[0], "second": names[1], "context": L, "diff_mean": mean, "diff_ci95": half,
-                                  "second_better_equal_worse": wins})
-        rows.append([f"{names[1]} - {names[0]}", L, len(d), f"{mean:+.2f}" + ("" if np.isnan(half) else f" ± {half:.2f}"),
-                     " / ".join(map(str, wins))])
+        results["paired"].append(
+            {
+                "first": names[0],
+                "second": names[1],
+                "context": L,
+                "diff_mean": mean,
+                "diff_ci95": half,
+                "second_better_equal_worse": wins,
+            }
+        )
+        rows.append(
+            [
+                f"{names[1]} - {names[0]}",
+                L,
+                len(d),
+                f"{mean:+.2f}" + ("" if np.isnan(half) else f" ± {half:.2f}"),
+                " / ".join(map(str, wins)),
+            ]
+        )
     return rows
 
 
@@ -330,7 +417,9 @@ def bootstrap_ci(num, den, n_boot: int = 2000, seed: int = 0, level: float = 0.9
 def position_counts(accepted: list[list[int]], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per prompt: (rounds [n], rounds accepting draft i [n, k], drafts accepted [n])."""
     rounds = np.array([len(row) for row in accepted], float)
-    per_pos = np.array([[sum(a > i for a in row) for i in range(k)] for row in accepted], float).reshape(len(accepted), k)
+    per_pos = np.array([[sum(a > i for a in row) for i in range(k)] for row in accepted], float).reshape(
+        len(accepted), k
+    )
     return rounds, per_pos, np.array([sum(row) for row in accepted], float)
 
 
@@ -344,11 +433,23 @@ def position_study(results: dict, accepted_by: dict, k: int, n_boot: int, seed: 
         lo, hi = bootstrap_ci(per_pos, rounds, n_boot, seed)
         al = 1 + total.sum() / max(rounds.sum(), 1)
         al_lo, al_hi = bootstrap_ci(total, rounds, n_boot, seed)
-        results["position_ci"].append({"temperature": temp, "drafter": dname, "context": L, "prompts": len(acc), "rounds": int(rounds.sum()),
-                                       "al_pooled": al, "al_ci95": [1 + al_lo, 1 + al_hi], "position_acceptance": pos.tolist(),
-                                       "position_ci95": [lo.tolist(), hi.tolist()]})
-        rows.append([dname, f"{temp:g}", L, len(acc), f"{al:.2f} [{1 + al_lo:.2f}, {1 + al_hi:.2f}]"]
-                    + [f"{p:.2f} [{a:.2f},{b:.2f}]" for p, a, b in zip(pos, lo, hi)])
+        results["position_ci"].append(
+            {
+                "temperature": temp,
+                "drafter": dname,
+                "context": L,
+                "prompts": len(acc),
+                "rounds": int(rounds.sum()),
+                "al_pooled": al,
+                "al_ci95": [1 + al_lo, 1 + al_hi],
+                "position_acceptance": pos.tolist(),
+                "position_ci95": [lo.tolist(), hi.tolist()],
+            }
+        )
+        rows.append(
+            [dname, f"{temp:g}", L, len(acc), f"{al:.2f} [{1 + al_lo:.2f}, {1 + al_hi:.2f}]"]
+            + [f"{p:.2f} [{a:.2f},{b:.2f}]" for p, a, b in zip(pos, lo, hi)]
+        )
     return rows
 
 
@@ -359,8 +460,9 @@ def _target_pass(target, ids: jax.Array):
     n_layers = target.config.num_layers
     b, t = ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden, aux, _ = target.forward(ids, positions, window_mask(positions, positions, None),
-                                    aux_layer_ids=tuple(range(n_layers)))
+    hidden, aux, _ = target.forward(
+        ids, positions, window_mask(positions, positions, None), aux_layer_ids=tuple(range(n_layers))
+    )
     states = aux.astype(jnp.float32).reshape(b, t, n_layers, -1)
     rms = jnp.sqrt(jnp.mean(states**2, axis=-1)).transpose(0, 2, 1)
     first = jnp.argmax(target.logits(hidden[:, -1]), axis=-1).astype(jnp.int32)
@@ -370,7 +472,9 @@ def _target_pass(target, ids: jax.Array):
 def drafter_aux(aux_all: jax.Array, target, drafter) -> jax.Array:
     """The drafter's aux states [B, T, N*H] out of every layer's [B, T, L*H] (``_target_pass``)."""
     h = target.config.hidden_size
-    return jnp.concatenate([aux_all[..., j * h : (j + 1) * h] for j in aux_layer_ids_for(drafter.config, target.config)], axis=-1)
+    return jnp.concatenate(
+        [aux_all[..., j * h : (j + 1) * h] for j in aux_layer_ids_for(drafter.config, target.config)], axis=-1
+    )
 
 
 def _layer_raw(drafter, g, ids, positions, mask, cache, write_index):
@@ -397,15 +501,24 @@ def _draft_chain_norms(drafter, aux: jax.Array, ids: jax.Array, first: jax.Array
     nxt = jnp.concatenate([ids[:, 1:], first[:, None]], axis=1)  # pairs (feature of t, token t+1)
     g = drafter.fuse(aux.astype(drafter.dtype))
     cache = drafter.init_cache(b, t + k)
-    normed, fed, raw, cache = _layer_raw(drafter, g, nxt, positions, window_mask(positions, positions, None), cache, jnp.zeros((b,), jnp.int32))
+    normed, fed, raw, cache = _layer_raw(
+        drafter, g, nxt, positions, window_mask(positions, positions, None), cache, jnp.zeros((b,), jnp.int32)
+    )
     logits, feat = drafter.lm_head(normed[:, -1]), fed[:, -1]
     raws, feds, drafts = [_rms(raw[:, -1])], [_rms(fed[:, -1])], []
     for i in range(1, k):
         d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         drafts.append(d)
         pos = jnp.full((b, 1), t + i - 1, jnp.int32)
-        normed, fed, raw, cache = _layer_raw(drafter, feat[:, None], drafter.draft_to_target(d)[:, None], pos,
-                                             causal_cache_mask(pos, t + k, None), cache, pos[:, 0])
+        normed, fed, raw, cache = _layer_raw(
+            drafter,
+            feat[:, None],
+            drafter.draft_to_target(d)[:, None],
+            pos,
+            causal_cache_mask(pos, t + k, None),
+            cache,
+            pos[:, 0],
+        )
         logits, feat = drafter.lm_head(normed[:, 0]), fed[:, 0]
         raws.append(_rms(raw[:, 0]))
         feds.append(_rms(fed[:, 0]))
@@ -419,14 +532,27 @@ def band_medians(values: np.ndarray, bands=BANDS) -> dict[str, float]:
     return {f"{a}-{b}": float(np.median(values[..., a : min(b, t)])) for a, b in bands if a < t}
 
 
-def norm_study(results: dict, target, drafters: dict, by_len: dict, n_prompts: int, k: int, batch_size: int) -> tuple[list[list], list[list]]:
+def norm_study(
+    results: dict, target, drafters: dict, by_len: dict, n_prompts: int, k: int, batch_size: int
+) -> tuple[list[list], list[list]]:
     """Diagnostics 4 and 5 of the module docstring, stored under results["norms"]; returns both tables' rows."""
     longest = max(by_len)
-    out = {"prompts": min(n_prompts, len(by_len[longest])), "context": longest, "hidden": {}, "fc_aux": {}, "feature": []}
+    out = {
+        "prompts": min(n_prompts, len(by_len[longest])),
+        "context": longest,
+        "hidden": {},
+        "fc_aux": {},
+        "feature": [],
+    }
     feat_rows = []
     for L in sorted(by_len):
         ids = np.asarray(by_len[L][:n_prompts], np.int32)
-        parts = {"rms": [], "g": {d: [] for d in drafters}, "raw": {d: [] for d in drafters}, "fed": {d: [] for d in drafters}}
+        parts = {
+            "rms": [],
+            "g": {d: [] for d in drafters},
+            "raw": {d: [] for d in drafters},
+            "fed": {d: [] for d in drafters},
+        }
         for i in range(0, len(ids), batch_size):
             batch = jnp.asarray(ids[i : i + batch_size])
             rms, aux, first = _target_pass(target, batch)
@@ -438,8 +564,14 @@ def norm_study(results: dict, target, drafters: dict, by_len: dict, n_prompts: i
                     parts[key][dname].append(val)
         for dname, drafter in drafters.items():
             g, raw, fed = (np.concatenate(parts[key][dname]) for key in ("g", "raw", "fed"))
-            entry = {"drafter": dname, "context": L, "g_last": float(np.median(g[:, -1])), "raw": np.median(raw, axis=0).tolist(),
-                     "fed": np.median(fed, axis=0).tolist(), "norm_output": bool(drafter.config.norm_output)}
+            entry = {
+                "drafter": dname,
+                "context": L,
+                "g_last": float(np.median(g[:, -1])),
+                "raw": np.median(raw, axis=0).tolist(),
+                "fed": np.median(fed, axis=0).tolist(),
+                "norm_output": bool(drafter.config.norm_output),
+            }
             out["feature"].append(entry)
             for kind in ("raw", "fed"):
                 feat_rows.append([dname, L, kind, f"{entry['g_last']:.2f}"] + [f"{v:.2f}" for v in entry[kind]])
@@ -450,8 +582,13 @@ def norm_study(results: dict, target, drafters: dict, by_len: dict, n_prompts: i
             out["hidden"] = {str(layer): band_medians(rms[:, layer]) for layer in range(rms.shape[1])}
     out["bands"] = list(next(iter(out["hidden"].values())))
     aux_ids = {j for d in drafters.values() for j in aux_layer_ids_for(d.config, target.config)}
-    norm_rows = [[f"{layer}{' *' if int(layer) in aux_ids else ''}"] + [f"{v:.2f}" for v in by_band.values()] for layer, by_band in out["hidden"].items()]
-    norm_rows += [[f"fc(aux) {dname}"] + [f"{v:.2f}" for v in by_band.values()] for dname, by_band in out["fc_aux"].items()]
+    norm_rows = [
+        [f"{layer}{' *' if int(layer) in aux_ids else ''}"] + [f"{v:.2f}" for v in by_band.values()]
+        for layer, by_band in out["hidden"].items()
+    ]
+    norm_rows += [
+        [f"fc(aux) {dname}"] + [f"{v:.2f}" for v in by_band.values()] for dname, by_band in out["fc_aux"].items()
+    ]
     results["norms"] = out
     return norm_rows, feat_rows
 
@@ -461,8 +598,14 @@ def plot_context(results: dict, path: Path, k: int) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for dname in dict.fromkeys(r["drafter"] for r in results["context"]):
         rs = [r for r in results["context"] if r["drafter"] == dname]
-        ax.errorbar([r["context"] for r in rs], [r["al_mean"] for r in rs], yerr=[0 if np.isnan(r["al_ci95"]) else r["al_ci95"] for r in rs],
-                    marker="o", capsize=3, label=dname)
+        ax.errorbar(
+            [r["context"] for r in rs],
+            [r["al_mean"] for r in rs],
+            yerr=[0 if np.isnan(r["al_ci95"]) else r["al_ci95"] for r in rs],
+            marker="o",
+            capsize=3,
+            label=dname,
+        )
     ax.set_xlabel("context length (prompt tokens)")
     ax.set_ylabel("acceptance length (tokens / target forward)")
     ax.set_title(f"AL vs context length (greedy, chain K={k}, 95% CI over prompts)")
@@ -489,9 +632,23 @@ def plot_position(results: dict, path: Path, k: int) -> None:
         if plain:
             curves.append(("code prompts", "-", plain[0]))
         else:
-            curves.append((f"context {shortest}", "-", next(r for r in results["context"] if r["drafter"] == dname and r["context"] == shortest)))
-        curves.append((f"context {longest}", "--", next(r for r in results["context"] if r["drafter"] == dname and r["context"] == longest)))
-        curves += [("licence prefix", ":", r) for r in results["ood"] if r["drafter"] == dname and r["condition"] != "plain"]
+            curves.append(
+                (
+                    f"context {shortest}",
+                    "-",
+                    next(r for r in results["context"] if r["drafter"] == dname and r["context"] == shortest),
+                )
+            )
+        curves.append(
+            (
+                f"context {longest}",
+                "--",
+                next(r for r in results["context"] if r["drafter"] == dname and r["context"] == longest),
+            )
+        )
+        curves += [
+            ("licence prefix", ":", r) for r in results["ood"] if r["drafter"] == dname and r["condition"] != "plain"
+        ]
         for label, style, r in curves:
             axes[0].plot(x, r["position_acceptance"], style, marker="o", color=color, label=f"{dname}, {label}")
             axes[1].plot(x, r["conditional_acceptance"], style, marker="o", color=color, label=f"{dname}, {label}")

@@ -23,8 +23,8 @@ import argparse
 import os
 import tempfile
 import time
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +32,6 @@ import numpy as np
 import eagle_jax
 from bench.common import EVAL, EVAL_SETS, print_table, question_prompts, write_json
 from eagle_jax.checkpoint.models import resolve_model
-
 
 
 def timed(fn):
@@ -61,9 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {"EAGLE_JAX_CACHE": cache}):
         tok, tok_first = timed(lambda: eagle_jax.load_tokenizer(file))  # converted from the metadata
         _, tok_cached = timed(lambda: eagle_jax.load_tokenizer(file))
-    ref, hf_load = timed(lambda: AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval())
-    print(f"{file.name}: load_target {', '.join(f'{s:.2f}' for s in loads)} s; load_tokenizer {tok_first:.2f} s "
-          f"(converted), {tok_cached:.2f} s (cached); transformers from_pretrained(gguf_file=) {hf_load:.2f} s")
+    ref, hf_load = timed(
+        lambda: AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    )
+    print(
+        f"{file.name}: load_target {', '.join(f'{s:.2f}' for s in loads)} s; load_tokenizer {tok_first:.2f} s "
+        f"(converted), {tok_cached:.2f} s (cached); transformers from_pretrained(gguf_file=) {hf_load:.2f} s"
+    )
 
     rows, results = [], []
     for name in EVAL_SETS:
@@ -71,21 +74,42 @@ def main(argv: list[str] | None = None) -> None:
             ids = list(q["ids"])
             with torch.no_grad():
                 want = ref(torch.tensor([ids])).logits[0].numpy().astype(np.float64)
-                hf_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=args.max_new, do_sample=False)[0, len(ids):].tolist()
+                hf_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=args.max_new, do_sample=False)[
+                    0, len(ids) :
+                ].tolist()
             got = np.asarray(target(jnp.asarray([ids], jnp.int32))[0][0], np.float64)
             err = float(np.abs(got - want).max() / np.abs(want).max())
             ours = eagle_jax.generate(target, None, [ids], max_new_tokens=args.max_new, tokenizer=tok).tokens[0]
             n = min(len(ours), len(hf_tokens))
             same = ours[:n] == hf_tokens[:n] and n > 0
-            results.append({"set": name, "question_id": q["name"], "prompt_tokens": len(ids), "logits_rel_err": err,
-                            "greedy_tokens_compared": n, "greedy_identical": same})
+            results.append(
+                {
+                    "set": name,
+                    "question_id": q["name"],
+                    "prompt_tokens": len(ids),
+                    "logits_rel_err": err,
+                    "greedy_tokens_compared": n,
+                    "greedy_identical": same,
+                }
+            )
             rows.append([name, q["name"], len(ids), f"{err:.2e}", n, "yes" if same else "NO"])
     print_table(["set", "question", "prompt tokens", "logits rel err", "greedy tokens", "identical"], rows)
     errs = [r["logits_rel_err"] for r in results]
-    print(f"max rel err {max(errs):.2e}, median {float(np.median(errs)):.2e}; greedy identical "
-          f"{sum(r['greedy_identical'] for r in results)}/{len(results)}")
-    write_json(args.out, {"model": str(file.name), "load_target_s": loads, "load_tokenizer_converted_s": tok_first,
-                          "load_tokenizer_cached_s": tok_cached, "transformers_load_s": hf_load, "parity": results})
+    print(
+        f"max rel err {max(errs):.2e}, median {float(np.median(errs)):.2e}; greedy identical "
+        f"{sum(r['greedy_identical'] for r in results)}/{len(results)}"
+    )
+    write_json(
+        args.out,
+        {
+            "model": str(file.name),
+            "load_target_s": loads,
+            "load_tokenizer_converted_s": tok_first,
+            "load_tokenizer_cached_s": tok_cached,
+            "transformers_load_s": hf_load,
+            "parity": results,
+        },
+    )
 
 
 if __name__ == "__main__":

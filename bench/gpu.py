@@ -48,7 +48,20 @@ def pytest_summary(lines: list[str]) -> str:
 
 def run_parity(timeout_s: int, workers: int) -> dict:
     """The parity suite's cuda cases in a subprocess: pytest's counts, its failures and the errors measured."""
-    cmd = [sys.executable, "-m", "pytest", "parity_tests", "-k", "cuda", "-o", "addopts=", "-q", "-rfEs", "-p", "no:cacheprovider"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "parity_tests",
+        "-k",
+        "cuda",
+        "-o",
+        "addopts=",
+        "-q",
+        "-rfEs",
+        "-p",
+        "no:cacheprovider",
+    ]
     if workers > 1:
         cmd += ["-n", str(workers), "--dist", "loadfile"]
     t0, started = time.perf_counter(), time.time()
@@ -63,9 +76,13 @@ def run_parity(timeout_s: int, workers: int) -> dict:
     summary = pytest_summary(lines)
     print(f"parity: {summary} (rc {rc}, {time.perf_counter() - t0:.0f} s)", flush=True)
     errors = PARITY_ERRORS.read_text() if PARITY_ERRORS.exists() and PARITY_ERRORS.stat().st_mtime >= started else "{}"
-    return {"rc": rc, "summary": summary, "seconds": time.perf_counter() - t0,
-            "failed": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))],
-            "errors": {name: e for name, e in json.loads(errors).items() if "[cuda" in name}}  # the file keeps other runs' too
+    return {
+        "rc": rc,
+        "summary": summary,
+        "seconds": time.perf_counter() - t0,
+        "failed": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))],
+        "errors": {name: e for name, e in json.loads(errors).items() if "[cuda" in name},
+    }  # the file keeps other runs' too
 
 
 def precompile_once(workers: int) -> dict:
@@ -74,7 +91,9 @@ def precompile_once(workers: int) -> dict:
     from eagle_jax.serving.slots import SlotEngine
 
     target, drafter, _, _, _ = load_pair_or_random(None, None, None, 16)
-    engine = SlotEngine(target, drafter, slots=8, max_len=512, specs=(None, SpecConfig(num_speculative_tokens=3)), rounds_per_step=4)
+    engine = SlotEngine(
+        target, drafter, slots=8, max_len=512, specs=(None, SpecConfig(num_speculative_tokens=3)), rounds_per_step=4
+    )
     t0 = time.perf_counter()
     engine.precompile(warm_up=False, workers=workers)
     return {"workers": workers, "programs": len(engine.compile_events), "seconds": round(time.perf_counter() - t0, 1)}
@@ -82,13 +101,20 @@ def precompile_once(workers: int) -> dict:
 
 def precompile_seconds(workers: int) -> dict:
     """``precompile_once`` in a fresh process (nothing compiled before it, nothing shared with other counts)."""
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--precompile-child", str(workers)], capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--precompile-child", str(workers)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(row), flush=True)
     return row
 
 
-def measure_speed(dtype: str, batches: list[int], ks: list[int], max_new: int, prompt_len: int, batch1_prompts: int, repeats: int) -> list[dict]:
+def measure_speed(
+    dtype: str, batches: list[int], ks: list[int], max_new: int, prompt_len: int, batch1_prompts: int, repeats: int
+) -> list[dict]:
     """Rows of plain and chain-K decoding at each batch size (module docstring)."""
     target, drafter, _, prompts, _ = load_pair_or_random(None, None, None, prompt_len, dtype)
     configs = {"plain": None, **{f"K={k}": SpecConfig(num_speculative_tokens=k) for k in ks}}
@@ -98,9 +124,13 @@ def measure_speed(dtype: str, batches: list[int], ks: list[int], max_new: int, p
 
         def one_pass(spec):
             t0 = time.perf_counter()
-            r = run_batched(target, None if spec is None else drafter, rows_in, spec=spec, max_new=max_new, batch_size=batch)
+            r = run_batched(
+                target, None if spec is None else drafter, rows_in, spec=spec, max_new=max_new, batch_size=batch
+            )
             secs = time.perf_counter() - t0
-            calls = [r["accepted"][i: i + batch] for i in range(0, len(rows_in), batch)]  # a call's AL: over its row-rounds
+            calls = [
+                r["accepted"][i : i + batch] for i in range(0, len(rows_in), batch)
+            ]  # a call's AL: over its row-rounds
             al = None if spec is None else float(np.mean([np.mean([a + 1 for row in c for a in row]) for c in calls]))
             return sum(map(len, r["tokens"])) / secs, r["tokens"], al
 
@@ -118,10 +148,17 @@ def measure_speed(dtype: str, batches: list[int], ks: list[int], max_new: int, p
         plain = float(np.median(rates["plain"]))
         for name in configs:
             rate = float(np.median(rates[name]))
-            row = {"dtype": dtype, "batch": batch, "config": name, "tok_s": round(rate, 1), "speedup": round(rate / plain, 3),
-                   "acceptance_length": None if name == "plain" else round(als[name], 2),
-                   "rows_equal_to_plain": f"{sum(a == b for a, b in zip(outputs[name], outputs['plain']))}/{len(outputs['plain'])}",
-                   "passes_tok_s": [round(x, 1) for x in rates[name]], "first_pass_s": round(first_pass_s[name], 1)}
+            row = {
+                "dtype": dtype,
+                "batch": batch,
+                "config": name,
+                "tok_s": round(rate, 1),
+                "speedup": round(rate / plain, 3),
+                "acceptance_length": None if name == "plain" else round(als[name], 2),
+                "rows_equal_to_plain": f"{sum(a == b for a, b in zip(outputs[name], outputs['plain']))}/{len(outputs['plain'])}",
+                "passes_tok_s": [round(x, 1) for x in rates[name]],
+                "first_pass_s": round(first_pass_s[name], 1),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -140,17 +177,31 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--batch1-prompts", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--precompile-workers", type=int, nargs="*", default=[],
-                    help="also time a small serving engine's precompile at each of these worker counts (fresh processes)")
+    ap.add_argument(
+        "--precompile-workers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time a small serving engine's precompile at each of these worker counts (fresh processes)",
+    )
     ap.add_argument("--out", default="bench/results/gpu.json")
     ap.add_argument("--precompile-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.precompile_child:
         print(json.dumps(precompile_once(args.precompile_child)))
         return {}
-    results = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
-               "xla_flags": os.environ.get("XLA_FLAGS", ""), "max_new": args.max_new, "prompt_len": args.prompt_len}
-    print(f"device: {results['device_kind']} ({results['device']}), jax {jax.__version__}, XLA_FLAGS={results['xla_flags']!r}", flush=True)
+    results = {
+        "device": str(jax.devices()[0]),
+        "device_kind": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "max_new": args.max_new,
+        "prompt_len": args.prompt_len,
+    }
+    print(
+        f"device: {results['device_kind']} ({results['device']}), jax {jax.__version__}, XLA_FLAGS={results['xla_flags']!r}",
+        flush=True,
+    )
     if not args.no_parity:
         results["parity"] = run_parity(args.parity_timeout, args.parity_workers)
         write_json(args.out, results)
@@ -160,7 +211,9 @@ def main(argv=None) -> dict:
     if not args.no_speed:
         results["speed"] = []
         for dtype in args.dtypes:
-            results["speed"] += measure_speed(dtype, args.batch, args.ks, args.max_new, args.prompt_len, args.batch1_prompts, args.repeats)
+            results["speed"] += measure_speed(
+                dtype, args.batch, args.ks, args.max_new, args.prompt_len, args.batch1_prompts, args.repeats
+            )
             write_json(args.out, results)
     return results
 

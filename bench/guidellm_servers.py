@@ -33,8 +33,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import (TARGET_HELP, chat_prompts, heldout_code_prompts, load_tokenizer, local_target, print_table,
-                          write_json)
+from bench.common import (
+    TARGET_HELP,
+    chat_prompts,
+    heldout_code_prompts,
+    load_tokenizer,
+    local_target,
+    print_table,
+    write_json,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,9 +81,21 @@ def _get(url: str, timeout: float = 5.0) -> str:
 def start(server: ServerSpec, target: str | None, log_dir: Path, timeout_s: float) -> None:
     """Start the server over an empty compilation cache and wait for ``/health``; the time it took is
     its cold start."""
-    cache = [] if "--compile-cache" in server.flags else ["--compile-cache", tempfile.mkdtemp(prefix=f"xla-{server.label}-")]
-    cmd = [sys.executable, "-m", "eagle_jax.cli.serve", *server.flags, "--port", str(server.port), *cache,
-           *(["--target", target] if target else [])]
+    cache = (
+        []
+        if "--compile-cache" in server.flags
+        else ["--compile-cache", tempfile.mkdtemp(prefix=f"xla-{server.label}-")]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle_jax.cli.serve",
+        *server.flags,
+        "--port",
+        str(server.port),
+        *cache,
+        *(["--target", target] if target else []),
+    ]
     env = {**os.environ, "PYTHONPATH": str(server.checkout)}
     log = open(log_dir / f"{server.label}.log", "w")
     t0 = time.perf_counter()
@@ -107,18 +126,46 @@ def model_name(server: ServerSpec) -> str:
     return json.loads(_get(server.url + "/v1/models"))["data"][0]["id"]
 
 
-def guidellm_sweep(server: ServerSpec, data: Path, chat: bool, temperature: float, concurrency: list[int],
-                   requests: int, max_seconds: float, out: Path) -> list[dict]:
+def guidellm_sweep(
+    server: ServerSpec,
+    data: Path,
+    chat: bool,
+    temperature: float,
+    concurrency: list[int],
+    requests: int,
+    max_seconds: float,
+    out: Path,
+) -> list[dict]:
     """One guidellm run of the concurrent profile at each concurrency; a summary per level."""
-    backend = {"kind": "openai_http", "target": server.url, "model": model_name(server),
-               "request_format": "/v1/chat/completions" if chat else "/v1/completions"}
+    backend = {
+        "kind": "openai_http",
+        "target": server.url,
+        "model": model_name(server),
+        "request_format": "/v1/chat/completions" if chat else "/v1/completions",
+    }
     if temperature != 1.0:  # guidellm sends none: the API's default, 1.0
         backend["extras"] = {"body": {"temperature": temperature}}
     exe = Path(sys.executable).with_name("guidellm")
-    cmd = [str(exe), "run", "--backend", json.dumps(backend), "--profile", "kind=concurrent",
-           "--override", "profile.streams", ",".join(map(str, concurrency)),
-           "--constraint", f"kind=max_requests,count={requests}", "--constraint", f"kind=max_duration,seconds={max_seconds}",
-           "--data", f"kind=json_file,path={data}", "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    cmd = [
+        str(exe),
+        "run",
+        "--backend",
+        json.dumps(backend),
+        "--profile",
+        "kind=concurrent",
+        "--override",
+        "profile.streams",
+        ",".join(map(str, concurrency)),
+        "--constraint",
+        f"kind=max_requests,count={requests}",
+        "--constraint",
+        f"kind=max_duration,seconds={max_seconds}",
+        "--data",
+        f"kind=json_file,path={data}",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console-interactive",
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if run.returncode != 0:
         raise SystemExit(f"guidellm failed against {server.label}:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
@@ -127,9 +174,15 @@ def guidellm_sweep(server: ServerSpec, data: Path, chat: bool, temperature: floa
         ok = bench["requests"]["successful"]
         rates = [r["output_tokens_per_second"] for r in ok if r.get("output_tokens_per_second")]
         ttft = [r["time_to_first_token_ms"] for r in ok if r.get("time_to_first_token_ms") is not None]
-        summaries.append({"concurrency": c, "requests": len(ok), "errored": len(bench["requests"]["errored"]),
-                          "per_user_tok_s": statistics.fmean(rates) if rates else 0.0,
-                          "median_ttft_ms": statistics.median(ttft) if ttft else None})
+        summaries.append(
+            {
+                "concurrency": c,
+                "requests": len(ok),
+                "errored": len(bench["requests"]["errored"]),
+                "per_user_tok_s": statistics.fmean(rates) if rates else 0.0,
+                "median_ttft_ms": statistics.median(ttft) if ttft else None,
+            }
+        )
     return summaries
 
 
@@ -173,13 +226,29 @@ def main() -> None:
             start(s, args.target, work, args.start_timeout)
         ready_compiles = {s.label: compile_events(s) for s in servers}
         for s in servers:  # one warm pass each, as a server meets its first traffic
-            guidellm_sweep(s, work / "prompts.jsonl", chat, args.temperatures[0], args.concurrency, max(args.concurrency),
-                           args.max_seconds, work / "warm.json")
+            guidellm_sweep(
+                s,
+                work / "prompts.jsonl",
+                chat,
+                args.temperatures[0],
+                args.concurrency,
+                max(args.concurrency),
+                args.max_seconds,
+                work / "warm.json",
+            )
         for r in range(args.repeats):
             for t in args.temperatures:
-                for s in servers[r % len(servers):] + servers[:r % len(servers)]:
-                    for row in guidellm_sweep(s, work / "prompts.jsonl", chat, t, args.concurrency, args.requests,
-                                              args.max_seconds, work / "run.json"):
+                for s in servers[r % len(servers) :] + servers[: r % len(servers)]:
+                    for row in guidellm_sweep(
+                        s,
+                        work / "prompts.jsonl",
+                        chat,
+                        t,
+                        args.concurrency,
+                        args.requests,
+                        args.max_seconds,
+                        work / "run.json",
+                    ):
                         s.passes.setdefault(f"T={t:g} C={row['concurrency']}", []).append(row)
                         print(s.label, f"T={t:g}", row, flush=True)
         served_compiles = {s.label: compile_events(s) - ready_compiles[s.label] for s in servers}
@@ -192,18 +261,32 @@ def main() -> None:
     base = servers[-1]
     rows, report = [], {"servers": [], "config": vars(args)}
     for s in servers:
-        entry = {"label": s.label, "checkout": str(s.checkout), "flags": s.flags, "start_s": s.start_s,
-                 "compiles_while_serving": served_compiles[s.label], "levels": {}}
+        entry = {
+            "label": s.label,
+            "checkout": str(s.checkout),
+            "flags": s.flags,
+            "start_s": s.start_s,
+            "compiles_while_serving": served_compiles[s.label],
+            "levels": {},
+        }
         for key, passes in s.passes.items():
             tok_s = statistics.fmean(p["per_user_tok_s"] for p in passes)
             ttft = statistics.fmean(p["median_ttft_ms"] for p in passes if p["median_ttft_ms"] is not None)
             base_tok_s = statistics.fmean(p["per_user_tok_s"] for p in base.passes[key])
             entry["levels"][key] = {"per_user_tok_s": tok_s, "median_ttft_ms": ttft, "passes": passes}
             spread = "/".join(f"{p['per_user_tok_s']:.1f}" for p in passes)
-            rows.append([s.label, key, f"{tok_s:.1f} ({spread})", f"{tok_s / base_tok_s:.2f}x", f"{ttft:.0f}",
-                         sum(p["errored"] for p in passes)])
+            rows.append(
+                [
+                    s.label,
+                    key,
+                    f"{tok_s:.1f} ({spread})",
+                    f"{tok_s / base_tok_s:.2f}x",
+                    f"{ttft:.0f}",
+                    sum(p["errored"] for p in passes),
+                ]
+            )
         report["servers"].append(entry)
-    print_table(["server", "level", f"per-user tok/s (passes)", f"vs {base.label}", "median TTFT ms", "errors"], rows)
+    print_table(["server", "level", "per-user tok/s (passes)", f"vs {base.label}", "median TTFT ms", "errors"], rows)
     for s in servers:
         print(f"{s.label}: cold start {s.start_s:.1f} s, {served_compiles[s.label]:.0f} compiles while serving")
     write_json(args.out, report)

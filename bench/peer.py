@@ -63,7 +63,6 @@ import numpy as np
 
 import eagle_jax
 from bench import roofline as rl
-from bench.speed import dtype_bytes
 from bench.common import (
     BUNDLED_DRAFTERS,
     BUNDLED_TARGET,
@@ -86,6 +85,7 @@ from bench.common import (
     stop_ids,
     write_json,
 )
+from bench.speed import dtype_bytes
 from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import SpecConfig
 from eagle_jax.decoding.calls import bucket
@@ -101,8 +101,13 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict:
                 break
             n += 1
         prefix.append(n / max(len(b), 1))
-    return {"exact_rows": int(sum(exact)), "rows": len(exact), "exact_fraction": float(np.mean(exact)),
-            "prefix_fraction": float(np.mean(prefix)), "per_row_prefix": prefix}
+    return {
+        "exact_rows": int(sum(exact)),
+        "rows": len(exact),
+        "exact_fraction": float(np.mean(exact)),
+        "prefix_fraction": float(np.mean(prefix)),
+        "per_row_prefix": prefix,
+    }
 
 
 def hf_generate(model, prompts: list[list[int]], max_new: int, repeats: int = 1):
@@ -116,10 +121,12 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, repeats: int = 1)
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new)
+                y = model.generate(
+                    input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new
+                )
                 best = min(best, time.perf_counter() - t0)
             total += best
-            outs.append(y[0, len(ids):].tolist())
+            outs.append(y[0, len(ids) :].tolist())
     return outs, total
 
 
@@ -157,8 +164,10 @@ def split(prefill_s: float | None, total_s: float, tokens: int, rows: int) -> di
     if prefill_s is None:
         return {}
     decode_s = total_s - prefill_s
-    return {"prefill_s_per_prompt": prefill_s / rows,
-            "decode_tokens_per_s": (tokens - rows) / decode_s if decode_s > 0 else float("nan")}  # nan: timing noise
+    return {
+        "prefill_s_per_prompt": prefill_s / rows,
+        "decode_tokens_per_s": (tokens - rows) / decode_s if decode_s > 0 else float("nan"),
+    }  # nan: timing noise
 
 
 def split_cells(run: dict) -> list[str]:
@@ -167,8 +176,19 @@ def split_cells(run: dict) -> list[str]:
     return [f"{run['prefill_s_per_prompt'] * 1e3:.0f}", f"{run['decode_tokens_per_s']:.1f}"]
 
 
-def roofline_runs(target_config, drafter_config, spec, prompt_lens: list[int], new_tokens: list[int], rounds: list[int],
-                  decode_tps: float, prefill_s: float | None, peaks: dict, weight_bytes: float = 4, cache_bytes: float = 4) -> dict:
+def roofline_runs(
+    target_config,
+    drafter_config,
+    spec,
+    prompt_lens: list[int],
+    new_tokens: list[int],
+    rounds: list[int],
+    decode_tps: float,
+    prefill_s: float | None,
+    peaks: dict,
+    weight_bytes: float = 4,
+    cache_bytes: float = 4,
+) -> dict:
     """Roofline columns of one engine's decode (each prompt's loop at batch 1: its own context, rounds
     and emitted tokens, pooled over prompts) and prefill (the prompts' real lengths, their summed time);
     ``weight_bytes`` / ``cache_bytes``: bytes per number as that engine holds them."""
@@ -194,17 +214,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--ks", type=int, nargs="*", default=[5], help="chain depths")
     ap.add_argument("--trees", nargs="*", default=["8,5,48"], help="top_k,depth,total_tokens")
     ap.add_argument("--n-prompts", type=int, default=8, help="held-out code prompts (without --questions)")
-    ap.add_argument("--questions", nargs="+", help="FastChat question files: their first turns in the target "
-                    "tokenizer's chat template replace the code prompts")
+    ap.add_argument(
+        "--questions",
+        nargs="+",
+        help="FastChat question files: their first turns in the target "
+        "tokenizer's chat template replace the code prompts",
+    )
     ap.add_argument("--n-questions", type=int, default=0, help="first N questions of each --questions file (0: all)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' weights and arithmetic")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' weights and arithmetic"
+    )
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--no-eos", action="store_true", help="ignore eos: every row runs max-new tokens")
     ap.add_argument("--seed", type=int, default=0, help="prompt sampling")
     ap.add_argument("--repeats", type=int, default=1, help="timed calls per prompt and engine; the best counts")
-    ap.add_argument("--no-split", dest="split", action="store_false",
-                    help="skip the prefill / decode split (extra max-new=1 runs of every engine)")
+    ap.add_argument(
+        "--no-split",
+        dest="split",
+        action="store_false",
+        help="skip the prefill / decode split (extra max-new=1 runs of every engine)",
+    )
     ap.add_argument("--out", default="bench/results/peer.json")
     args = ap.parse_args(argv)
 
@@ -215,8 +245,10 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     if load_before[0] > 0.5 * (os.cpu_count() or 1):
-        print(f"WARNING: load average {load_before[0]:.1f} on {os.cpu_count()} cores: other processes compete for the CPU, "
-              "timings (torch's OpenMP threads especially) will be noisy")
+        print(
+            f"WARNING: load average {load_before[0]:.1f} on {os.cpu_count()} cores: other processes compete for the CPU, "
+            "timings (torch's OpenMP threads especially) will be noisy"
+        )
     transformers.logging.set_verbosity_error()
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     peaks = rl.measure_peaks(args.dtype)
@@ -243,8 +275,12 @@ def main(argv=None) -> dict:
         target = eagle_jax.load_target(target_dir, dtype=args.dtype)
         drafter = eagle_jax.load_drafter(drafter_dir, target, dtype=args.dtype)
         tokenizer = load_tokenizer(target_dir, target.config.vocab_size)
-        source = {"target": "random 12x384 (saved as HF, float32)", "drafter": "random (acceptance meaningless)",
-                  "dtype": args.dtype, "random": True}
+        source = {
+            "target": "random 12x384 (saved as HF, float32)",
+            "drafter": "random (acceptance meaningless)",
+            "dtype": args.dtype,
+            "random": True,
+        }
         is_random = True
 
     eos = stop_ids(tokenizer, not args.no_eos)
@@ -253,16 +289,25 @@ def main(argv=None) -> dict:
         prompts = fit_prompts(chat_prompts(args.questions, tokenizer, args.n_questions), args.max_new, limit)
         prompt_source = chat_source(args.questions, args.n_questions, prompts)
     else:
-        prompts = fit_prompts(heldout_code_prompts(tokenizer, args.n_prompts, seed=args.seed, vocab_size=target.config.vocab_size),
-                              args.max_new, limit)
-        prompt_source = {"kind": "heldout code" if tokenizer is not None else "random tokens", "n_prompts": args.n_prompts,
-                         "seed": args.seed, "count": len(prompts)}
+        prompts = fit_prompts(
+            heldout_code_prompts(tokenizer, args.n_prompts, seed=args.seed, vocab_size=target.config.vocab_size),
+            args.max_new,
+            limit,
+        )
+        prompt_source = {
+            "kind": "heldout code" if tokenizer is not None else "random tokens",
+            "n_prompts": args.n_prompts,
+            "seed": args.seed,
+            "count": len(prompts),
+        }
     if not prompts:
         raise SystemExit(f"no prompt fits {limit} positions with {args.max_new} new tokens")
     ids = [p["ids"] for p in prompts]
 
     if is_gguf_file(target_dir):  # transformers dequantizes the same file
-        hf = AutoModelForCausalLM.from_pretrained(str(Path(target_dir).parent), gguf_file=Path(target_dir).name, dtype=torch_dtype)
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(Path(target_dir).parent), gguf_file=Path(target_dir).name, dtype=torch_dtype
+        )
     else:
         hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch_dtype)
     if next(hf.parameters()).dtype != torch_dtype:  # in case a loader (GGUF's dequantization) ignores dtype
@@ -272,7 +317,11 @@ def main(argv=None) -> dict:
     jax_bytes = dtype_bytes(target, exact=False)
     gc = hf.generation_config
     gc.eos_token_id = list(eos) or None
-    gc.pad_token_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else (eos[0] if eos else 0))
+    gc.pad_token_id = (
+        tokenizer.pad_token_id
+        if tokenizer is not None and tokenizer.pad_token_id is not None
+        else (eos[0] if eos else 0)
+    )
     gc.do_sample, gc.temperature, gc.top_k, gc.top_p = False, None, None, None
     with torch.inference_mode():  # warm-up
         x = torch.tensor([ids[0]], dtype=torch.long)
@@ -280,67 +329,189 @@ def main(argv=None) -> dict:
     hf_tokens, hf_s = hf_generate(hf, ids, args.max_new, args.repeats)
     hf_n = sum(len(t) for t in hf_tokens)
     hf_prefill = hf_generate(hf, ids, 1, args.repeats + 1)[1] if args.split else None
-    results = {"models": source, "settings": {k: v for k, v in vars(args).items() if k != "out"}, "eos_ids": list(eos),
-               "torch_threads": torch.get_num_threads(), "dtype": args.dtype, "hf_dtype": str(next(hf.parameters()).dtype),
-               "prompt_source": prompt_source, "prompts": [p["name"] for p in prompts],
-               "prompt_tokens": [len(i) for i in ids], "runs": []}
-    results["runs"].append({"engine": "transformers", "spec": None, "tokens": hf_n, "seconds": hf_s, "tokens_per_s": hf_n / hf_s,
-                            **split(hf_prefill, hf_s, hf_n, len(ids))})
+    results = {
+        "models": source,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "eos_ids": list(eos),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "hf_dtype": str(next(hf.parameters()).dtype),
+        "prompt_source": prompt_source,
+        "prompts": [p["name"] for p in prompts],
+        "prompt_tokens": [len(i) for i in ids],
+        "runs": [],
+    }
+    results["runs"].append(
+        {
+            "engine": "transformers",
+            "spec": None,
+            "tokens": hf_n,
+            "seconds": hf_s,
+            "tokens_per_s": hf_n / hf_s,
+            **split(hf_prefill, hf_s, hf_n, len(ids)),
+        }
+    )
     results["peaks"] = peaks
     plens = [len(i) for i in ids]
     roof_rows = []
 
-    def add_roofline(run: dict, label: list[str], spec, drafter_config, toks: list[list[int]], rounds: list[int],
-                     nbytes: tuple[float, float]) -> None:
+    def add_roofline(
+        run: dict,
+        label: list[str],
+        spec,
+        drafter_config,
+        toks: list[list[int]],
+        rounds: list[int],
+        nbytes: tuple[float, float],
+    ) -> None:
         if "decode_tokens_per_s" not in run:
             return
         prefill_total = run["prefill_s_per_prompt"] * len(ids)
-        run["roofline"] = roofline_runs(target.config, drafter_config, spec, plens, [len(t) - 1 for t in toks], rounds,
-                                        run["decode_tokens_per_s"], prefill_total, peaks, *nbytes)
+        run["roofline"] = roofline_runs(
+            target.config,
+            drafter_config,
+            spec,
+            plens,
+            [len(t) - 1 for t in toks],
+            rounds,
+            run["decode_tokens_per_s"],
+            prefill_total,
+            peaks,
+            *nbytes,
+        )
         d, p = run["roofline"]["decode"], run["roofline"]["prefill"]
-        roof_rows.append([*label, f"{run['decode_tokens_per_s']:.1f}", *rl.roofline_cells(d),
-                          f"{p['prefill_tokens_per_s']:.0f}", f"{100 * p['flops_fraction']:.1f}", f"{100 * p['bytes_fraction']:.1f}",
-                          p["bound"], f"{100 * p['roofline_fraction']:.0f}"])
+        roof_rows.append(
+            [
+                *label,
+                f"{run['decode_tokens_per_s']:.1f}",
+                *rl.roofline_cells(d),
+                f"{p['prefill_tokens_per_s']:.0f}",
+                f"{100 * p['flops_fraction']:.1f}",
+                f"{100 * p['bytes_fraction']:.1f}",
+                p["bound"],
+                f"{100 * p['roofline_fraction']:.0f}",
+            ]
+        )
 
-    add_roofline(results["runs"][-1], ["transformers", "none"], None, None, hf_tokens, [len(t) - 1 for t in hf_tokens], hf_bytes)
-    rows = [[f"transformers {transformers.__version__} (torch {torch.__version__})", "none", f"{hf_n / hf_s:.1f}", "1.00x", "-", "-", "-", "-",
-             *split_cells(results["runs"][-1])]]
+    add_roofline(
+        results["runs"][-1], ["transformers", "none"], None, None, hf_tokens, [len(t) - 1 for t in hf_tokens], hf_bytes
+    )
+    rows = [
+        [
+            f"transformers {transformers.__version__} (torch {torch.__version__})",
+            "none",
+            f"{hf_n / hf_s:.1f}",
+            "1.00x",
+            "-",
+            "-",
+            "-",
+            "-",
+            *split_cells(results["runs"][-1]),
+        ]
+    ]
 
     specs = [None] + [SpecConfig(num_speculative_tokens=k) for k in args.ks] + [parse_tree(t) for t in args.trees]
     plain_tokens = plain_tps = None
     for spec in specs:
-        toks, secs, compile_s, accepted, program_s = jax_generate(target, None if spec is None else drafter, ids, spec, args.max_new, eos, args.repeats)
+        toks, secs, compile_s, accepted, program_s = jax_generate(
+            target, None if spec is None else drafter, ids, spec, args.max_new, eos, args.repeats
+        )
         n = sum(len(t) for t in toks)
         tps = n / secs
-        prefill = jax_generate(target, None if spec is None else drafter, ids, spec, 1, eos, args.repeats + 1)[1] if args.split else None
+        prefill = (
+            jax_generate(target, None if spec is None else drafter, ids, spec, 1, eos, args.repeats + 1)[1]
+            if args.split
+            else None
+        )
         agree = agreement(toks, hf_tokens)
-        run = {"engine": "eagle_jax", "spec": spec_name(spec), "tokens": n, "seconds": secs, "tokens_per_s": tps,
-               "speedup_vs_hf": tps / (hf_n / hf_s), "compile_s": compile_s,
-               "program_seconds": program_s, "host_overhead_s": secs - program_s, **split(prefill, secs, n, len(ids)), "agreement_with_hf": agree}
+        run = {
+            "engine": "eagle_jax",
+            "spec": spec_name(spec),
+            "tokens": n,
+            "seconds": secs,
+            "tokens_per_s": tps,
+            "speedup_vs_hf": tps / (hf_n / hf_s),
+            "compile_s": compile_s,
+            "program_seconds": program_s,
+            "host_overhead_s": secs - program_s,
+            **split(prefill, secs, n, len(ids)),
+            "agreement_with_hf": agree,
+        }
         if spec is None:
             plain_tokens, plain_tps = toks, tps
             al = "-"
         else:
             st = acceptance_stats(accepted, spec.max_emitted - 1)
-            run.update(acceptance_length=st["al_pooled"], position_acceptance=st["position_acceptance"],
-                       speedup_vs_plain=tps / plain_tps, same_as_plain=agreement(toks, plain_tokens))
+            run.update(
+                acceptance_length=st["al_pooled"],
+                position_acceptance=st["position_acceptance"],
+                speedup_vs_plain=tps / plain_tps,
+                same_as_plain=agreement(toks, plain_tokens),
+            )
             al = f"{st['al_pooled']:.2f}"
         results["runs"].append(run)
-        add_roofline(run, ["eagle_jax", spec_name(spec)], spec, None if spec is None else drafter.config, toks,
-                     [len(t) - 1 for t in toks] if spec is None else [len(a) for a in accepted], jax_bytes)
-        rows.append(["eagle_jax" + ("" if spec is None else f" + {drafter_label(drafter)}"), spec_name(spec),
-                     f"{tps:.1f}", f"{run['speedup_vs_hf']:.2f}x", "1.00x" if spec is None else f"{run['speedup_vs_plain']:.2f}x", al,
-                     f"{agree['exact_rows']}/{agree['rows']}", f"{agree['prefix_fraction']:.3f}", *split_cells(run)])
+        add_roofline(
+            run,
+            ["eagle_jax", spec_name(spec)],
+            spec,
+            None if spec is None else drafter.config,
+            toks,
+            [len(t) - 1 for t in toks] if spec is None else [len(a) for a in accepted],
+            jax_bytes,
+        )
+        rows.append(
+            [
+                "eagle_jax" + ("" if spec is None else f" + {drafter_label(drafter)}"),
+                spec_name(spec),
+                f"{tps:.1f}",
+                f"{run['speedup_vs_hf']:.2f}x",
+                "1.00x" if spec is None else f"{run['speedup_vs_plain']:.2f}x",
+                al,
+                f"{agree['exact_rows']}/{agree['rows']}",
+                f"{agree['prefix_fraction']:.3f}",
+                *split_cells(run),
+            ]
+        )
         print(f"  eagle_jax {spec_name(spec)}: {tps:.1f} tok/s", flush=True)
     print()
     if is_random:
         print("(random models: acceptance meaningless)")
-    print(f"batch 1, {len(ids)} prompts, up to {args.max_new} new tokens, {args.dtype} on CPU, torch threads {torch.get_num_threads()}")
-    print_table(["engine", "speculation", "tok/s", "vs HF", "vs plain", "AL", "rows = HF", "HF prefix agreement", "prefill ms", "decode tok/s"], rows)
+    print(
+        f"batch 1, {len(ids)} prompts, up to {args.max_new} new tokens, {args.dtype} on CPU, torch threads {torch.get_num_threads()}"
+    )
+    print_table(
+        [
+            "engine",
+            "speculation",
+            "tok/s",
+            "vs HF",
+            "vs plain",
+            "AL",
+            "rows = HF",
+            "HF prefix agreement",
+            "prefill ms",
+            "decode tok/s",
+        ],
+        rows,
+    )
     if roof_rows:
-        print(f"\nAgainst the roofline ({rl.format_peaks(peaks)}): decode per generated token, prefill per prompt token")
-        print_table(["engine", "speculation", "decode tok/s", *rl.ROOFLINE_HEADER, "prefill tok/s", "% peak", "% BW", "bound",
-                     "% roofline"], roof_rows)
+        print(
+            f"\nAgainst the roofline ({rl.format_peaks(peaks)}): decode per generated token, prefill per prompt token"
+        )
+        print_table(
+            [
+                "engine",
+                "speculation",
+                "decode tok/s",
+                *rl.ROOFLINE_HEADER,
+                "prefill tok/s",
+                "% peak",
+                "% BW",
+                "bound",
+                "% roofline",
+            ],
+            roof_rows,
+        )
     results["load_average_before_after"] = [load_before, os.getloadavg()]
     results["cpu_count"] = os.cpu_count()
     write_json(args.out, results)

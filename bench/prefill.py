@@ -21,8 +21,8 @@ import gc
 import statistics
 import time
 
-from eagle_jax.serving.slots import DEFAULT_CHUNK
 from bench.common import BUNDLED_DRAFTER, heldout_code_prompts, load_models, print_table, stop_ids, write_json
+from eagle_jax.serving.slots import DEFAULT_CHUNK
 
 
 def long_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
@@ -43,9 +43,20 @@ def _service(target, drafter, tokenizer, eos, args, chunk: int, prefix_cache: bo
     from eagle_jax.serving import SpecSchedule
     from eagle_jax.serving.server import make_service
 
-    return make_service(target, drafter, tokenizer, SpecSchedule.parse(args.schedule), eos, slots=args.slots, max_len=args.max_len,
-                        rounds_per_step=args.rounds_per_step, precompile=True, prefill_chunk=chunk, prefix_cache=prefix_cache,
-                        model_name="target")
+    return make_service(
+        target,
+        drafter,
+        tokenizer,
+        SpecSchedule.parse(args.schedule),
+        eos,
+        slots=args.slots,
+        max_len=args.max_len,
+        rounds_per_step=args.rounds_per_step,
+        precompile=True,
+        prefill_chunk=chunk,
+        prefix_cache=prefix_cache,
+        model_name="target",
+    )
 
 
 def prefix_ttft(svc, prompts: list[list[int]], new: list[list[int]]) -> list[dict]:
@@ -57,8 +68,14 @@ def prefix_ttft(svc, prompts: list[list[int]], new: list[list[int]]) -> list[dic
         for prefix, (a, b) in zip(prompts, new):
             cold = sched.submit(Request(tuple(prefix + a), 1)).wait(600)
             warm = sched.submit(Request(tuple(prefix + b), 1)).wait(600)
-            rows.append({"cold_s": cold.t_first - cold.t_submit, "warm_s": warm.t_first - warm.t_submit,
-                         "prompt": len(prefix) + len(b), "reused": warm.cached_tokens})
+            rows.append(
+                {
+                    "cold_s": cold.t_first - cold.t_submit,
+                    "warm_s": warm.t_first - warm.t_submit,
+                    "prompt": len(prefix) + len(b),
+                    "reused": warm.cached_tokens,
+                }
+            )
     finally:
         sched.stop()
     return rows
@@ -88,9 +105,15 @@ def stream_gaps(svc, short: list[int], long: list[int]) -> dict:
     during = [g for t, g in gaps if t_arrive <= t <= arriving.t_first] or [0.0]
     joint = next(g for t, g in gaps if t > arriving.t_first)
     median = statistics.median(g for _, g in gaps)
-    return {"median_gap_s": median, "max_gap_during_s": max(during), "ratio": max(during) / median, "joint_gap_s": joint,
-            "long_ttft_s": arriving.t_first - arriving.t_submit, "long_first_at_s": arriving.t_first - t_arrive,
-            "gaps_from_arrival": [(round(t - t_arrive, 4), round(g, 4)) for t, g in gaps if t >= t_arrive - 1.0][:80]}
+    return {
+        "median_gap_s": median,
+        "max_gap_during_s": max(during),
+        "ratio": max(during) / median,
+        "joint_gap_s": joint,
+        "long_ttft_s": arriving.t_first - arriving.t_submit,
+        "long_first_at_s": arriving.t_first - t_arrive,
+        "gaps_from_arrival": [(round(t - t_arrive, 4), round(g, 4)) for t, g in gaps if t >= t_arrive - 1.0][:80],
+    }
 
 
 def main(argv=None) -> None:
@@ -102,7 +125,13 @@ def main(argv=None) -> None:
     ap.add_argument("--schedule", default="1:7,9:3", help="the bundled profile's")
     ap.add_argument("--out", default="bench/results/prefill.json")
     ap.add_argument("--skip-prefix", action="store_true", help="only the chunked-prefill part")
-    ap.add_argument("--chunks", type=int, nargs="*", default=[128, 256, 2048], help="per-step prefill budgets to compare (2048: the whole prompt)")
+    ap.add_argument(
+        "--chunks",
+        type=int,
+        nargs="*",
+        default=[128, 256, 2048],
+        help="per-step prefill budgets to compare (2048: the whole prompt)",
+    )
     args = ap.parse_args(argv)
 
     from eagle_jax import compile_cache
@@ -114,24 +143,49 @@ def main(argv=None) -> None:
     tails = long_prompts(tokenizer, 2 * args.prefixes, 20, seed=2)
     results: dict = {"config": vars(args), "models": source}
 
-    rows = [] if args.skip_prefix else prefix_ttft(_service(target, drafter, tokenizer, eos, args, DEFAULT_CHUNK, True), prefixes,
-                                                   list(zip(tails[::2], tails[1::2])))
+    rows = (
+        []
+        if args.skip_prefix
+        else prefix_ttft(
+            _service(target, drafter, tokenizer, eos, args, DEFAULT_CHUNK, True),
+            prefixes,
+            list(zip(tails[::2], tails[1::2])),
+        )
+    )
     results["prefix"] = rows
-    print_table(["prompt", "reused", "cold TTFT ms", "warm TTFT ms", "warm / cold"],
-                [[r["prompt"], r["reused"], f"{r['cold_s'] * 1e3:.0f}", f"{r['warm_s'] * 1e3:.0f}", f"{r['warm_s'] / r['cold_s']:.3f}"] for r in rows])
+    print_table(
+        ["prompt", "reused", "cold TTFT ms", "warm TTFT ms", "warm / cold"],
+        [
+            [
+                r["prompt"],
+                r["reused"],
+                f"{r['cold_s'] * 1e3:.0f}",
+                f"{r['warm_s'] * 1e3:.0f}",
+                f"{r['warm_s'] / r['cold_s']:.3f}",
+            ]
+            for r in rows
+        ],
+    )
 
     short, long = long_prompts(tokenizer, 1, 40, seed=3)[0], long_prompts(tokenizer, 1, 1800, seed=4)[0]
     results["chunked"] = {}
     for chunk in args.chunks:
-        name = "whole prompt at once" if chunk >= len(long) else f"chunks of {chunk}" + (" (default)" if chunk == DEFAULT_CHUNK else "")
+        name = (
+            "whole prompt at once"
+            if chunk >= len(long)
+            else f"chunks of {chunk}" + (" (default)" if chunk == DEFAULT_CHUNK else "")
+        )
         svc = _service(target, drafter, tokenizer, eos, args, chunk, False)
         g = stream_gaps(svc, short, long)
         del svc
         gc.collect()  # the last service's programs go (each program maps memory; the process has a bound)
         results["chunked"][name] = g
-        print(f"{name:30s}: median gap {g['median_gap_s'] * 1e3:.0f} ms, longest during the 1800-token prefill "
-              f"{g['max_gap_during_s'] * 1e3:.0f} ms ({g['ratio']:.1f}x), then through its first step {g['joint_gap_s'] * 1e3:.0f} ms; "
-              f"its TTFT {g['long_ttft_s'] * 1e3:.0f} ms", flush=True)
+        print(
+            f"{name:30s}: median gap {g['median_gap_s'] * 1e3:.0f} ms, longest during the 1800-token prefill "
+            f"{g['max_gap_during_s'] * 1e3:.0f} ms ({g['ratio']:.1f}x), then through its first step {g['joint_gap_s'] * 1e3:.0f} ms; "
+            f"its TTFT {g['long_ttft_s'] * 1e3:.0f} ms",
+            flush=True,
+        )
     write_json(args.out, results)
 
 

@@ -81,7 +81,9 @@ def questions(path: Path, n: int) -> list[str]:
 
 def chat_prefix(tokenizer, system: str | None, history: list[dict]) -> list[int]:
     """Tokens of a chat up to the start of the assistant's reply to ``ASK``."""
-    messages = ([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": ASK}]
+    messages = (
+        ([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": ASK}]
+    )
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -93,8 +95,12 @@ def conversation(target, tokenizer, asked: list[str], max_reply: int) -> list[di
     history: list[dict] = []
     for q in asked:
         history.append({"role": "user", "content": q})
-        ids = tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
-        reply = eagle_jax.generate(target, None, [ids], max_new_tokens=max_reply, eos_token_id=list(stop_ids(tokenizer)))
+        ids = tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=True)[
+            "input_ids"
+        ]
+        reply = eagle_jax.generate(
+            target, None, [ids], max_new_tokens=max_reply, eos_token_id=list(stop_ids(tokenizer))
+        )
         history.append({"role": "assistant", "content": tokenizer.decode(reply.tokens[0], skip_special_tokens=True)})
     return history
 
@@ -144,7 +150,9 @@ def main(argv=None) -> dict:
     lengths = {c: int(np.mean([len(p) for p in ps])) for c, ps in prompts.items()}
     limit = target.config.max_position_embeddings
     if max(len(p) for ps in prompts.values() for p in ps) + args.max_new > limit:
-        raise SystemExit(f"prompts + --max-new exceed the target's {limit} positions: lower --code-tokens or --long-system-tokens")
+        raise SystemExit(
+            f"prompts + --max-new exceed the target's {limit} positions: lower --code-tokens or --long-system-tokens"
+        )
     spec = SpecConfig(num_speculative_tokens=args.k)
     eos = stop_ids(tokenizer)
     results = {"models": source, "args": vars(args), "prompt_tokens": lengths, "runs": []}
@@ -153,16 +161,33 @@ def main(argv=None) -> dict:
         for name, drafter in drafters.items():
             stats = {}
             for cond in CONDITIONS:
-                out = run_batched(target, drafter, prompts[cond], spec=spec, max_new=args.max_new, temperature=temperature, eos=eos,
-                                  seed=args.seed, batch_size=args.batch_size)
+                out = run_batched(
+                    target,
+                    drafter,
+                    prompts[cond],
+                    spec=spec,
+                    max_new=args.max_new,
+                    temperature=temperature,
+                    eos=eos,
+                    seed=args.seed,
+                    batch_size=args.batch_size,
+                )
                 stats[cond] = acceptance_stats(out["accepted"], args.k)
                 results["runs"].append({"drafter": name, "temperature": temperature, "condition": cond, **stats[cond]})
             base = stats["plain"]["al_mean"]
             als = [stats[c]["al_mean"] for c in CONDITIONS]
-            rows.append([name, f"{temperature:g}", *(f"{fmt_al(stats[c])} ({stats[c]['al_mean'] / base:.2f})" for c in CONDITIONS),
-                         f"{spread(als):.0%}"])
-    print(f"prompt tokens (mean): {lengths}; chain K={args.k}, {args.max_new} new tokens, {len(code)} held-out code prefixes"
-          + ("  [RANDOM MODELS: meaningless]" if is_random else ""))
+            rows.append(
+                [
+                    name,
+                    f"{temperature:g}",
+                    *(f"{fmt_al(stats[c])} ({stats[c]['al_mean'] / base:.2f})" for c in CONDITIONS),
+                    f"{spread(als):.0%}",
+                ]
+            )
+    print(
+        f"prompt tokens (mean): {lengths}; chain K={args.k}, {args.max_new} new tokens, {len(code)} held-out code prefixes"
+        + ("  [RANDOM MODELS: meaningless]" if is_random else "")
+    )
     print_table(["drafter", "T", *(f"{c} (/plain)" for c in CONDITIONS), "spread"], rows)
     write_json(args.out, results)
     return results

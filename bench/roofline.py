@@ -40,7 +40,6 @@ import numpy as np
 
 from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
 
-
 # ------------------------------------------------------------------------------------------ costs
 
 
@@ -58,8 +57,12 @@ class Cost:
         return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
 
     def __add__(self, other: "Cost") -> "Cost":
-        return Cost(self.flops + other.flops, self.weight_bytes + other.weight_bytes,
-                    self.kv_read_bytes + other.kv_read_bytes, self.kv_write_bytes + other.kv_write_bytes)
+        return Cost(
+            self.flops + other.flops,
+            self.weight_bytes + other.weight_bytes,
+            self.kv_read_bytes + other.kv_read_bytes,
+            self.kv_write_bytes + other.kv_write_bytes,
+        )
 
     def scale(self, f: float) -> "Cost":
         return Cost(self.flops * f, self.weight_bytes * f, self.kv_read_bytes * f, self.kv_write_bytes * f)
@@ -157,7 +160,9 @@ def drafter_params(d: DrafterConfig) -> DrafterParams:
         attn = _mla_params(2 * h, h, d.num_heads, d.mla)
     else:
         attn = _gqa_params(2 * h, h, d.num_heads, d.num_kv_heads, d.head_dim)
-    return DrafterParams(d.fc_in_features * h, attn + 3 * h * d.intermediate_size, h * d.draft_vocab_size, d.vocab_size * h)
+    return DrafterParams(
+        d.fc_in_features * h, attn + 3 * h * d.intermediate_size, h * d.draft_vocab_size, d.vocab_size * h
+    )
 
 
 # ------------------------------------------------------------------------------------ KV and attention
@@ -188,8 +193,17 @@ def attention_flops_per_pair(c: TargetConfig | DrafterConfig, absorbed: bool) ->
 # ------------------------------------------------------------------------------------------ forwards
 
 
-def target_forward(c: TargetConfig, batch: int, width: int, context: float, *, weight_bytes: int, cache_bytes: int,
-                   logit_positions: int | None = None, block_keys: float | None = None) -> Cost:
+def target_forward(
+    c: TargetConfig,
+    batch: int,
+    width: int,
+    context: float,
+    *,
+    weight_bytes: int,
+    cache_bytes: int,
+    logit_positions: int | None = None,
+    block_keys: float | None = None,
+) -> Cost:
     """One cached target forward of ``width`` new positions per row over ``context`` cached tokens.
 
     Each query sees ``context + block_keys`` keys (default (width+1)/2: causal within the block; a tree
@@ -199,7 +213,11 @@ def target_forward(c: TargetConfig, batch: int, width: int, context: float, *, w
     lp = width if logit_positions is None else logit_positions
     keys = context + ((width + 1) / 2 if block_keys is None else block_keys)
     stack = p.dense + p.moe_layers * p.active * p.expert
-    flops = 2 * tokens * stack + 2 * batch * lp * p.lm_head + tokens * keys * c.num_layers * attention_flops_per_pair(c, True)
+    flops = (
+        2 * tokens * stack
+        + 2 * batch * lp * p.lm_head
+        + tokens * keys * c.num_layers * attention_flops_per_pair(c, True)
+    )
     weights = (p.dense + p.moe_layers * p.touched_experts(tokens) * p.expert + p.lm_head) * weight_bytes
     weights += tokens * c.hidden_size * weight_bytes  # embedding rows
     kv = kv_numbers_per_token(c, c.num_layers) * cache_bytes
@@ -219,8 +237,18 @@ def target_prefill(c: TargetConfig, batch: int, prompt_len: int, *, weight_bytes
     return Cost(flops, weights, 0.0, tokens * kv_numbers_per_token(c, c.num_layers) * cache_bytes)
 
 
-def drafter_forward(d: DrafterConfig, batch: int, width: int, context: float, *, weight_bytes: int, cache_bytes: int,
-                    fuse: bool = False, logit_positions: int | None = None, block_keys: float | None = None) -> Cost:
+def drafter_forward(
+    d: DrafterConfig,
+    batch: int,
+    width: int,
+    context: float,
+    *,
+    weight_bytes: int,
+    cache_bytes: int,
+    fuse: bool = False,
+    logit_positions: int | None = None,
+    block_keys: float | None = None,
+) -> Cost:
     """One cached drafter forward of ``width`` (feature, token) pairs per row over ``context`` cached
     tokens: fc over the target features when ``fuse``, the decoder layer, the draft lm_head at
     ``logit_positions`` per row (default all)."""
@@ -241,14 +269,18 @@ def drafter_prefill(d: DrafterConfig, batch: int, prompt_len: int, *, weight_byt
     the layer, its attention over the prompt and the lm_head at the last position only."""
     p = drafter_params(d)
     tokens = batch * prompt_len
-    kv_weights = 2 * d.hidden_size * kv_numbers_per_token(d, 1)  # the 2H input to the cached keys and values (MLA: latents)
+    kv_weights = (
+        2 * d.hidden_size * kv_numbers_per_token(d, 1)
+    )  # the 2H input to the cached keys and values (MLA: latents)
     flops = 2 * tokens * (p.fc + kv_weights) + 2 * batch * (p.layer - kv_weights + p.lm_head)
     flops += batch * prompt_len * attention_flops_per_pair(d, False)
     weights = (p.fc + p.layer + p.lm_head + tokens * d.hidden_size) * weight_bytes
     return Cost(flops, weights, 0.0, tokens * kv_numbers_per_token(d, 1) * cache_bytes)
 
 
-def prefill(c: TargetConfig, d: DrafterConfig | None, batch: int, prompt_len: int, *, weight_bytes: int, cache_bytes: int) -> Cost:
+def prefill(
+    c: TargetConfig, d: DrafterConfig | None, batch: int, prompt_len: int, *, weight_bytes: int, cache_bytes: int
+) -> Cost:
     """Target prefill plus, with a drafter, its prefill over the same positions."""
     cost = target_prefill(c, batch, prompt_len, weight_bytes=weight_bytes, cache_bytes=cache_bytes)
     if d is not None:
@@ -256,8 +288,16 @@ def prefill(c: TargetConfig, d: DrafterConfig | None, batch: int, prompt_len: in
     return cost
 
 
-def decode_round(c: TargetConfig, d: DrafterConfig | None, spec: SpecConfig | None, batch: int, context: float, *,
-                 weight_bytes: int, cache_bytes: int) -> Cost:
+def decode_round(
+    c: TargetConfig,
+    d: DrafterConfig | None,
+    spec: SpecConfig | None,
+    batch: int,
+    context: float,
+    *,
+    weight_bytes: int,
+    cache_bytes: int,
+) -> Cost:
     """One round of the decoding loop for ``batch`` rows at committed length ``context`` (see the module
     docstring for what plain, chain and tree rounds run). ``cache_bytes`` applies to target and drafter
     caches alike."""
@@ -282,9 +322,19 @@ def decode_round(c: TargetConfig, d: DrafterConfig | None, spec: SpecConfig | No
     return cost + drafter_forward(d, batch, depth + 1, context, fuse=True, logit_positions=1, **kw)
 
 
-def per_generated_token(c: TargetConfig, d: DrafterConfig | None, spec: SpecConfig | None, batch: int, prompt_len: float,
-                        new_tokens: float, rounds: float | None = None, acceptance_length: float | None = None, *,
-                        weight_bytes: int, cache_bytes: int) -> Cost:
+def per_generated_token(
+    c: TargetConfig,
+    d: DrafterConfig | None,
+    spec: SpecConfig | None,
+    batch: int,
+    prompt_len: float,
+    new_tokens: float,
+    rounds: float | None = None,
+    acceptance_length: float | None = None,
+    *,
+    weight_bytes: int,
+    cache_bytes: int,
+) -> Cost:
     """Cost per generated token of the decoding loop (prefill excluded).
 
     ``new_tokens``: tokens the loop emitted over all rows (the prefill's first token per row excluded).
@@ -324,19 +374,50 @@ def roofline(cost_per_token: Cost, tokens_per_s: float, peaks: dict) -> dict:
     }
 
 
-def decode_columns(target_config: TargetConfig, drafter_config: DrafterConfig | None, spec: SpecConfig | None, *,
-                   batch: int, prompt_len: float, new_tokens: int, rounds: int | None, decode_s: float,
-                   acceptance_length: float | None, peaks: dict, weight_bytes: int, cache_bytes: int) -> dict:
+def decode_columns(
+    target_config: TargetConfig,
+    drafter_config: DrafterConfig | None,
+    spec: SpecConfig | None,
+    *,
+    batch: int,
+    prompt_len: float,
+    new_tokens: int,
+    rounds: int | None,
+    decode_s: float,
+    acceptance_length: float | None,
+    peaks: dict,
+    weight_bytes: int,
+    cache_bytes: int,
+) -> dict:
     """The roofline columns of one decoding row: model cost per generated token (``per_generated_token``)
     at the measured decode rate ``new_tokens / decode_s``."""
-    cost = per_generated_token(target_config, drafter_config, spec, batch, prompt_len, new_tokens, rounds, acceptance_length,
-                               weight_bytes=weight_bytes, cache_bytes=cache_bytes)
+    cost = per_generated_token(
+        target_config,
+        drafter_config,
+        spec,
+        batch,
+        prompt_len,
+        new_tokens,
+        rounds,
+        acceptance_length,
+        weight_bytes=weight_bytes,
+        cache_bytes=cache_bytes,
+    )
     tps = new_tokens / decode_s if decode_s > 0 else float("nan")
     return {"decode_tokens_per_s": tps, **roofline(cost, tps, peaks)}
 
 
-def prefill_columns(target_config: TargetConfig, drafter_config: DrafterConfig | None, *, batch: int, prompt_len: int,
-                    prefill_s: float, peaks: dict, weight_bytes: int, cache_bytes: int) -> dict:
+def prefill_columns(
+    target_config: TargetConfig,
+    drafter_config: DrafterConfig | None,
+    *,
+    batch: int,
+    prompt_len: int,
+    prefill_s: float,
+    peaks: dict,
+    weight_bytes: int,
+    cache_bytes: int,
+) -> dict:
     """The roofline columns of a prefill: cost per prompt token (``prefill``) at batch x prompt_len /
     prefill_s prompt tokens per second. ``prompt_len``: the positions computed (the padded bucket)."""
     cost = prefill(target_config, drafter_config, batch, prompt_len, weight_bytes=weight_bytes, cache_bytes=cache_bytes)
@@ -390,13 +471,19 @@ def measure_peaks(dtype="float32", matmul_n: int | None = None, read_mb: int = 2
     """{'matmul_flops', 'read_bytes_per_s', 'matmul_dtype', 'backend'} measured now, on this machine."""
     import jax
 
-    return {"matmul_flops": measure_matmul_peak(dtype, matmul_n), "read_bytes_per_s": measure_read_bandwidth(read_mb),
-            "matmul_dtype": str(np.dtype(dtype)) if dtype != "bfloat16" else "bfloat16", "backend": jax.default_backend()}
+    return {
+        "matmul_flops": measure_matmul_peak(dtype, matmul_n),
+        "read_bytes_per_s": measure_read_bandwidth(read_mb),
+        "matmul_dtype": str(np.dtype(dtype)) if dtype != "bfloat16" else "bfloat16",
+        "backend": jax.default_backend(),
+    }
 
 
 def format_peaks(peaks: dict) -> str:
-    return (f"measured peaks ({peaks['backend']}): matmul {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s ({peaks['matmul_dtype']}), "
-            f"read {peaks['read_bytes_per_s'] / 1e9:.1f} GB/s")
+    return (
+        f"measured peaks ({peaks['backend']}): matmul {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s ({peaks['matmul_dtype']}), "
+        f"read {peaks['read_bytes_per_s'] / 1e9:.1f} GB/s"
+    )
 
 
 # ------------------------------------------------------------------------------------------ table cells
@@ -406,6 +493,13 @@ ROOFLINE_HEADER = ["MFLOP/tok", "MB/tok", "GFLOP/s", "% peak", "GB/s", "% BW", "
 
 def roofline_cells(r: dict) -> list[str]:
     """Table cells for ``ROOFLINE_HEADER`` from a ``roofline`` dict."""
-    return [f"{r['flops_per_token'] / 1e6:.1f}", f"{r['bytes_per_token'] / 1e6:.2f}", f"{r['achieved_flops'] / 1e9:.2f}",
-            f"{100 * r['flops_fraction']:.1f}", f"{r['achieved_bytes_per_s'] / 1e9:.2f}", f"{100 * r['bytes_fraction']:.1f}",
-            r["bound"], f"{100 * r['roofline_fraction']:.0f}"]
+    return [
+        f"{r['flops_per_token'] / 1e6:.1f}",
+        f"{r['bytes_per_token'] / 1e6:.2f}",
+        f"{r['achieved_flops'] / 1e9:.2f}",
+        f"{100 * r['flops_fraction']:.1f}",
+        f"{r['achieved_bytes_per_s'] / 1e9:.2f}",
+        f"{100 * r['bytes_fraction']:.1f}",
+        r["bound"],
+        f"{100 * r['roofline_fraction']:.0f}",
+    ]

@@ -35,10 +35,10 @@ from flax import nnx
 
 from bench.common import print_table, spec_name, write_json
 from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
+from eagle_jax.decoding.calls import bucket
 from eagle_jax.decoding.engine import Plan, run_rounds
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
-from eagle_jax.decoding.calls import bucket
 from eagle_jax.modeling import layers
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
@@ -59,8 +59,13 @@ LLAMA31_8B = {
     "hidden_act": "silu",
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
     "max_position_embeddings": 131072,
     "tie_word_embeddings": False,
     "bos_token_id": 128000,
@@ -88,14 +93,36 @@ EAGLE3_LLAMA31_8B = {
 
 # The bundled pair's shape (assets/target, assets/drafter-eagle3.1).
 TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 6144, "hidden_size": 384,
-    "intermediate_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True, "eos_token_id": 4,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 6144,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "eos_token_id": 4,
 }
 TINY_DRAFTER = {
-    "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 384, "num_attention_heads": 6, "num_key_value_heads": 2,
-    "head_dim": 64, "intermediate_size": 1024, "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": 6144,
-    "draft_vocab_size": 2048, "target_hidden_size": 384, "num_aux_hidden_states": 3, "fc_norm": True, "norm_output": True,
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "hidden_size": 384,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 1,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 6144,
+    "draft_vocab_size": 2048,
+    "target_hidden_size": 384,
+    "num_aux_hidden_states": 3,
+    "fc_norm": True,
+    "norm_output": True,
     "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 6, 9]},
 }
 
@@ -105,7 +132,9 @@ WEIGHTS = {"auto": None, "native": False, "widened": True}
 
 def configs(model: str) -> tuple[TargetConfig, DrafterConfig]:
     t, d = MODELS[model]
-    return TargetConfig.from_hf(t, f"bench.scale {model} target"), DrafterConfig.from_hf(d, f"bench.scale {model} drafter")
+    return TargetConfig.from_hf(t, f"bench.scale {model} target"), DrafterConfig.from_hf(
+        d, f"bench.scale {model} drafter"
+    )
 
 
 def abstract_pair(tc: TargetConfig, dc: DrafterConfig, dtype) -> tuple:
@@ -183,8 +212,17 @@ def plan_for(tc: TargetConfig, spec: SpecConfig | None, batch: int, prompt_len: 
     return Plan.one_shot(batch, bucket(prompt_len), max_new, spec, True, eos_ids)
 
 
-def measure(tc: TargetConfig, dc: DrafterConfig, dtype: str, spec: SpecConfig, batch: int, prompt_len: int, max_new: int,
-            weights: str = "auto", hlo: bool = True) -> dict:
+def measure(
+    tc: TargetConfig,
+    dc: DrafterConfig,
+    dtype: str,
+    spec: SpecConfig,
+    batch: int,
+    prompt_len: int,
+    max_new: int,
+    weights: str = "auto",
+    hlo: bool = True,
+) -> dict:
     """Compiles one generate program of the pair abstractly; returns its sizes (bytes) and compile time.
     ``weights``: a key of ``WEIGHTS`` (where half-precision weight matrices live while building)."""
     dt = jnp.dtype(dtype).type
@@ -200,12 +238,22 @@ def measure(tc: TargetConfig, dc: DrafterConfig, dtype: str, spec: SpecConfig, b
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     row = {
-        "dtype": dtype, "weights": weights, "backend": jax.default_backend(), "spec": spec_name(spec), "batch": batch,
-        "prompt_bucket": p, "max_new": max_new, "cache_len": plan.cache_len, "lower_s": lower_s, "compile_s": compile_s,
+        "dtype": dtype,
+        "weights": weights,
+        "backend": jax.default_backend(),
+        "spec": spec_name(spec),
+        "batch": batch,
+        "prompt_bucket": p,
+        "max_new": max_new,
+        "cache_len": plan.cache_len,
+        "lower_s": lower_s,
+        "compile_s": compile_s,
         "weight_bytes": state_bytes(t_state) + state_bytes(d_state),
         "kv_cache_bytes": kv_cache_bytes(tc, dc, plan, dt),
-        "argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
-        "temp_bytes": int(mem.temp_size_in_bytes), "generated_code_bytes": int(mem.generated_code_size_in_bytes),
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "generated_code_bytes": int(mem.generated_code_size_in_bytes),
         "alias_bytes": int(mem.alias_size_in_bytes),
     }
     row["hoisted_widening_bytes"] = hoisted_widening_bytes(compiled.as_text()) if hlo else 0
@@ -216,8 +264,13 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3.1-8b", choices=sorted(MODELS))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--weights", nargs="+", default=["auto"], choices=sorted(WEIGHTS),
-                    help="where half-precision kernels live: auto (the library's rule), native, widened")
+    ap.add_argument(
+        "--weights",
+        nargs="+",
+        default=["auto"],
+        choices=sorted(WEIGHTS),
+        help="where half-precision kernels live: auto (the library's rule), native, widened",
+    )
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--ks", type=int, nargs="*", default=[5])
     ap.add_argument("--trees", nargs="*", default=["8,5,48"], help="top_k,depth,total_tokens")
@@ -231,24 +284,67 @@ def main(argv=None) -> dict:
         k, d, n = (int(x) for x in t.split(","))
         specs.append(SpecConfig(method="tree", tree_top_k=k, tree_depth=d, tree_total_tokens=n))
     tc, dc = configs(args.model)
-    print(f"{args.model}: target {tc.num_layers}x{tc.hidden_size}, vocab {tc.vocab_size}; drafter {dc.hidden_size}, draft vocab "
-          f"{dc.draft_vocab_size}; {args.dtype}; backend {jax.default_backend()}; prompt {args.prompt_len} -> bucket "
-          f"{bucket(args.prompt_len)}, {args.max_new} new tokens")
+    print(
+        f"{args.model}: target {tc.num_layers}x{tc.hidden_size}, vocab {tc.vocab_size}; drafter {dc.hidden_size}, draft vocab "
+        f"{dc.draft_vocab_size}; {args.dtype}; backend {jax.default_backend()}; prompt {args.prompt_len} -> bucket "
+        f"{bucket(args.prompt_len)}, {args.max_new} new tokens"
+    )
     unit, unit_name = (GIB, "GiB") if args.model != "tiny" else (2**20, "MiB")
     runs, rows = [], []
     for weights in args.weights:
         for spec in specs:
             for b in args.batch:
-                r = {"model": args.model, **measure(tc, dc, args.dtype, spec, b, args.prompt_len, args.max_new, weights)}
+                r = {
+                    "model": args.model,
+                    **measure(tc, dc, args.dtype, spec, b, args.prompt_len, args.max_new, weights),
+                }
                 runs.append(r)
-                rows.append([weights, r["spec"], b, f"{r['compile_s']:.1f}", *(f"{r[k] / unit:.2f}" for k in (
-                    "weight_bytes", "argument_bytes", "output_bytes", "temp_bytes", "hoisted_widening_bytes", "kv_cache_bytes")),
-                    f"{r['temp_bytes'] / max(r['kv_cache_bytes'], 1):.2f}", f"{r['generated_code_bytes'] / 2**20:.1f}"])
+                rows.append(
+                    [
+                        weights,
+                        r["spec"],
+                        b,
+                        f"{r['compile_s']:.1f}",
+                        *(
+                            f"{r[k] / unit:.2f}"
+                            for k in (
+                                "weight_bytes",
+                                "argument_bytes",
+                                "output_bytes",
+                                "temp_bytes",
+                                "hoisted_widening_bytes",
+                                "kv_cache_bytes",
+                            )
+                        ),
+                        f"{r['temp_bytes'] / max(r['kv_cache_bytes'], 1):.2f}",
+                        f"{r['generated_code_bytes'] / 2**20:.1f}",
+                    ]
+                )
                 print(f"  {weights} {r['spec']} batch {b}: compiled in {r['compile_s']:.1f} s", flush=True)
-    print_table(["weights", "speculation", "batch", "compile s", *(f"{c} {unit_name}" for c in (
-        "weights", "argument", "output", "temp", "of which hoisted f32 weights", "KV cache")), "temp / KV", "code MiB"], rows)
-    out = {"model": args.model, "dtype": args.dtype, "backend": jax.default_backend(), "device": str(jax.devices()[0]),
-           "target": MODELS[args.model][0], "drafter": MODELS[args.model][1], "runs": runs}
+    print_table(
+        [
+            "weights",
+            "speculation",
+            "batch",
+            "compile s",
+            *(
+                f"{c} {unit_name}"
+                for c in ("weights", "argument", "output", "temp", "of which hoisted f32 weights", "KV cache")
+            ),
+            "temp / KV",
+            "code MiB",
+        ],
+        rows,
+    )
+    out = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "target": MODELS[args.model][0],
+        "drafter": MODELS[args.model][1],
+        "runs": runs,
+    }
     write_json(args.out, out)
     return out
 

@@ -56,8 +56,17 @@ from typing import Callable
 import jax
 import numpy as np
 
-from bench.common import (TARGET_HELP, chat_prompts, chat_source, drafter_label, fit_prompts, heldout_code_prompts,
-                          print_table, pyplot, write_json)
+from bench.common import (
+    TARGET_HELP,
+    chat_prompts,
+    chat_source,
+    drafter_label,
+    fit_prompts,
+    heldout_code_prompts,
+    print_table,
+    pyplot,
+    write_json,
+)
 from eagle_jax.config import SpecConfig
 from eagle_jax.serving import SpecSchedule
 
@@ -73,17 +82,36 @@ class Endpoint:
 
 
 COMPLETIONS = Endpoint("/v1/completions", lambda p: {"prompt": p["ids"]}, lambda choice: choice.get("text"))
-CHAT = Endpoint("/v1/chat/completions", lambda p: {"messages": [{"role": "user", "content": p["turn"]}]},
-                lambda choice: choice.get("delta", {}).get("content"))
+CHAT = Endpoint(
+    "/v1/chat/completions",
+    lambda p: {"messages": [{"role": "user", "content": p["turn"]}]},
+    lambda choice: choice.get("delta", {}).get("content"),
+)
 
 
-async def _user(client, url: str, model: str, prompts: list[dict], max_new: int, log: list, user: int,
-                temperature: float, endpoint: Endpoint) -> dict:
+async def _user(
+    client,
+    url: str,
+    model: str,
+    prompts: list[dict],
+    max_new: int,
+    log: list,
+    user: int,
+    temperature: float,
+    endpoint: Endpoint,
+) -> dict:
     t_user = time.perf_counter()
     tokens = 0
     for i, prompt in enumerate(prompts):
-        body = {"model": model, **endpoint.prompt(prompt), "max_tokens": max_new, "temperature": temperature, "stream": True,
-                "stream_options": {"include_usage": True}, "seed": 1000 * user + i}
+        body = {
+            "model": model,
+            **endpoint.prompt(prompt),
+            "max_tokens": max_new,
+            "temperature": temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "seed": 1000 * user + i,
+        }
         t0 = time.perf_counter()
         first, last, text, usage, spec = None, None, [], None, {}
         gaps = []
@@ -107,13 +135,28 @@ async def _user(client, url: str, model: str, prompts: list[dict], max_new: int,
                     text.append(piece)
         n = usage["completion_tokens"]
         tokens += n
-        log.append({"request": (user, i), "ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": n, "text": "".join(text),
-                    "seconds": time.perf_counter() - t0, "al": spec.get("acceptance_length")})
+        log.append(
+            {
+                "request": (user, i),
+                "ttft": (first or time.perf_counter()) - t0,
+                "gaps": gaps,
+                "tokens": n,
+                "text": "".join(text),
+                "seconds": time.perf_counter() - t0,
+                "al": spec.get("acceptance_length"),
+            }
+        )
     return {"tokens": tokens, "seconds": time.perf_counter() - t_user}
 
 
-async def closed_loop(url: str, model: str, per_user: list[list[dict]], max_new: int, temperature: float = 0.0,
-                      endpoint: Endpoint = COMPLETIONS) -> dict:
+async def closed_loop(
+    url: str,
+    model: str,
+    per_user: list[list[dict]],
+    max_new: int,
+    temperature: float = 0.0,
+    endpoint: Endpoint = COMPLETIONS,
+) -> dict:
     """``per_user[u]``: user u's prompts (dicts with "ids", and "turn" for ``CHAT``), sent one after another."""
     import httpx
 
@@ -121,8 +164,9 @@ async def closed_loop(url: str, model: str, per_user: list[list[dict]], max_new:
     limits = httpx.Limits(max_connections=len(per_user) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        users = await asyncio.gather(*[_user(client, url, model, p, max_new, log, u, temperature, endpoint)
-                                       for u, p in enumerate(per_user)])
+        users = await asyncio.gather(
+            *[_user(client, url, model, p, max_new, log, u, temperature, endpoint) for u, p in enumerate(per_user)]
+        )
         wall = time.perf_counter() - t0
     gaps = [g for r in log for g in r["gaps"]]
     ttft = [r["ttft"] for r in log]
@@ -132,10 +176,14 @@ async def closed_loop(url: str, model: str, per_user: list[list[dict]], max_new:
         "per_user_tok_s": float(np.mean([u["tokens"] / u["seconds"] for u in users])),
         "per_user_tok_s_min": float(np.min([u["tokens"] / u["seconds"] for u in users])),
         "total_tok_s": sum(u["tokens"] for u in users) / wall,
-        "tokens": sum(u["tokens"] for u in users), "wall_s": wall,
-        "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p90": float(np.percentile(ttft, 90)), "ttft_p99": float(np.percentile(ttft, 99)),
+        "tokens": sum(u["tokens"] for u in users),
+        "wall_s": wall,
+        "ttft_p50": float(np.percentile(ttft, 50)),
+        "ttft_p90": float(np.percentile(ttft, 90)),
+        "ttft_p99": float(np.percentile(ttft, 99)),
         "ttft_steady_p50": float(np.percentile(steady, 50)) if steady else None,
-        "itl_p50": float(np.percentile(gaps, 50)) if gaps else None, "itl_p90": float(np.percentile(gaps, 90)) if gaps else None,
+        "itl_p50": float(np.percentile(gaps, 50)) if gaps else None,
+        "itl_p90": float(np.percentile(gaps, 90)) if gaps else None,
         "itl_p99": float(np.percentile(gaps, 99)) if gaps else None,
         "texts": [r["text"] for r in sorted(log, key=lambda r: r["request"])],
     }
@@ -192,8 +240,11 @@ def _pass(srv, svc, schedule, per_user: list[list[dict]], temperature: float, en
     r = asyncio.run(closed_loop(srv.url, "target", per_user, args.max_new, temperature, endpoint))
     r["compiles_while_measured"] = len(engine.compile_events) - compiles_before
     # Which depths the measured pass ran (auto's choices): engine steps per drafts per round.
-    r["steps_by_depth"] = {d: n - steps_before.get(d, 0) for d, n in sorted(svc.metrics.steps_per_depth().items())
-                           if n > steps_before.get(d, 0)}
+    r["steps_by_depth"] = {
+        d: n - steps_before.get(d, 0)
+        for d, n in sorted(svc.metrics.steps_per_depth().items())
+        if n > steps_before.get(d, 0)
+    }
     if hasattr(schedule, "snapshot"):  # auto: the costs and acceptance its choices came from
         r["auto_state"] = schedule.snapshot()
     r["texts_sha"] = hashlib.sha256(json.dumps(r.pop("texts")).encode()).hexdigest()
@@ -221,24 +272,42 @@ def pooled(passes: list[dict]) -> dict:
     return row
 
 
-def _report_row(name: str, schedule, drafter, c: int, temperature: float, r: dict, per_user, args, target, eos, baseline_texts: dict) -> dict:
+def _report_row(
+    name: str, schedule, drafter, c: int, temperature: float, r: dict, per_user, args, target, eos, baseline_texts: dict
+) -> dict:
     """Checks a level's pooled row against ``none``'s texts, adds generate's figure and prints it."""
     key = _row_key(c, temperature, args.temperatures)
     if name == "none":
         baseline_texts[key] = r["texts_sha"]
-    r["same_text_as_none"] = (r["texts_equal"] and r["texts_sha"] == baseline_texts.get(key)) if temperature == 0 and key in baseline_texts else None
+    r["same_text_as_none"] = (
+        (r["texts_equal"] and r["texts_sha"] == baseline_texts.get(key))
+        if temperature == 0 and key in baseline_texts
+        else None
+    )
     if not args.no_generate and temperature == 0 and len(getattr(schedule, "rules", ())) == 1:
-        r["generate_per_user_tok_s"] = generate_per_user(target, drafter, schedule.rules[0][1], per_user, args.max_new, eos)
+        r["generate_per_user_tok_s"] = generate_per_user(
+            target, drafter, schedule.rules[0][1], per_user, args.max_new, eos
+        )
         r["server_vs_generate"] = r["per_user_tok_s"] / r["generate_per_user_tok_s"]
     cold = r["cold"]
-    spread = (f" (passes {min(p['per_user_tok_s'] for p in r['passes']):.1f}-{max(p['per_user_tok_s'] for p in r['passes']):.1f})"
-              if "passes" in r else "")
-    print(f"{name:20s} C={c:2d} T={temperature:g}: per-user {r['per_user_tok_s']:7.1f} tok/s{spread} (cold {cold['per_user_tok_s']:7.1f}), "
-          f"total {r['total_tok_s']:7.1f}, TTFT p50/p99 {r['ttft_p50'] * 1e3:6.0f}/{r['ttft_p99'] * 1e3:6.0f} ms "
-          + (f"(past the opening burst p50 {r['ttft_steady_p50'] * 1e3:.0f}), " if r.get("ttft_steady_p50") is not None else ", ")
-          + f"ITL p50/p99 {(r['itl_p50'] or 0) * 1e3:5.1f}/{(r['itl_p99'] or 0) * 1e3:5.1f} ms"
-          + (f", vs generate {r['server_vs_generate']:.2f}" if "server_vs_generate" in r else "")
-          + f", steps by depth {r['steps_by_depth']}", flush=True)
+    spread = (
+        f" (passes {min(p['per_user_tok_s'] for p in r['passes']):.1f}-{max(p['per_user_tok_s'] for p in r['passes']):.1f})"
+        if "passes" in r
+        else ""
+    )
+    print(
+        f"{name:20s} C={c:2d} T={temperature:g}: per-user {r['per_user_tok_s']:7.1f} tok/s{spread} (cold {cold['per_user_tok_s']:7.1f}), "
+        f"total {r['total_tok_s']:7.1f}, TTFT p50/p99 {r['ttft_p50'] * 1e3:6.0f}/{r['ttft_p99'] * 1e3:6.0f} ms "
+        + (
+            f"(past the opening burst p50 {r['ttft_steady_p50'] * 1e3:.0f}), "
+            if r.get("ttft_steady_p50") is not None
+            else ", "
+        )
+        + f"ITL p50/p99 {(r['itl_p50'] or 0) * 1e3:5.1f}/{(r['itl_p99'] or 0) * 1e3:5.1f} ms"
+        + (f", vs generate {r['server_vs_generate']:.2f}" if "server_vs_generate" in r else "")
+        + f", steps by depth {r['steps_by_depth']}",
+        flush=True,
+    )
     return r
 
 
@@ -252,14 +321,24 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help=TARGET_HELP + " (default: the bundled profile's)")
-    ap.add_argument("--drafters", nargs="+", default=None,
-                    help="the EAGLE-3.1 drafter, then optionally an EAGLE-3 one (default: the bundled ones)")
-    ap.add_argument("--questions", nargs="+", default=None,
-                    help="FastChat question files: their first turns through /v1/chat/completions (default: held-out code "
-                         "prompts through /v1/completions)")
+    ap.add_argument(
+        "--drafters",
+        nargs="+",
+        default=None,
+        help="the EAGLE-3.1 drafter, then optionally an EAGLE-3 one (default: the bundled ones)",
+    )
+    ap.add_argument(
+        "--questions",
+        nargs="+",
+        default=None,
+        help="FastChat question files: their first turns through /v1/chat/completions (default: held-out code "
+        "prompts through /v1/completions)",
+    )
     ap.add_argument("--n-questions", type=int, default=0, help="first N questions of each --questions file (0: all)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--ks", type=int, nargs="*", default=[3, 5, 7], help="fixed chain depths to measure (none: no fixed-depth rows)")
+    ap.add_argument(
+        "--ks", type=int, nargs="*", default=[3, 5, 7], help="fixed chain depths to measure (none: no fixed-depth rows)"
+    )
     ap.add_argument("--requests", type=int, default=8, help="requests per concurrency level (at least one per user)")
     ap.add_argument("--n-prompts", type=int, default=32, help="held-out code prompts (without --questions)")
     ap.add_argument("--max-chars", type=int, default=1200, help="held-out code prompts' length at most")
@@ -267,27 +346,51 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slots", type=int, default=None, help="(default: eagle-jax-serve's)")
     ap.add_argument("--rounds-per-step", type=int, default=None, help="(default: eagle-jax-serve's)")
     ap.add_argument("--step-ms", type=float, default=None, help="(default: eagle-jax-serve's)")
-    ap.add_argument("--schedule", default=None,
-                    help="depth schedule of the schedule rows (default: the bundled profile's without --target, no rows with it)")
-    ap.add_argument("--systems", nargs="*", default=None, help="the systems to run, by name, in this order (default: all)")
+    ap.add_argument(
+        "--schedule",
+        default=None,
+        help="depth schedule of the schedule rows (default: the bundled profile's without --target, no rows with it)",
+    )
+    ap.add_argument(
+        "--systems", nargs="*", default=None, help="the systems to run, by name, in this order (default: all)"
+    )
     ap.add_argument("--no-generate", action="store_true", help="skip the generate-at-batch-C comparison")
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
-                    help="each concurrency is measured at each (requests seeded; outputs compared with none's only at 0)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="the servers' per-step prefill budget (default: the server's)")
+    ap.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="each concurrency is measured at each (requests seeded; outputs compared with none's only at 0)",
+    )
+    ap.add_argument(
+        "--prefill-chunk", type=int, default=None, help="the servers' per-step prefill budget (default: the server's)"
+    )
     ap.add_argument("--no-prefix-cache", action="store_true", help="serve without prefix caching")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="measured passes per system and level; above 1 every system's server runs at once and their passes "
-                         "alternate, so the machine's drift touches all alike (rows: the mean over the passes)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measured passes per system and level; above 1 every system's server runs at once and their passes "
+        "alternate, so the machine's drift touches all alike (rows: the mean over the passes)",
+    )
     ap.add_argument("--out", default="bench/results/serve.json")
-    ap.add_argument("--resume", action="store_true", help="keep the systems --out already holds (same configuration) and measure the rest")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the systems --out already holds (same configuration) and measure the rest",
+    )
     args = ap.parse_args(argv)
 
     compile_cache.enable(compile_cache.default_dir())  # as the server does: a rerun loads the programs
     drafter_dirs = args.drafters or [str(bundled.drafter_dir("eagle3.1")), str(bundled.drafter_dir("eagle3"))]
     # The server's settings as eagle-jax-serve resolves them from its command line.
     flags = ["--target", args.target, "--drafter", drafter_dirs[0]] if args.target else []
-    for flag, value in (("--slots", args.slots), ("--rounds-per-step", args.rounds_per_step), ("--step-ms", args.step_ms),
-                        ("--prefill-chunk", args.prefill_chunk)):
+    for flag, value in (
+        ("--slots", args.slots),
+        ("--rounds-per-step", args.rounds_per_step),
+        ("--step-ms", args.step_ms),
+        ("--prefill-chunk", args.prefill_chunk),
+    ):
         flags += [] if value is None else [flag, str(value)]
     flags += ["--no-prefix-cache"] if args.no_prefix_cache else []
     settings = service_settings(flags)
@@ -315,9 +418,11 @@ def main(argv: list[str] | None = None) -> None:
         prompt_source, endpoint = {"kind": "heldout code", "count": len(prompts)}, COMPLETIONS
     if not prompts:
         raise SystemExit("no prompts")
-    print(f"{len(prompts)} prompts ({prompt_source['kind']}), {min(len(p['ids']) for p in prompts)}-{max(len(p['ids']) for p in prompts)} "
-          f"tokens through {endpoint.path}; {args.max_new} new tokens; {settings['slots']} slots; "
-          f"{settings['rounds_per_step']} rounds per step, cut to {settings['step_ms']:g} ms; EOS {eos}")
+    print(
+        f"{len(prompts)} prompts ({prompt_source['kind']}), {min(len(p['ids']) for p in prompts)}-{max(len(p['ids']) for p in prompts)} "
+        f"tokens through {endpoint.path}; {args.max_new} new tokens; {settings['slots']} slots; "
+        f"{settings['rounds_per_step']} rounds per step, cut to {settings['step_ms']:g} ms; EOS {eos}"
+    )
 
     def fixed(k: int | None) -> SpecSchedule:
         return SpecSchedule.fixed(None if k is None else SpecConfig(num_speculative_tokens=k))
@@ -337,16 +442,29 @@ def main(argv: list[str] | None = None) -> None:
         by_name = {s[0]: s for s in systems}
         systems = [by_name[name] for name in dict.fromkeys(args.systems)]
 
-    config = vars(args) | {"slots": settings["slots"], "rounds_per_step": settings["rounds_per_step"], "step_ms": settings["step_ms"],
-                           "schedule": schedule_text, "eos": list(eos), "server": settings | {"dtype": dtype}, "prompts": prompt_source}
+    config = vars(args) | {
+        "slots": settings["slots"],
+        "rounds_per_step": settings["rounds_per_step"],
+        "step_ms": settings["step_ms"],
+        "schedule": schedule_text,
+        "eos": list(eos),
+        "server": settings | {"dtype": dtype},
+        "prompts": prompt_source,
+    }
     results = {"config": config, "systems": {}}
     if args.resume and Path(args.out).exists():
         results = json.loads(Path(args.out).read_text())
-        if {k: v for k, v in results["config"].items() if k not in ("systems", "resume")} != {k: v for k, v in config.items() if k not in ("systems", "resume")}:
+        if {k: v for k, v in results["config"].items() if k not in ("systems", "resume")} != {
+            k: v for k, v in config.items() if k not in ("systems", "resume")
+        }:
             raise SystemExit(f"--resume: {args.out} was measured with another configuration")
     baseline_texts = {}
     if "none" in results["systems"]:
-        baseline_texts = {key: row["texts_sha"] for key, row in results["systems"]["none"]["by_concurrency"].items() if "texts_sha" in row}
+        baseline_texts = {
+            key: row["texts_sha"]
+            for key, row in results["systems"]["none"]["by_concurrency"].items()
+            if "texts_sha" in row
+        }
     todo = []
     for name, drafter, schedule in systems:
         if name in results["systems"]:
@@ -354,10 +472,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             todo.append((name, drafter, schedule))
     # One server at a time, or (--repeats) every system's at once, their measured passes taken in turn.
-    for group in ([todo] if args.repeats > 1 else [[s] for s in todo]):
+    for group in [todo] if args.repeats > 1 else [[s] for s in todo]:
         services = []
         for name, drafter, schedule in group:
-            svc = make_service(target, drafter, tokenizer, schedule, eos, **settings, model_name="target", precompile=True)
+            svc = make_service(
+                target, drafter, tokenizer, schedule, eos, **settings, model_name="target", precompile=True
+            )
             services.append((svc, Server(svc).start()))
         freeze_startup_heap()  # as eagle-jax-serve does before it listens
         rows = {name: {} for name, _, _ in group}
@@ -368,20 +488,31 @@ def main(argv: list[str] | None = None) -> None:
                     warmed = [_warm(srv, svc, per_user, temperature, endpoint, args) for svc, srv in services]
                     passes = [[] for _ in group]
                     for rep in range(args.repeats):
-                        for i in [(rep + j) % len(group) for j in range(len(group))]:  # each repeat starts one system later
+                        for i in [
+                            (rep + j) % len(group) for j in range(len(group))
+                        ]:  # each repeat starts one system later
                             (svc, srv), (_, _, schedule) = services[i], group[i]
                             passes[i].append(_pass(srv, svc, schedule, per_user, temperature, endpoint, args))
                     for (name, drafter, schedule), (cold, warm_s), ps in zip(group, warmed, passes):
-                        row = pooled(ps) | {"warmup_s": warm_s,
-                                            "cold": {k: cold[k] for k in ("per_user_tok_s", "total_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}}
+                        row = pooled(ps) | {
+                            "warmup_s": warm_s,
+                            "cold": {
+                                k: cold[k]
+                                for k in ("per_user_tok_s", "total_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+                            },
+                        }
                         rows[name][_row_key(c, temperature, args.temperatures)] = _report_row(
-                            name, schedule, drafter, c, temperature, row, per_user, args, target, eos, baseline_texts)
+                            name, schedule, drafter, c, temperature, row, per_user, args, target, eos, baseline_texts
+                        )
         finally:
             for _, srv in services:
                 srv.stop()
         for (name, _, schedule), (svc, _) in zip(group, services):
-            results["systems"][name] = {"schedule": schedule.describe(), "by_concurrency": rows[name],
-                                        "compile_s": sum(s for _, s in svc.scheduler.engine.compile_events)}
+            results["systems"][name] = {
+                "schedule": schedule.describe(),
+                "by_concurrency": rows[name],
+                "compile_s": sum(s for _, s in svc.scheduler.engine.compile_events),
+            }
         write_json(args.out, results)
         # A precompiled engine's programs hold ~400 memory maps each: free them before the next server's
         # (one process runs every system; Linux allows 65530 maps by default).
@@ -390,8 +521,13 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
 
     pair = served_name(target_dir) if args.target else "Bundled pair"
-    report(results, args.concurrency, args.temperatures, Path(args.out).with_suffix(".png"),
-           f"{pair} through the server ({jax.devices()[0].device_kind})")
+    report(
+        results,
+        args.concurrency,
+        args.temperatures,
+        Path(args.out).with_suffix(".png"),
+        f"{pair} through the server ({jax.devices()[0].device_kind})",
+    )
     write_json(args.out, results)
 
 
@@ -403,9 +539,15 @@ def report(results: dict, concurrency: list[int], temperatures: list[float], plo
     rows = []
     for name, s in systems.items():
         by = s["by_concurrency"]
-        rows.append([name] + [f"{by[c]['per_user_tok_s']:.1f}" + (f" ({by[c]['per_user_tok_s'] / base[c]['per_user_tok_s']:.2f}x)" if base else "")
-                              for c in levels]
-                    + [f"{by[c]['total_tok_s']:.0f}" for c in levels])
+        rows.append(
+            [name]
+            + [
+                f"{by[c]['per_user_tok_s']:.1f}"
+                + (f" ({by[c]['per_user_tok_s'] / base[c]['per_user_tok_s']:.2f}x)" if base else "")
+                for c in levels
+            ]
+            + [f"{by[c]['total_tok_s']:.0f}" for c in levels]
+        )
     fixed = {n: s for n, s in systems.items() if " K=" in n}
     if fixed and base:
         best = ["best fixed K"]
@@ -423,8 +565,10 @@ def report(results: dict, concurrency: list[int], temperatures: list[float], plo
             line = [name]
             for c in levels:
                 best = max(others, key=lambda n: systems[n]["by_concurrency"][c]["per_user_tok_s"])
-                line.append(f"{systems[name]['by_concurrency'][c]['per_user_tok_s'] / systems[best]['by_concurrency'][c]['per_user_tok_s']:.3f}"
-                            f" ({best.split(' ', 1)[-1]})")
+                line.append(
+                    f"{systems[name]['by_concurrency'][c]['per_user_tok_s'] / systems[best]['by_concurrency'][c]['per_user_tok_s']:.3f}"
+                    f" ({best.split(' ', 1)[-1]})"
+                )
             vs.append(line)
         print_table(["per-user tok/s over the best fixed system's"] + [f"C={c}" for c in levels], vs)
     lat = []
@@ -432,20 +576,47 @@ def report(results: dict, concurrency: list[int], temperatures: list[float], plo
         for c in levels:
             r = s["by_concurrency"][c]
             cold = r.get("cold", {})
-            lat.append([name, c, f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p90'] * 1e3:.0f}", f"{r.get('ttft_p99', float('nan')) * 1e3:.0f}",
-                        f"{r['ttft_steady_p50'] * 1e3:.0f}" if r.get("ttft_steady_p50") is not None else "-",
-                        f"{(r['itl_p50'] or 0) * 1e3:.1f}",
-                        f"{(r['itl_p90'] or 0) * 1e3:.1f}", f"{(r['itl_p99'] or 0) * 1e3:.1f}",
-                        f"{cold['per_user_tok_s'] / r['per_user_tok_s']:.2f}" if cold else "-",
-                        f"{r['server_vs_generate']:.2f}" if "server_vs_generate" in r else "-",
-                        {True: "yes", False: "NO", None: "-"}[r["same_text_as_none"]]])
-    print_table(["system", "C", "TTFT p50 ms", "p90", "p99", "p50 past the burst", "ITL p50 ms", "p90", "p99", "cold / warm per-user",
-                 "server / generate per-user", "text = none"], lat)
+            lat.append(
+                [
+                    name,
+                    c,
+                    f"{r['ttft_p50'] * 1e3:.0f}",
+                    f"{r['ttft_p90'] * 1e3:.0f}",
+                    f"{r.get('ttft_p99', float('nan')) * 1e3:.0f}",
+                    f"{r['ttft_steady_p50'] * 1e3:.0f}" if r.get("ttft_steady_p50") is not None else "-",
+                    f"{(r['itl_p50'] or 0) * 1e3:.1f}",
+                    f"{(r['itl_p90'] or 0) * 1e3:.1f}",
+                    f"{(r['itl_p99'] or 0) * 1e3:.1f}",
+                    f"{cold['per_user_tok_s'] / r['per_user_tok_s']:.2f}" if cold else "-",
+                    f"{r['server_vs_generate']:.2f}" if "server_vs_generate" in r else "-",
+                    {True: "yes", False: "NO", None: "-"}[r["same_text_as_none"]],
+                ]
+            )
+    print_table(
+        [
+            "system",
+            "C",
+            "TTFT p50 ms",
+            "p90",
+            "p99",
+            "p50 past the burst",
+            "ITL p50 ms",
+            "p90",
+            "p99",
+            "cold / warm per-user",
+            "server / generate per-user",
+            "text = none",
+        ],
+        lat,
+    )
     plt = pyplot()
     fig, axes = plt.subplots(len(temperatures), 2, figsize=(11, 4 * len(temperatures)), squeeze=False)
     for row, t in zip(axes, temperatures):
         keys = [_row_key(c, t, temperatures) for c in concurrency]
-        for key, ax, label in (("per_user_tok_s", row[0], "per-user output tokens/s"), ("total_tok_s", row[1], "total output tokens/s")):
+        for key, ax, label in (
+            ("per_user_tok_s", row[0], "per-user output tokens/s"),
+            ("total_tok_s", row[1], "total output tokens/s"),
+        ):
             for name, s in systems.items():
                 ax.plot(concurrency, [s["by_concurrency"][k][key] for k in keys], marker="o", label=name)
             ax.set_xscale("log", base=2)

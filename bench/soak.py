@@ -30,8 +30,12 @@ from pathlib import Path
 
 from bench.common import heldout_code_prompts, write_json
 
-BAD_BODIES = [b'{"model": "target", "prompt": ', b'{"model": "target", "prompt": "x", "max_tokens": -3}',
-              b'{"model": "target", "prompt": "x", "temperature": "hot"}', b'{"prompt": "no model"}']
+BAD_BODIES = [
+    b'{"model": "target", "prompt": ',
+    b'{"model": "target", "prompt": "x", "max_tokens": -3}',
+    b'{"model": "target", "prompt": "x", "temperature": "hot"}',
+    b'{"prompt": "no model"}',
+]
 
 
 def _free_port() -> int:
@@ -77,14 +81,23 @@ async def _client(i: int, url: str, prompts, long_prompts, deadline: float, log:
         while time.perf_counter() < deadline:
             roll = rng.random()
             ids = rng.choice(long_prompts if roll > 0.9 else prompts)
-            body = {"model": "target", "prompt": ids, "max_tokens": rng.randint(16, 128), "temperature": 0, "stream": True}
+            body = {
+                "model": "target",
+                "prompt": ids,
+                "max_tokens": rng.randint(16, 128),
+                "temperature": 0,
+                "stream": True,
+            }
             try:
                 if 0.80 < roll <= 0.85:
                     r = await _stream(client, url, body, hang_up_after=rng.randint(1, 4))
                     kind = "hang-up"
                 elif 0.85 < roll <= 0.90:
-                    resp = await client.post(url + "/v1/completions", content=rng.choice(BAD_BODIES),
-                                             headers={"Content-Type": "application/json"})
+                    resp = await client.post(
+                        url + "/v1/completions",
+                        content=rng.choice(BAD_BODIES),
+                        headers={"Content-Type": "application/json"},
+                    )
                     r, kind = {"status": resp.status_code}, "bad"
                 else:
                     r = await _stream(client, url, body)
@@ -99,16 +112,22 @@ async def _drain(url: str, proc: subprocess.Popen, prompts) -> dict:
     import httpx
 
     async with httpx.AsyncClient(timeout=900) as client:
-        bodies = [{"model": "target", "prompt": p, "max_tokens": 96, "temperature": 0, "stream": True, "ignore_eos": True}
-                  for p in prompts[:8]]
+        bodies = [
+            {"model": "target", "prompt": p, "max_tokens": 96, "temperature": 0, "stream": True, "ignore_eos": True}
+            for p in prompts[:8]
+        ]
         tasks = [asyncio.create_task(_stream(client, url, b)) for b in bodies]
         await asyncio.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         results = await asyncio.gather(*tasks, return_exceptions=True)
     code = await asyncio.to_thread(proc.wait, 300)
     whole = [isinstance(r, dict) and r.get("finish_reason") == "length" for r in results]
-    return {"requests": len(results), "finished_whole": sum(whole), "exit_code": code,
-            "failures": [repr(r)[:200] for r, ok in zip(results, whole) if not ok]}
+    return {
+        "requests": len(results),
+        "finished_whole": sum(whole),
+        "exit_code": code,
+        "failures": [repr(r)[:200] for r, ok in zip(results, whole) if not ok],
+    }
 
 
 def _check(log: list, sample: int) -> dict:
@@ -132,8 +151,16 @@ def _check(log: list, sample: int) -> dict:
         solo = tok.decode(out.tokens[0], skip_special_tokens=True)
         if solo != r["text"]:
             at = next((i for i, (a, b) in enumerate(zip(solo, r["text"])) if a != b), min(len(solo), len(r["text"])))
-            bad.append({"kind": r["kind"], "prompt_tokens": len(r["prompt"]), "max_tokens": r["max_tokens"], "first_difference": at,
-                        "solo": solo[max(0, at - 40): at + 40], "served": r["text"][max(0, at - 40): at + 40]})
+            bad.append(
+                {
+                    "kind": r["kind"],
+                    "prompt_tokens": len(r["prompt"]),
+                    "max_tokens": r["max_tokens"],
+                    "first_difference": at,
+                    "solo": solo[max(0, at - 40) : at + 40],
+                    "served": r["text"][max(0, at - 40) : at + 40],
+                }
+            )
     return {"checked": len(picked), "long_prompts": len(long), "mismatched": len(bad), "examples": bad[:5]}
 
 
@@ -153,11 +180,16 @@ def main(argv=None) -> None:
     tok = eagle_jax.load_tokenizer(profile["target"])
     prompts = [p["ids"] for p in heldout_code_prompts(tok, 48, max_chars=1200)]
     joined = [t for p in heldout_code_prompts(tok, 64, seed=5, min_chars=400, max_chars=4000) for t in p["ids"]]
-    long_prompts = [joined[i * 1500:(i + 1) * 1500] for i in range(len(joined) // 1500)][:8]
+    long_prompts = [joined[i * 1500 : (i + 1) * 1500] for i in range(len(joined) // 1500)][:8]
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "serve", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serve", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     t_start = time.perf_counter()
     import httpx
 
@@ -170,7 +202,10 @@ def main(argv=None) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    print(f"server ready in {time.perf_counter() - t_start:.0f} s (pid {proc.pid}, {_rss_mb(proc.pid):.0f} MiB)", flush=True)
+    print(
+        f"server ready in {time.perf_counter() - t_start:.0f} s (pid {proc.pid}, {_rss_mb(proc.pid):.0f} MiB)",
+        flush=True,
+    )
 
     log: list = []
     memory: list[tuple[float, float]] = []
@@ -194,9 +229,16 @@ def main(argv=None) -> None:
     errors_5xx = sum(1 for r in log if r["status"] >= 500 or r["status"] < 0)
     warm = [m for t, m in memory if t >= 60] or [m for _, m in memory]
     check = _check(log, args.check)
-    result = {"config": vars(args), "requests": len(log), "by_kind": by_kind, "errors_5xx": errors_5xx,
-              "memory_mib": memory, "memory_growth_after_warmup": warm[-1] / warm[0] - 1 if warm else None,
-              "check": check, "drain": drain}
+    result = {
+        "config": vars(args),
+        "requests": len(log),
+        "by_kind": by_kind,
+        "errors_5xx": errors_5xx,
+        "memory_mib": memory,
+        "memory_growth_after_warmup": warm[-1] / warm[0] - 1 if warm else None,
+        "check": check,
+        "drain": drain,
+    }
     write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "memory_mib"}, indent=1))
     sys.exit(0 if errors_5xx == 0 and check["mismatched"] == 0 and drain["finished_whole"] == drain["requests"] else 1)

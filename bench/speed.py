@@ -27,9 +27,7 @@ weights make acceptance meaningless: use a trained pair for acceptance numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,13 +35,21 @@ import numpy as np
 from flax import nnx
 
 import eagle_jax
-from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig
+from bench import roofline as rl
+from bench.common import (
+    TARGET_HELP,
+    load_pair_or_random,
+    load_recipe_pair,
+    print_table,
+    spec_name,
+    stop_ids,
+    write_json,
+)
+from eagle_jax.config import SpecConfig
+from eagle_jax.decoding.calls import bucket
 from eagle_jax.decoding.engine import Plan, causal_cache_mask, run_rounds
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.sampling import RowSampling, SamplingParams
-from eagle_jax.decoding.calls import bucket
-from bench import roofline as rl
-from bench.common import TARGET_HELP, load_pair_or_random, load_recipe_pair, print_table, spec_name, stop_ids, write_json
 
 
 def _timed_interleaved(calls: dict, repeats: int = 9) -> dict:
@@ -72,8 +78,16 @@ def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, 
 
     @jax.jit
     def begin(ts, ds):
-        return start(nnx.merge(t_graph, ts), nnx.merge(d_graph, ds), plan, prompt, lens, RowSampling.fill(SamplingParams(), batch),
-                     jax.random.key(0), plan.max_rounds)
+        return start(
+            nnx.merge(t_graph, ts),
+            nnx.merge(d_graph, ds),
+            plan,
+            prompt,
+            lens,
+            RowSampling.fill(SamplingParams(), batch),
+            jax.random.key(0),
+            plan.max_rounds,
+        )
 
     st = begin(t_state, d_state)
 
@@ -91,11 +105,17 @@ def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, 
         def body(i, carry):
             feat, tok, cache = carry
             pos = jnp.broadcast_to((st.length + i)[:, None], (batch, nodes))
-            normed, f, cache = drf.layer(feat, tok, pos, causal_cache_mask(pos, plan.cache_len, None), cache, st.length + i)
+            normed, f, cache = drf.layer(
+                feat, tok, pos, causal_cache_mask(pos, plan.cache_len, None), cache, st.length + i
+            )
             _, ids = jax.lax.top_k(drf.lm_head(normed), nodes)
             return f, drf.draft_to_target(ids[..., 0]), cache
 
-        init = (jnp.broadcast_to(st.d_feat[:, None], (batch, nodes, st.d_feat.shape[-1])), jnp.broadcast_to(st.pending[:, None], (batch, nodes)), st.d_cache)
+        init = (
+            jnp.broadcast_to(st.d_feat[:, None], (batch, nodes, st.d_feat.shape[-1])),
+            jnp.broadcast_to(st.pending[:, None], (batch, nodes)),
+            st.d_cache,
+        )
         return jax.lax.fori_loop(0, rounds, body, init)[1]
 
     width = spec.verify_width
@@ -114,13 +134,26 @@ def round_split(target, drafter, spec: SpecConfig, batch: int, prompt_len: int, 
 
         return jax.lax.fori_loop(0, rounds, body, (st.pending, st.t_cache))[0]
 
-    t = _timed_interleaved({"round": (loop, (t_state, d_state, st)), "draft": (draft_steps, (d_state, st)), "verify": (verifies, (t_state, st))})
+    t = _timed_interleaved(
+        {
+            "round": (loop, (t_state, d_state, st)),
+            "draft": (draft_steps, (d_state, st)),
+            "verify": (verifies, (t_state, st)),
+        }
+    )
     t_round, t_draft, t_verify = t["round"] / rounds, t["draft"] / rounds, t["verify"] / rounds
     # A chain round runs K drafter forwards (K-1 single steps + the extend block); a tree round
     # runs depth-1 expansions of top_k nodes plus the extend block.
     steps = spec.num_speculative_tokens if spec.method == "chain" else spec.tree_depth
     ideal = steps * t_draft + t_verify
-    return {"round_s": t_round, "draft_step_s": t_draft, "verify_s": t_verify, "draft_steps": steps, "overhead": t_round / ideal, "rest_s": t_round - ideal}
+    return {
+        "round_s": t_round,
+        "draft_step_s": t_draft,
+        "verify_s": t_verify,
+        "draft_steps": steps,
+        "overhead": t_round / ideal,
+        "rest_s": t_round - ideal,
+    }
 
 
 def dtype_bytes(target, exact: bool) -> tuple[float, int]:
@@ -141,48 +174,82 @@ def time_prefill(target, drafter, prompts: list[list[int]], spec, exact: bool, r
     return min(eagle_jax.generate(target, drafter, prompts, **kw).run_s for _ in range(repeats))
 
 
-def roofline_row(target, drafter, spec, result, prompts: list[list[int]], prefill_s: float, peaks: dict, exact: bool = False) -> dict:
+def roofline_row(
+    target, drafter, spec, result, prompts: list[list[int]], prefill_s: float, peaks: dict, exact: bool = False
+) -> dict:
     """The roofline columns of one ``generate`` result (``bench.roofline.decode_columns``): the loop's
     time is the call's ``run_s`` minus ``prefill_s`` (the same prompts' prefill), its tokens all but the
     first of each row, its rounds the result's."""
     wb, cb = dtype_bytes(target, exact)
     batch = len(prompts)
     return rl.decode_columns(
-        target.config, None if (drafter is None or spec is None) else drafter.config, spec, batch=batch,
-        prompt_len=float(np.mean([len(p) for p in prompts])), new_tokens=result.num_generated - batch, rounds=result.rounds,
-        decode_s=result.run_s - prefill_s, acceptance_length=result.acceptance_length, peaks=peaks, weight_bytes=wb, cache_bytes=cb,
+        target.config,
+        None if (drafter is None or spec is None) else drafter.config,
+        spec,
+        batch=batch,
+        prompt_len=float(np.mean([len(p) for p in prompts])),
+        new_tokens=result.num_generated - batch,
+        rounds=result.rounds,
+        decode_s=result.run_s - prefill_s,
+        acceptance_length=result.acceptance_length,
+        peaks=peaks,
+        weight_bytes=wb,
+        cache_bytes=cb,
     )
 
 
 def prefill_row(target, drafter, prompts: list[list[int]], prefill_s: float, peaks: dict, exact: bool = False) -> dict:
     """The roofline columns of a prefill of ``prompts`` (padded to their bucket, as generate runs it)."""
     wb, cb = dtype_bytes(target, exact)
-    return rl.prefill_columns(target.config, None if drafter is None else drafter.config, batch=len(prompts),
-                              prompt_len=bucket(max(len(p) for p in prompts)), prefill_s=prefill_s, peaks=peaks,
-                              weight_bytes=wb, cache_bytes=cb)
+    return rl.prefill_columns(
+        target.config,
+        None if drafter is None else drafter.config,
+        batch=len(prompts),
+        prompt_len=bucket(max(len(p) for p in prompts)),
+        prefill_s=prefill_s,
+        peaks=peaks,
+        weight_bytes=wb,
+        cache_bytes=cb,
+    )
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", help=TARGET_HELP)
     ap.add_argument("--drafter")
-    ap.add_argument("--recipe", help="a tiny training recipe with target.random (its seeded target and exported drafter)")
+    ap.add_argument(
+        "--recipe", help="a tiny training recipe with target.random (its seeded target and exported drafter)"
+    )
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
     ap.add_argument("--trees", nargs="*", default=["8,5,48"], help="top_k,depth,total_tokens")
     ap.add_argument("--max-new", type=int, default=96)
-    ap.add_argument("--prompt-len", type=int, default=100,
-                    help="code / --prompts prompts keep their last N tokens (--questions prompts stay whole); the round split's context")
+    ap.add_argument(
+        "--prompt-len",
+        type=int,
+        default=100,
+        help="code / --prompts prompts keep their last N tokens (--questions prompts stay whole); the round split's context",
+    )
     source_args = ap.add_mutually_exclusive_group()
-    source_args.add_argument("--prompts", help="JSONL with 'prompt' fields (default: held-out code prompts with the bundled pair)")
-    source_args.add_argument("--questions", nargs="+", help="FastChat question files: their first turns in the target "
-                             "tokenizer's chat template replace the code prompts")
+    source_args.add_argument(
+        "--prompts", help="JSONL with 'prompt' fields (default: held-out code prompts with the bundled pair)"
+    )
+    source_args.add_argument(
+        "--questions",
+        nargs="+",
+        help="FastChat question files: their first turns in the target "
+        "tokenizer's chat template replace the code prompts",
+    )
     ap.add_argument("--n-questions", type=int, default=0, help="first N questions of each --questions file (0: all)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--split-only", action="store_true", help="only the round time split")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the bundled pair's dtype")
-    ap.add_argument("--exact", action="store_true", help="also run every row with generate(exact=True); speedups stay "
-                    "relative to the default plain row, so the exact rows show the mode's cost")
+    ap.add_argument(
+        "--exact",
+        action="store_true",
+        help="also run every row with generate(exact=True); speedups stay "
+        "relative to the default plain row, so the exact rows show the mode's cost",
+    )
     ap.add_argument("--out", default="bench/results/speed.json")
     args = ap.parse_args(argv)
     if args.recipe and (args.questions or args.prompts):
@@ -192,8 +259,15 @@ def main(argv=None) -> dict:
         target, drafter, tokenizer, prompts, source = load_recipe_pair(args.recipe, args.prompt_len)
     else:
         target, drafter, tokenizer, prompts, source = load_pair_or_random(
-            args.target, args.drafter, args.prompts, args.prompt_len, args.dtype, questions=args.questions,
-            n_questions=args.n_questions, max_new=args.max_new)
+            args.target,
+            args.drafter,
+            args.prompts,
+            args.prompt_len,
+            args.dtype,
+            questions=args.questions,
+            n_questions=args.n_questions,
+            max_new=args.max_new,
+        )
     # Chat replies end at the template's end-of-turn token, as users meet them; code continuations and
     # random prompts run --max-new tokens (nothing to stop at).
     eos = list(stop_ids(tokenizer)) if args.questions else []
@@ -205,8 +279,14 @@ def main(argv=None) -> dict:
     print(rl.format_peaks(peaks))
     peaks_by_mode = {"float32": peaks, "exact": peaks}
     if args.dtype == "bfloat16":
-        peaks_by_mode["bfloat16"] = {**peaks, "matmul_flops": rl.measure_matmul_peak("bfloat16"), "matmul_dtype": "bfloat16"}
-        print(f"bf16 matmul peak {peaks_by_mode['bfloat16']['matmul_flops'] / 1e9:.1f} GFLOP/s (used for the bfloat16 rows)")
+        peaks_by_mode["bfloat16"] = {
+            **peaks,
+            "matmul_flops": rl.measure_matmul_peak("bfloat16"),
+            "matmul_dtype": "bfloat16",
+        }
+        print(
+            f"bf16 matmul peak {peaks_by_mode['bfloat16']['matmul_flops'] / 1e9:.1f} GFLOP/s (used for the bfloat16 rows)"
+        )
     rows, roof_rows, pre_rows = [], [], []
     results = {"models": source, "peaks": peaks_by_mode, "runs": [], "prefill": [], "round_split": []}
     modes = (False, True) if args.exact else (False,)
@@ -223,8 +303,17 @@ def main(argv=None) -> dict:
             for with_drafter, secs in prefill_s.items():
                 pr = prefill_row(target, drafter if with_drafter else None, batch_prompts, secs, pk, exact)
                 who = "target + drafter" if with_drafter else "target"
-                pre_rows.append([b, mode, who, bucket(max(len(p) for p in batch_prompts)), f"{secs * 1e3:.1f}",
-                                 f"{pr['prefill_tokens_per_s']:.0f}", *rl.roofline_cells(pr)])
+                pre_rows.append(
+                    [
+                        b,
+                        mode,
+                        who,
+                        bucket(max(len(p) for p in batch_prompts)),
+                        f"{secs * 1e3:.1f}",
+                        f"{pr['prefill_tokens_per_s']:.0f}",
+                        *rl.roofline_cells(pr),
+                    ]
+                )
                 results["prefill"].append({"batch": b, "mode": mode, "models": who, **pr})
             kw = dict(max_new_tokens=args.max_new, temperature=args.temperature, eos_token_id=eos, exact=exact)
             for spec in [None, *specs]:
@@ -239,13 +328,25 @@ def main(argv=None) -> dict:
                 rows.append([b, mode, name, al, f"{r.tokens_per_s:.1f}", f"{speedup:.2f}x", f"{first.compile_s:.1f}"])
                 roof_rows.append([b, mode, name, al, f"{roof['decode_tokens_per_s']:.1f}", *rl.roofline_cells(roof)])
                 results["runs"].append(
-                    {"batch": b, "mode": mode, "spec": None if spec is None else name, "acceptance_length": r.acceptance_length,
-                     "position_acceptance": r.position_acceptance, "tokens_per_s": r.tokens_per_s, "speedup": speedup,
-                     "compile_s": first.compile_s, "rounds": r.rounds, "run_s": r.run_s, "roofline": roof}
+                    {
+                        "batch": b,
+                        "mode": mode,
+                        "spec": None if spec is None else name,
+                        "acceptance_length": r.acceptance_length,
+                        "position_acceptance": r.position_acceptance,
+                        "tokens_per_s": r.tokens_per_s,
+                        "speedup": speedup,
+                        "compile_s": first.compile_s,
+                        "rounds": r.rounds,
+                        "run_s": r.run_s,
+                        "roofline": roof,
+                    }
                 )
     if rows:
         print_table(["batch", "mode", "speculation", "AL", "tok/s", "speedup", "compile s"], rows)
-        print("\nDecoding loop against the roofline (per generated token, prefill excluded; model counts, bench/roofline.py):")
+        print(
+            "\nDecoding loop against the roofline (per generated token, prefill excluded; model counts, bench/roofline.py):"
+        )
         print_table(["batch", "mode", "speculation", "AL", "decode tok/s", *rl.ROOFLINE_HEADER], roof_rows)
         print("\nPrefill (per prompt position, padded bucket):")
         print_table(["batch", "mode", "prefill of", "positions", "ms", "tok/s", *rl.ROOFLINE_HEADER], pre_rows)
@@ -254,9 +355,20 @@ def main(argv=None) -> dict:
         s = round_split(target, drafter, spec, 1, args.prompt_len)
         name = spec_name(spec)
         results["round_split"].append({"spec": name, **s})
-        split_rows.append([name, f"{s['draft_step_s'] * 1e3:.2f}", f"{s['verify_s'] * 1e3:.2f}", f"{s['round_s'] * 1e3:.2f}", f"{s['rest_s'] * 1e3:.2f}", f"{s['overhead']:.3f}"])
+        split_rows.append(
+            [
+                name,
+                f"{s['draft_step_s'] * 1e3:.2f}",
+                f"{s['verify_s'] * 1e3:.2f}",
+                f"{s['round_s'] * 1e3:.2f}",
+                f"{s['rest_s'] * 1e3:.2f}",
+                f"{s['overhead']:.3f}",
+            ]
+        )
     print()
-    print_table(["batch 1", "draft step ms", "verify ms", "round ms", "rest ms", "round/(steps*draft+verify)"], split_rows)
+    print_table(
+        ["batch 1", "draft step ms", "verify ms", "round ms", "rest ms", "round/(steps*draft+verify)"], split_rows
+    )
     write_json(args.out, results)
     return results
 

@@ -40,9 +40,19 @@ def child(args) -> None:
 
     profile = read_profile(profile_path)
     t0 = time.perf_counter()
-    svc = build_service(profile["target"], profile["drafter"], spec=profile["spec"], slots=profile["slots"], max_len=profile["max_len"],
-                        rounds_per_step=profile["rounds_per_step"], dtype=profile["dtype"], model_name="target", precompile=True,
-                        compile_workers=args.compile_workers, prefix_cache=args.prefix_cache)
+    svc = build_service(
+        profile["target"],
+        profile["drafter"],
+        spec=profile["spec"],
+        slots=profile["slots"],
+        max_len=profile["max_len"],
+        rounds_per_step=profile["rounds_per_step"],
+        dtype=profile["dtype"],
+        model_name="target",
+        precompile=True,
+        compile_workers=args.compile_workers,
+        prefix_cache=args.prefix_cache,
+    )
     ready = time.perf_counter() - t0
     engine = svc.scheduler.engine
     compiled = len(engine.compile_events)
@@ -55,8 +65,13 @@ def child(args) -> None:
         srv.stop()
     for s in sweeps:
         s.pop("texts")
-    out = {"ready_s": ready, "programs": len(engine.program_set()), "compiled_at_start": compiled,
-           "compiled_while_serving": len(engine.compile_events) - compiled, "sweeps": sweeps}
+    out = {
+        "ready_s": ready,
+        "programs": len(engine.program_set()),
+        "compiled_at_start": compiled,
+        "compiled_while_serving": len(engine.compile_events) - compiled,
+        "sweeps": sweeps,
+    }
     Path(args.child_out).write_text(json.dumps(out))
 
 
@@ -66,10 +81,16 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--out", default="bench/results/startup.json")
-    ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
-                    help="serve with prefix caching (off by default: the second sweep repeats the first's prompts, so "
-                         "with it on the second sweep's prefills are cache hits and the sweeps no longer compare startup alone)")
-    ap.add_argument("--compile-workers", type=int, default=None, help="programs compiled at once (default: the server's)")
+    ap.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve with prefix caching (off by default: the second sweep repeats the first's prompts, so "
+        "with it on the second sweep's prefills are cache hits and the sweeps no longer compare startup alone)",
+    )
+    ap.add_argument(
+        "--compile-workers", type=int, default=None, help="programs compiled at once (default: the server's)"
+    )
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -79,21 +100,48 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for phase in ("cold", "warm cache"):
             out = Path(tmp) / "child.json"
-            cmd = [sys.executable, "-m", "bench.startup", "--cache", str(Path(tmp) / "xla"), "--child-out", str(out),
-                   "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
-                   "--concurrency", str(args.concurrency), "--requests", str(args.requests), "--max-new", str(args.max_new),
-                   *([] if args.compile_workers is None else ["--compile-workers", str(args.compile_workers)])]
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.startup",
+                "--cache",
+                str(Path(tmp) / "xla"),
+                "--child-out",
+                str(out),
+                "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
+                "--concurrency",
+                str(args.concurrency),
+                "--requests",
+                str(args.requests),
+                "--max-new",
+                str(args.max_new),
+                *([] if args.compile_workers is None else ["--compile-workers", str(args.compile_workers)]),
+            ]
             subprocess.run(cmd, check=True)
             runs[phase] = json.loads(out.read_text())
             r = runs[phase]
-            print(f"{phase}: ready in {r['ready_s']:.1f} s ({r['compiled_at_start']} of {r['programs']} programs compiled), "
-                  f"first sweep {r['sweeps'][0]['per_user_tok_s']:.1f} tok/s per user, second {r['sweeps'][1]['per_user_tok_s']:.1f}, "
-                  f"{r['compiled_while_serving']} compiles while serving", flush=True)
+            print(
+                f"{phase}: ready in {r['ready_s']:.1f} s ({r['compiled_at_start']} of {r['programs']} programs compiled), "
+                f"first sweep {r['sweeps'][0]['per_user_tok_s']:.1f} tok/s per user, second {r['sweeps'][1]['per_user_tok_s']:.1f}, "
+                f"{r['compiled_while_serving']} compiles while serving",
+                flush=True,
+            )
     cold, warm = runs["cold"], runs["warm cache"]
-    rows = [[phase, f"{r['ready_s']:.1f}", r["compiled_at_start"], f"{r['sweeps'][0]['per_user_tok_s']:.1f}",
-             f"{r['sweeps'][1]['per_user_tok_s']:.1f}", f"{r['sweeps'][0]['per_user_tok_s'] / r['sweeps'][1]['per_user_tok_s']:.2f}",
-             r["compiled_while_serving"]] for phase, r in runs.items()]
-    print_table(["start", "ready s", "compiled", "first sweep tok/s/user", "second", "first / second", "compiles serving"], rows)
+    rows = [
+        [
+            phase,
+            f"{r['ready_s']:.1f}",
+            r["compiled_at_start"],
+            f"{r['sweeps'][0]['per_user_tok_s']:.1f}",
+            f"{r['sweeps'][1]['per_user_tok_s']:.1f}",
+            f"{r['sweeps'][0]['per_user_tok_s'] / r['sweeps'][1]['per_user_tok_s']:.2f}",
+            r["compiled_while_serving"],
+        ]
+        for phase, r in runs.items()
+    ]
+    print_table(
+        ["start", "ready s", "compiled", "first sweep tok/s/user", "second", "first / second", "compiles serving"], rows
+    )
     print(f"warm-cache start / cold start: {warm['ready_s'] / cold['ready_s']:.3f}")
     write_json(args.out, {"config": vars(args), "runs": runs, "warm_over_cold": warm["ready_s"] / cold["ready_s"]})
 

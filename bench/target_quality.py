@@ -31,7 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.common import BUNDLED_TARGET, TARGET_HELP, load_models, mean_ci95, print_table, run_batched, stop_ids, write_json
+from bench.common import (
+    BUNDLED_TARGET,
+    TARGET_HELP,
+    load_models,
+    mean_ci95,
+    print_table,
+    run_batched,
+    stop_ids,
+    write_json,
+)
 from bench.drift import BANDS, bootstrap_ci, context_prompts, heldout_stream
 
 # Loop detector: the last LOOP_WINDOW tokens are periodic with a period of at most LOOP_MAX_PERIOD, so the
@@ -87,8 +96,12 @@ def token_nll(target, ids: jax.Array) -> jax.Array:
 def band_losses(target, windows: np.ndarray, batch_size: int, bands=BANDS) -> np.ndarray:
     """[n_windows, n_bands] mean loss of the tokens at positions j (j tokens of history) in each band
     (nan where the window is too short for the band)."""
-    nll = np.concatenate([np.asarray(token_nll(target, jnp.asarray(windows[i : i + batch_size], jnp.int32)))
-                          for i in range(0, len(windows), batch_size)])
+    nll = np.concatenate(
+        [
+            np.asarray(token_nll(target, jnp.asarray(windows[i : i + batch_size], jnp.int32)))
+            for i in range(0, len(windows), batch_size)
+        ]
+    )
     pos = np.arange(1, windows.shape[1])
     out = np.full((len(windows), len(bands)), np.nan)
     for j, (a, b) in enumerate(bands):
@@ -108,8 +121,17 @@ def loss_study(target, stream, sep, args) -> tuple[list[dict], list[list]]:
         mean, half = mean_ci95(col.tolist())
         # Paired against the first band of the same windows: window-to-window difficulty cancels.
         diff, diff_half = mean_ci95((col - per_window[:, 0]).tolist())
-        rows.append({"band": label, "loss_mean": mean, "loss_ci95": half, "ppl": float(np.exp(mean)), "diff_vs_first": diff,
-                     "diff_ci95": diff_half, "per_window": col.tolist()})
+        rows.append(
+            {
+                "band": label,
+                "loss_mean": mean,
+                "loss_ci95": half,
+                "ppl": float(np.exp(mean)),
+                "diff_vs_first": diff,
+                "diff_ci95": diff_half,
+                "per_window": col.tolist(),
+            }
+        )
         table.append([label, len(col), fmt_ci(mean, half), f"{np.exp(mean):.2f}", fmt_ci(diff, diff_half, signed=True)])
     return rows, table
 
@@ -123,16 +145,42 @@ def loop_study(target, tokenizer, stream, sep, ends_line, args) -> tuple[list[di
     by_len, _ = context_prompts(stream, sep, ends_line, args.contexts, args.n_prompts, args.max_new, args.seed)
     rows, table = [], []
     for L in args.contexts:
-        out = run_batched(target, None, by_len[L], spec=None, max_new=args.max_new, eos=eos, seed=args.seed, batch_size=args.batch_size)
+        out = run_batched(
+            target,
+            None,
+            by_len[L],
+            spec=None,
+            max_new=args.max_new,
+            eos=eos,
+            seed=args.seed,
+            batch_size=args.batch_size,
+        )
         onsets = [loop_onset(t[: args.loop_horizon]) for t in out["tokens"]]
         looped = np.array([o is not None for o in onsets], float)
         stopped = np.array([bool(t) and t[-1] in eos for t in out["tokens"]], float)
         lo, hi = bootstrap_ci(looped, np.ones(len(looped)), seed=args.seed)
-        rows.append({"context": L, "prompts": len(looped), "loop_fraction": float(looped.mean()), "loop_ci95": [lo, hi],
-                     "eos_fraction": float(stopped.mean()), "loop_onsets": onsets, "new_tokens": [len(t) for t in out["tokens"]]})
+        rows.append(
+            {
+                "context": L,
+                "prompts": len(looped),
+                "loop_fraction": float(looped.mean()),
+                "loop_ci95": [lo, hi],
+                "eos_fraction": float(stopped.mean()),
+                "loop_onsets": onsets,
+                "new_tokens": [len(t) for t in out["tokens"]],
+            }
+        )
         onset_txt = f"{np.median([o for o in onsets if o is not None]):.0f}" if looped.any() else "-"
-        table.append([L, len(looped), f"{looped.mean():.2f} [{lo:.2f}, {hi:.2f}]", onset_txt, f"{stopped.mean():.2f}",
-                      f"{np.mean([len(t) for t in out['tokens']]):.0f}"])
+        table.append(
+            [
+                L,
+                len(looped),
+                f"{looped.mean():.2f} [{lo:.2f}, {hi:.2f}]",
+                onset_txt,
+                f"{stopped.mean():.2f}",
+                f"{np.mean([len(t) for t in out['tokens']]):.0f}",
+            ]
+        )
         print(f"  context {L}: {int(looped.sum())}/{len(looped)} rows looped", flush=True)
     return rows, table
 
@@ -143,9 +191,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--n-windows", type=int, default=16, help="held-out windows for the loss by position band")
     ap.add_argument("--window", type=int, default=0, help="window length (0: the target's context)")
     ap.add_argument("--n-prompts", type=int, default=16, help="prompts per context length for the loop study")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 1792], help="prompt lengths for the loop study")
+    ap.add_argument(
+        "--contexts", type=int, nargs="+", default=[128, 512, 1024, 1792], help="prompt lengths for the loop study"
+    )
     ap.add_argument("--max-new", type=int, default=256)
-    ap.add_argument("--loop-horizon", type=int, default=256, help="a row counts as looping if a loop starts within this many new tokens")
+    ap.add_argument(
+        "--loop-horizon",
+        type=int,
+        default=256,
+        help="a row counts as looping if a loop starts within this many new tokens",
+    )
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--no-eos", action="store_true", help="ignore eos: every row runs max-new tokens")
     ap.add_argument("--seed", type=int, default=0)
@@ -156,22 +211,35 @@ def main(argv=None) -> dict:
     limit = target.config.max_position_embeddings
     args.window = args.window or limit
     if max(args.contexts) + args.max_new > limit:
-        raise SystemExit(f"context {max(args.contexts)} + max-new {args.max_new} exceeds the target's {limit} positions")
+        raise SystemExit(
+            f"context {max(args.contexts)} + max-new {args.max_new} exceeds the target's {limit} positions"
+        )
     stream, sep, ends_line = heldout_stream(tokenizer, target.config.vocab_size, args.seed)
-    results = {"models": source, "settings": {k: v for k, v in vars(args).items() if k != "out"},
-               "loop_detector": f"last {LOOP_WINDOW} new tokens periodic with period <= {LOOP_MAX_PERIOD}"}
+    results = {
+        "models": source,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "loop_detector": f"last {LOOP_WINDOW} new tokens periodic with period <= {LOOP_MAX_PERIOD}",
+    }
     results["loss"], loss_table = loss_study(target, stream, sep, args)
     results["loops"], loop_table = loop_study(target, tokenizer, stream, sep, ends_line, args)
 
     print()
     if is_random:
         print("(random target: figures meaningless)")
-    print(f"Held-out next-token loss by position (float32, {args.n_windows} single-file windows of {args.window} tokens, 95% t-interval over windows)")
-    print_table(["position band", "windows", "loss nats/token", "ppl", f"minus {band_labels()[0]} (paired)"], loss_table)
+    print(
+        f"Held-out next-token loss by position (float32, {args.n_windows} single-file windows of {args.window} tokens, 95% t-interval over windows)"
+    )
+    print_table(
+        ["position band", "windows", "loss nats/token", "ppl", f"minus {band_labels()[0]} (paired)"], loss_table
+    )
     print()
-    print(f"Greedy repetition loops ({args.max_new} new tokens, loop = last {LOOP_WINDOW} tokens periodic with period <= {LOOP_MAX_PERIOD}, "
-          f"within {args.loop_horizon}; bootstrap 95% CI over prompts)")
-    print_table(["context", "prompts", "looped (95% CI)", "median onset", "stopped at eos", "mean new tokens"], loop_table)
+    print(
+        f"Greedy repetition loops ({args.max_new} new tokens, loop = last {LOOP_WINDOW} tokens periodic with period <= {LOOP_MAX_PERIOD}, "
+        f"within {args.loop_horizon}; bootstrap 95% CI over prompts)"
+    )
+    print_table(
+        ["context", "prompts", "looped (95% CI)", "median onset", "stopped at eos", "mean new tokens"], loop_table
+    )
     write_json(args.out, results)
     return results
 

@@ -81,9 +81,16 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", help=TARGET_HELP)
     ap.add_argument("--drafter")
-    ap.add_argument("--config", help="a training recipe with target.random (default without the bundled pair: configs/train/tiny.yaml)")
-    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; a recipe: its train.batch_size)")
-    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512; a recipe: its data.max_length)")
+    ap.add_argument(
+        "--config",
+        help="a training recipe with target.random (default without the bundled pair: configs/train/tiny.yaml)",
+    )
+    ap.add_argument(
+        "--batch", type=int, default=None, help="sequences per step (default 4; a recipe: its train.batch_size)"
+    )
+    ap.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (default 512; a recipe: its data.max_length)"
+    )
     ap.add_argument("--ttt-length", type=int, default=7)
     ap.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=3, help="timed calls of the step and of each part (median)")
@@ -142,14 +149,21 @@ def main(argv=None) -> dict:
     (_, _), grads = jax.block_until_ready(drafter_part(params, frozen, aux, ids, t_logits, mask))
     jax.block_until_ready(optimizer_part(grads, opt_state, params))
 
-    times: dict[str, list[float]] = {"step": [], "target forward": [], "drafter TTT fwd+bwd": [], "optimizer update": []}
+    times: dict[str, list[float]] = {
+        "step": [],
+        "target forward": [],
+        "drafter TTT fwd+bwd": [],
+        "optimizer update": [],
+    }
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         params, opt_state, metrics = jax.block_until_ready(full(params, opt_state, frozen, target_state, step_batch))
         times["step"].append(time.perf_counter() - t0)
-        parts = [("target forward", target_part, (target_state, ids)),
-                 ("drafter TTT fwd+bwd", drafter_part, (params, frozen, aux, ids, t_logits, mask)),
-                 ("optimizer update", optimizer_part, (grads, opt_state, params))]
+        parts = [
+            ("target forward", target_part, (target_state, ids)),
+            ("drafter TTT fwd+bwd", drafter_part, (params, frozen, aux, ids, t_logits, mask)),
+            ("optimizer update", optimizer_part, (grads, opt_state, params)),
+        ]
         for name, fn, fargs in parts:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*fargs))
@@ -162,38 +176,95 @@ def main(argv=None) -> dict:
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     # AdamW (+ global-norm clipping) reads params, grads, mu, nu and writes params, mu, nu: 7 x 4 bytes a parameter.
     opt_bytes = 7 * 4 * n_params
-    flops = {"target forward": t_flops_tok * tokens, "drafter TTT fwd+bwd": (flops_tok - t_flops_tok) * tokens,
-             "optimizer update": 0.0, "step": flops_tok * tokens}
+    flops = {
+        "target forward": t_flops_tok * tokens,
+        "drafter TTT fwd+bwd": (flops_tok - t_flops_tok) * tokens,
+        "optimizer update": 0.0,
+        "step": flops_tok * tokens,
+    }
     step_s = med["step"]
     rows, parts_out = [], {}
     for name in ("target forward", "drafter TTT fwd+bwd", "optimizer update"):
         s = med[name]
         f = flops[name]
-        cells = [name, f"{s * 1e3:.1f}", f"{100 * s / step_s:.0f}%", f"{f / 1e9:.2f}", f"{f / s / 1e9:.1f}",
-                 f"{100 * f / s / peaks['matmul_flops']:.1f}", "-", "-"]
+        cells = [
+            name,
+            f"{s * 1e3:.1f}",
+            f"{100 * s / step_s:.0f}%",
+            f"{f / 1e9:.2f}",
+            f"{f / s / 1e9:.1f}",
+            f"{100 * f / s / peaks['matmul_flops']:.1f}",
+            "-",
+            "-",
+        ]
         extra = {}
         if name == "optimizer update":
-            cells[3:] = ["-", "-", "-", f"{opt_bytes / s / 1e9:.2f}", f"{100 * opt_bytes / s / peaks['read_bytes_per_s']:.1f}"]
-            extra = {"bytes": opt_bytes, "bytes_per_s": opt_bytes / s, "bytes_fraction": opt_bytes / s / peaks["read_bytes_per_s"]}
+            cells[3:] = [
+                "-",
+                "-",
+                "-",
+                f"{opt_bytes / s / 1e9:.2f}",
+                f"{100 * opt_bytes / s / peaks['read_bytes_per_s']:.1f}",
+            ]
+            extra = {
+                "bytes": opt_bytes,
+                "bytes_per_s": opt_bytes / s,
+                "bytes_fraction": opt_bytes / s / peaks["read_bytes_per_s"],
+            }
         rows.append(cells)
-        parts_out[name] = {"seconds": s, "share_of_step": s / step_s, "flops": f, "flops_per_s": f / s,
-                           "flops_fraction": f / s / peaks["matmul_flops"], **extra}
+        parts_out[name] = {
+            "seconds": s,
+            "share_of_step": s / step_s,
+            "flops": f,
+            "flops_per_s": f / s,
+            "flops_fraction": f / s / peaks["matmul_flops"],
+            **extra,
+        }
     rest = step_s - sum(med[n] for n in parts_out)
     rows.append(["rest (step - parts)", f"{rest * 1e3:.1f}", f"{100 * rest / step_s:.0f}%", "", "", "", "", ""])
-    rows.append(["whole step", f"{step_s * 1e3:.1f}", "100%", f"{flops['step'] / 1e9:.2f}", f"{flops['step'] / step_s / 1e9:.1f}",
-                 f"{100 * flops['step'] / step_s / peaks['matmul_flops']:.1f}", "", ""])
+    rows.append(
+        [
+            "whole step",
+            f"{step_s * 1e3:.1f}",
+            "100%",
+            f"{flops['step'] / 1e9:.2f}",
+            f"{flops['step'] / step_s / 1e9:.1f}",
+            f"{100 * flops['step'] / step_s / peaks['matmul_flops']:.1f}",
+            "",
+            "",
+        ]
+    )
     tok_s = tokens / step_s
     mfu = flops_tok * tok_s / peaks["matmul_flops"]
-    print(f"\n{source['target']} + {source['drafter']}: batch {batch} x {seq_len} tokens, TTT length {t_cfg['ttt_length']}, "
-          f"compute {args.compute_dtype}; drafter {n_params / 1e6:.2f} M trainable; {flops_tok / 1e6:.1f} MFLOP/token "
-          f"({t_flops_tok / 1e6:.1f} target forward); first step (compile) {compile_s:.1f} s")
-    print(f"throughput {tok_s:.0f} tokens/s, model {flops_tok * tok_s / 1e9:.1f} GFLOP/s = {100 * mfu:.1f}% of the measured matmul peak\n")
+    print(
+        f"\n{source['target']} + {source['drafter']}: batch {batch} x {seq_len} tokens, TTT length {t_cfg['ttt_length']}, "
+        f"compute {args.compute_dtype}; drafter {n_params / 1e6:.2f} M trainable; {flops_tok / 1e6:.1f} MFLOP/token "
+        f"({t_flops_tok / 1e6:.1f} target forward); first step (compile) {compile_s:.1f} s"
+    )
+    print(
+        f"throughput {tok_s:.0f} tokens/s, model {flops_tok * tok_s / 1e9:.1f} GFLOP/s = {100 * mfu:.1f}% of the measured matmul peak\n"
+    )
     print_table(["part", "ms", "of step", "GFLOP", "GFLOP/s", "% peak", "GB/s", "% BW"], rows)
-    results = {"models": source, "peaks": peaks, "batch": batch, "seq_len": seq_len, "ttt_length": int(t_cfg["ttt_length"]),
-               "compute_dtype": args.compute_dtype, "trainable_params": n_params, "flops_per_token": flops_tok,
-               "target_flops_per_token": t_flops_tok, "compile_s": compile_s, "step_s": step_s, "tokens_per_s": tok_s,
-               "model_flops_per_s": flops_tok * tok_s, "mfu": mfu, "parts": parts_out, "rest_s": rest,
-               "times": times, "loss": float(metrics["loss"])}
+    results = {
+        "models": source,
+        "peaks": peaks,
+        "batch": batch,
+        "seq_len": seq_len,
+        "ttt_length": int(t_cfg["ttt_length"]),
+        "compute_dtype": args.compute_dtype,
+        "trainable_params": n_params,
+        "flops_per_token": flops_tok,
+        "target_flops_per_token": t_flops_tok,
+        "compile_s": compile_s,
+        "step_s": step_s,
+        "tokens_per_s": tok_s,
+        "model_flops_per_s": flops_tok * tok_s,
+        "mfu": mfu,
+        "parts": parts_out,
+        "rest_s": rest,
+        "times": times,
+        "loss": float(metrics["loss"]),
+    }
     write_json(args.out, results)
     return results
 

@@ -23,11 +23,17 @@ def curve(run_dirs: list[Path]) -> list[dict]:
             rec = json.loads(line)
             seen += rec["loss_tokens"]
             if "heldout_simulated_al" in rec:
-                points.append({"run": run_dir.name, "step": rec["step"], "tokens": seen,
-                               "heldout_simulated_al": rec["heldout_simulated_al"],
-                               "heldout_acc_per_position": rec["heldout_acc_per_position"],
-                               "heldout_loss_0": rec["heldout_loss_per_position"][0],
-                               "train_acc_0": rec["acc_per_position"][0] if "acc_per_position" in rec else None})
+                points.append(
+                    {
+                        "run": run_dir.name,
+                        "step": rec["step"],
+                        "tokens": seen,
+                        "heldout_simulated_al": rec["heldout_simulated_al"],
+                        "heldout_acc_per_position": rec["heldout_acc_per_position"],
+                        "heldout_loss_0": rec["heldout_loss_per_position"][0],
+                        "train_acc_0": rec["acc_per_position"][0] if "acc_per_position" in rec else None,
+                    }
+                )
     return points
 
 
@@ -37,9 +43,31 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="bench/figures/training_curve.png")
     args = ap.parse_args(argv)
     curves = {spec: curve([Path(p) for p in spec.split("+")]) for spec in args.runs}
-    rows = [[spec, p["step"], p["tokens"], f"{p['heldout_simulated_al']:.3f}", " ".join(f"{a:.3f}" for a in p["heldout_acc_per_position"]),
-             f"{p['heldout_loss_0']:.3f}", "-" if p["train_acc_0"] is None else f"{p['train_acc_0']:.3f}"] for spec, pts in curves.items() for p in pts]
-    print_table(["run", "step", "loss tokens", "held-out sim. AL", "held-out acc per position", "held-out loss pos 0", "train acc 0"], rows)
+    rows = [
+        [
+            spec,
+            p["step"],
+            p["tokens"],
+            f"{p['heldout_simulated_al']:.3f}",
+            " ".join(f"{a:.3f}" for a in p["heldout_acc_per_position"]),
+            f"{p['heldout_loss_0']:.3f}",
+            "-" if p["train_acc_0"] is None else f"{p['train_acc_0']:.3f}",
+        ]
+        for spec, pts in curves.items()
+        for p in pts
+    ]
+    print_table(
+        [
+            "run",
+            "step",
+            "loss tokens",
+            "held-out sim. AL",
+            "held-out acc per position",
+            "held-out loss pos 0",
+            "train acc 0",
+        ],
+        rows,
+    )
     import matplotlib
 
     matplotlib.use("Agg")

@@ -42,9 +42,22 @@ from eagle_jax.training.trainer import drafter_flops_per_token, make_train_step,
 from eagle_jax.training.ttt import _extended_attention
 
 # SmolLM2-135M-Instruct's drafter (hidden 576, GQA 9/3 x 64, MLP 1536, three aux states of the 576-wide target)
-SMOLLM2 = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
-               target_hidden_size=576, num_aux_hidden_states=3, rms_norm_eps=1e-5, max_position_embeddings=8192,
-               fc_norm=True, norm_output=True, aux_layer_ids=(2, 15, 27), rope=RopeConfig(theta=1e5))
+SMOLLM2 = dict(
+    hidden_size=576,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+    target_hidden_size=576,
+    num_aux_hidden_states=3,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    fc_norm=True,
+    norm_output=True,
+    aux_layer_ids=(2, 15, 27),
+    rope=RopeConfig(theta=1e5),
+)
 DOC = 512  # tokens per packed document
 
 
@@ -61,22 +74,40 @@ def timed(fn, *args, repeats: int) -> float:
 def profile(rows: int, length: int, ttt: int, vd: int, repeats: int, peak: float) -> dict:
     c = DrafterConfig(draft_vocab_size=vd, **SMOLLM2)
     rng = np.random.default_rng(0)
-    drafter = Drafter(c, jnp.asarray(rng.normal(size=(c.vocab_size, c.hidden_size)) * 0.02, jnp.float32), rngs=nnx.Rngs(0))
+    drafter = Drafter(
+        c, jnp.asarray(rng.normal(size=(c.vocab_size, c.hidden_size)) * 0.02, jnp.float32), rngs=nnx.Rngs(0)
+    )
     drafter.set_vocab_map(np.zeros(vd, np.int64))
     graphdef, params, frozen = nnx.split(drafter, nnx.Param, ...)
     tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3, b1=0.9, b2=0.95))
     n_docs = max(1, length // DOC)
     positions = np.tile(np.arange(length // n_docs), n_docs)[None].repeat(rows, 0).astype(np.int32)
     segments = np.repeat(np.arange(1, n_docs + 1), length // n_docs)[None].repeat(rows, 0).astype(np.int32)
-    batch = {"input_ids": rng.integers(0, vd, (1, rows, length)).astype(np.int32), "loss_mask": np.ones((1, rows, length), np.int32),
-             "positions": positions[None], "segment_ids": segments[None],
-             "aux": rng.normal(size=(1, rows, length, c.fc_in_features)).astype(np.float32),
-             "target_hidden": rng.normal(size=(1, rows, length, c.target_hidden_size)).astype(np.float32),
-             "target_argmax": rng.integers(0, vd, (1, rows, length)).astype(np.int32)}
+    batch = {
+        "input_ids": rng.integers(0, vd, (1, rows, length)).astype(np.int32),
+        "loss_mask": np.ones((1, rows, length), np.int32),
+        "positions": positions[None],
+        "segment_ids": segments[None],
+        "aux": rng.normal(size=(1, rows, length, c.fc_in_features)).astype(np.float32),
+        "target_hidden": rng.normal(size=(1, rows, length, c.target_hidden_size)).astype(np.float32),
+        "target_argmax": rng.integers(0, vd, (1, rows, length)).astype(np.int32),
+    }
     batch = jax.tree.map(jnp.asarray, batch)
     head_rows = jnp.asarray(rng.normal(size=(vd, c.target_hidden_size)) * 0.05, jnp.float32)
-    step = jax.jit(make_train_step(graphdef, None, tx, aux_layer_ids=c.aux_layer_ids, ttt_length=ttt, decay=0.8, normalize="valid",
-                                   compute_dtype=jnp.float32, from_features=True), donate_argnums=(0, 1))
+    step = jax.jit(
+        make_train_step(
+            graphdef,
+            None,
+            tx,
+            aux_layer_ids=c.aux_layer_ids,
+            ttt_length=ttt,
+            decay=0.8,
+            normalize="valid",
+            compute_dtype=jnp.float32,
+            from_features=True,
+        ),
+        donate_argnums=(0, 1),
+    )
     state = {"params": params, "opt": tx.init(params)}
 
     def run_step():
@@ -117,17 +148,30 @@ def profile(rows: int, length: int, ttt: int, vd: int, repeats: int, peak: float
     with tempfile.TemporaryDirectory() as tmp:
         n = rows * length
         maps = {}
-        for name, width, dtype in (("aux", c.fc_in_features, np.float32), ("hidden", c.target_hidden_size, np.float32), ("argmax", None, np.int32)):
+        for name, width, dtype in (
+            ("aux", c.fc_in_features, np.float32),
+            ("hidden", c.target_hidden_size, np.float32),
+            ("argmax", None, np.int32),
+        ):
             shape = (n,) if width is None else (n, width)
             maps[name] = np.lib.format.open_memmap(Path(tmp) / f"{name}.npy", "w+", dtype, shape)
-        store = FeatureStore(Path(tmp), np.arange(0, n + 1, length // n_docs), maps["aux"], maps["hidden"], maps["argmax"])
+        store = FeatureStore(
+            Path(tmp), np.arange(0, n + 1, length // n_docs), maps["aux"], maps["hidden"], maps["argmax"]
+        )
         docs = [np.arange(r * n_docs, (r + 1) * n_docs) for r in range(rows)]
         out["host"] = timed(lambda: store.collate(docs, length)["aux"], repeats=repeats)
 
     tokens = rows * length
     flops = drafter_flops_per_token(drafter, length, ttt)
-    return {"rows": rows, "length": length, "ttt_length": ttt, "draft_vocab": vd, "seconds": out,
-            "tokens_per_s": tokens / out["step"], "flop_share": tokens / out["step"] * flops / peak}
+    return {
+        "rows": rows,
+        "length": length,
+        "ttt_length": ttt,
+        "draft_vocab": vd,
+        "seconds": out,
+        "tokens_per_s": tokens / out["step"],
+        "flop_share": tokens / out["step"] * flops / peak,
+    }
 
 
 def parse(spec: str) -> tuple[int, int, int, int]:
@@ -138,7 +182,11 @@ def parse(spec: str) -> tuple[int, int, int, int]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="+", default=["1x2048:5:4096", "2x1024:5:4096", "2x1024:3:4096", "2x1024:3:2048", "4x512:3:4096"])
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=["1x2048:5:4096", "2x1024:5:4096", "2x1024:3:4096", "2x1024:3:2048", "4x512:3:4096"],
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/results/ttt_profile.json")
     args = ap.parse_args(argv)
@@ -149,10 +197,31 @@ def main(argv=None) -> dict:
         r = profile(*parse(spec), repeats=args.repeats, peak=peak)
         runs.append(r)
         s = r["seconds"]
-        rows.append([spec, f"{s['step']:.2f}", *(f"{s[k]:.2f} ({100 * s[k] / s['step']:.0f}%)" for k in ("head", "attention", "layer", "optimizer")),
-                     f"{s['host'] * 1000:.0f} ms", f"{r['tokens_per_s']:.0f}", f"{100 * r['flop_share']:.1f}%"])
+        rows.append(
+            [
+                spec,
+                f"{s['step']:.2f}",
+                *(f"{s[k]:.2f} ({100 * s[k] / s['step']:.0f}%)" for k in ("head", "attention", "layer", "optimizer")),
+                f"{s['host'] * 1000:.0f} ms",
+                f"{r['tokens_per_s']:.0f}",
+                f"{100 * r['flop_share']:.1f}%",
+            ]
+        )
         print(f"  {spec}: {r['tokens_per_s']:.0f} tok/s", flush=True)
-    print_table(["rows x len : TTT : Vd", "step s", "head", "attention", "layer", "optimizer", "host", "tok/s", "of matmul peak"], rows)
+    print_table(
+        [
+            "rows x len : TTT : Vd",
+            "step s",
+            "head",
+            "attention",
+            "layer",
+            "optimizer",
+            "host",
+            "tok/s",
+            "of matmul peak",
+        ],
+        rows,
+    )
     result = {"peak_flops": peak, "runs": runs}
     write_json(args.out, result)
     return result

@@ -35,7 +35,9 @@ def heldout_at(run_dir: Path, step: int) -> dict:
         rec = json.loads(line)
         if rec["step"] == step and "heldout_acc_per_position" in rec:
             return rec
-    raise SystemExit(f"{run_dir}: no held-out record at step {step}; set eval.path and eval.every (a divisor of --steps)")
+    raise SystemExit(
+        f"{run_dir}: no held-out record at step {step}; set eval.path and eval.every (a divisor of --steps)"
+    )
 
 
 def main(argv=None) -> dict:
@@ -46,12 +48,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--starts", nargs="+", default=list(STARTS), choices=list(STARTS))
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--runs", default="runs/warm_start", help="one run directory per start and kind below this")
-    ap.add_argument("--questions", nargs="+", default=["../shared/data/eval/mt_bench.jsonl", "../shared/data/eval/gsm8k.jsonl"])
+    ap.add_argument(
+        "--questions", nargs="+", default=["../shared/data/eval/mt_bench.jsonl", "../shared/data/eval/gsm8k.jsonl"]
+    )
     ap.add_argument("--n-questions", type=int, default=16)
     ap.add_argument("--k", type=int, default=3, help="chain depth of the acceptance measurement")
     ap.add_argument("--max-new", type=int, default=96)
-    ap.add_argument("--baselines", nargs="*", default=["assets/smollm2/drafter-eagle3", "assets/smollm2/drafter-eagle3.1"],
-                    help="drafters measured beside the runs' (acceptance only)")
+    ap.add_argument(
+        "--baselines",
+        nargs="*",
+        default=["assets/smollm2/drafter-eagle3", "assets/smollm2/drafter-eagle3.1"],
+        help="drafters measured beside the runs' (acceptance only)",
+    )
     ap.add_argument("--out", default="bench/results/warm_start.json")
     args = ap.parse_args(argv)
 
@@ -59,32 +67,100 @@ def main(argv=None) -> dict:
     for kind in args.kinds:
         for start in args.starts:
             run_dir = Path(args.runs) / f"{kind}-{start}"
-            cfg = load_config(args.config, [*args.set, *KINDS[kind], *STARTS[start], f"run_dir={run_dir}",
-                                            f"eval.every={args.steps}", f"log.every={args.steps}"])
+            cfg = load_config(
+                args.config,
+                [
+                    *args.set,
+                    *KINDS[kind],
+                    *STARTS[start],
+                    f"run_dir={run_dir}",
+                    f"eval.every={args.steps}",
+                    f"log.every={args.steps}",
+                ],
+            )
             train(cfg, stop_after=args.steps)
             rec = heldout_at(run_dir, args.steps)
-            out = Path(args.runs) / "exports" / f"{kind}-{start}-step{args.steps}"  # bench.acceptance names a drafter by its folder
+            out = (
+                Path(args.runs) / "exports" / f"{kind}-{start}-step{args.steps}"
+            )  # bench.acceptance names a drafter by its folder
             export_checkpoint(run_dir / "checkpoints", out)
             drafters[f"{kind}-{start}"] = str(out)
-            runs.append({"kind": kind, "start": start, "run_dir": str(run_dir), "step": args.steps,
-                         "train_acc_per_position": rec["acc_per_position"], **{k: v for k, v in rec.items() if k.startswith("heldout")}})
+            runs.append(
+                {
+                    "kind": kind,
+                    "start": start,
+                    "run_dir": str(run_dir),
+                    "step": args.steps,
+                    "train_acc_per_position": rec["acc_per_position"],
+                    **{k: v for k, v in rec.items() if k.startswith("heldout")},
+                }
+            )
     target = load_config(args.config, args.set)["target"]["path"]
-    acc = acceptance.main(["--target", target, "--drafters", *drafters.values(), *args.baselines, "--ks", str(args.k), "--trees", "--temperatures", "0",
-                           "--n-prompts", "0", "--questions", *args.questions, "--n-questions", str(args.n_questions),
-                           "--max-new", str(args.max_new), "--batch-size", "16", "--out", str(Path(args.out).with_suffix(".acceptance.json")),
-                           "--plot", ""])
+    acc = acceptance.main(
+        [
+            "--target",
+            target,
+            "--drafters",
+            *drafters.values(),
+            *args.baselines,
+            "--ks",
+            str(args.k),
+            "--trees",
+            "--temperatures",
+            "0",
+            "--n-prompts",
+            "0",
+            "--questions",
+            *args.questions,
+            "--n-questions",
+            str(args.n_questions),
+            "--max-new",
+            str(args.max_new),
+            "--batch-size",
+            "16",
+            "--out",
+            str(Path(args.out).with_suffix(".acceptance.json")),
+            "--plot",
+            "",
+        ]
+    )
     for run in runs:
         folder = Path(drafters[f"{run['kind']}-{run['start']}"]).name
         run["al"] = {r["dataset"]: r["al_mean"] for r in acc["runs"] if r["drafter"].startswith(folder + " (")}
-    rows = [[r["kind"], r["start"], " ".join(f"{a:.3f}" for a in r["heldout_acc_per_position"]), f"{r['heldout_simulated_al']:.2f}",
-             " ".join(f"{a:.3f}" for a in r["train_acc_per_position"]), *(f"{r['al'].get(Path(q).stem, float('nan')):.2f}" for q in args.questions)]
-            for r in runs]
-    print_table(["kind", "start", "held-out TTT acc per position", "sim. AL", "train acc (last log)",
-                 *(f"AL K={args.k} {Path(q).stem}" for q in args.questions)], rows)
-    baselines = {b: {r["dataset"]: r["al_mean"] for r in acc["runs"] if r["drafter"].startswith(Path(b).name + " (")} for b in args.baselines}
+    rows = [
+        [
+            r["kind"],
+            r["start"],
+            " ".join(f"{a:.3f}" for a in r["heldout_acc_per_position"]),
+            f"{r['heldout_simulated_al']:.2f}",
+            " ".join(f"{a:.3f}" for a in r["train_acc_per_position"]),
+            *(f"{r['al'].get(Path(q).stem, float('nan')):.2f}" for q in args.questions),
+        ]
+        for r in runs
+    ]
+    print_table(
+        [
+            "kind",
+            "start",
+            "held-out TTT acc per position",
+            "sim. AL",
+            "train acc (last log)",
+            *(f"AL K={args.k} {Path(q).stem}" for q in args.questions),
+        ],
+        rows,
+    )
+    baselines = {
+        b: {r["dataset"]: r["al_mean"] for r in acc["runs"] if r["drafter"].startswith(Path(b).name + " (")}
+        for b in args.baselines
+    }
     if baselines:
-        print_table(["baseline", *(f"AL K={args.k} {Path(q).stem}" for q in args.questions)],
-                    [[b, *(f"{al.get(Path(q).stem, float('nan')):.2f}" for q in args.questions)] for b, al in baselines.items()])
+        print_table(
+            ["baseline", *(f"AL K={args.k} {Path(q).stem}" for q in args.questions)],
+            [
+                [b, *(f"{al.get(Path(q).stem, float('nan')):.2f}" for q in args.questions)]
+                for b, al in baselines.items()
+            ],
+        )
     result = {"settings": vars(args), "runs": runs, "baselines": baselines}
     write_json(args.out, result)
     return result

@@ -44,8 +44,15 @@ def _tiny_random_pair(workdir: Path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=1024,
+    )
     hf = LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(workdir / "target")
     target = eagle_jax.load_target(workdir / "target")
@@ -55,8 +62,18 @@ def _tiny_random_pair(workdir: Path):
     ours = np.asarray(target(ids.numpy())[0])
     err = float(np.abs(ours - ref).max() / np.abs(ref).max())
     print(f"imported a random HF Llama: JAX vs transformers logits, max-abs relative error {err:.2e}")
-    dc = eagle_jax.DrafterConfig(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256,
-                                 vocab_size=512, draft_vocab_size=512, target_hidden_size=128, fc_norm=True, norm_output=True)
+    dc = eagle_jax.DrafterConfig(
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        vocab_size=512,
+        draft_vocab_size=512,
+        target_hidden_size=128,
+        fc_norm=True,
+        norm_output=True,
+    )
     eagle_jax.save_drafter(eagle_jax.Drafter(dc, target.embed_tokens[...]), workdir / "drafter")
     drafter = eagle_jax.load_drafter(workdir / "drafter", target)
     return target, drafter, None, [list(range(1, 17))]
@@ -64,13 +81,23 @@ def _tiny_random_pair(workdir: Path):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or a named model "
-                                     "(eagle-jax-fetch --list; default: the bundled target)")
-    ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id (default: the bundled EAGLE-3.1 drafter); "
-                                      "'none': plain decoding only")
+    ap.add_argument(
+        "--target",
+        help="HF target checkpoint directory or Hub repo id, a .gguf file, or a named model "
+        "(eagle-jax-fetch --list; default: the bundled target)",
+    )
+    ap.add_argument(
+        "--drafter",
+        help="drafter checkpoint directory or Hub repo id (default: the bundled EAGLE-3.1 drafter); "
+        "'none': plain decoding only",
+    )
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="raw text to continue")
-    ap.add_argument("--chat", metavar="MESSAGE", help="a user message, sent through the target's chat template "
-                                                      "(its default system prompt included) instead of --prompt")
+    ap.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        help="a user message, sent through the target's chat template "
+        "(its default system prompt included) instead of --prompt",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5, help="chain speculation depth")
     ap.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree (top_k 8, depth 5, 48 nodes)")
@@ -82,9 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     tmp = None
     random_model = args.target is None and not bundled.available()
     if random_model:
-        print(f"WARNING: the bundled models are not installed ({bundled.ASSETS}): running on a tiny RANDOM target with an\n"
-              f"untrained drafter instead. Acceptance length and speedup below mean nothing; they only show the\n"
-              f"pipeline runs. Use an editable install of the repository, or pass --target and --drafter.")
+        print(
+            f"WARNING: the bundled models are not installed ({bundled.ASSETS}): running on a tiny RANDOM target with an\n"
+            f"untrained drafter instead. Acceptance length and speedup below mean nothing; they only show the\n"
+            f"pipeline runs. Use an editable install of the repository, or pass --target and --drafter."
+        )
         tmp = tempfile.TemporaryDirectory()
         target, drafter, tokenizer, prompts = _tiny_random_pair(Path(tmp.name))
     else:
@@ -100,8 +129,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.chat is not None:
             if tokenizer.chat_template is None:
                 ap.error(f"--chat: the target {target_dir} has no chat template; use --prompt")
-            prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True,
-                                                          tokenize=True, return_dict=True)["input_ids"])]
+            prompts = [
+                list(
+                    tokenizer.apply_chat_template(
+                        [{"role": "user", "content": args.chat}],
+                        add_generation_prompt=True,
+                        tokenize=True,
+                        return_dict=True,
+                    )["input_ids"]
+                )
+            ]
         else:  # the tokenizer's own special tokens: Gemma's <bos>, nothing for SmolLM2
             prompts = [tokenizer.encode(args.prompt)]
     spec = SpecConfig(method="tree") if args.tree else SpecConfig(num_speculative_tokens=args.k)
@@ -130,7 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"speculative ({method}) output vs plain output: {same}")
     print(f"acceptance length: {spec_run.acceptance_length:.2f} tokens per target forward{note}")
     print(f"plain:       {plain.tokens_per_s:8.1f} tokens/s{note}")
-    print(f"speculative: {spec_run.tokens_per_s:8.1f} tokens/s  ({spec_run.tokens_per_s / plain.tokens_per_s:.2f}x){note}")
+    print(
+        f"speculative: {spec_run.tokens_per_s:8.1f} tokens/s  ({spec_run.tokens_per_s / plain.tokens_per_s:.2f}x){note}"
+    )
     if tmp is not None:
         tmp.cleanup()
 

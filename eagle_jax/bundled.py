@@ -76,6 +76,14 @@ def available(variant: str = DEFAULT_DRAFTER) -> bool:
 
 
 __all__ = [
-    "ASSETS", "CONFIGS", "REPO", "BundleNotFound", "available", "config_path", "drafter_dir", "manifest_path",
-    "target_dir", "tokenizer_dir",
+    "ASSETS",
+    "CONFIGS",
+    "REPO",
+    "BundleNotFound",
+    "available",
+    "config_path",
+    "drafter_dir",
+    "manifest_path",
+    "target_dir",
+    "tokenizer_dir",
 ]

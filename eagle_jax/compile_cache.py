@@ -98,11 +98,15 @@ class _FlatProgram:
     def __call__(self, *args):
         leaves, tree = jax.tree.flatten(args)
         if tree != self._in_tree:
-            raise TypeError(f"arguments {tree} do not have the structure the program was compiled for ({self._in_tree})")
+            raise TypeError(
+                f"arguments {tree} do not have the structure the program was compiled for ({self._in_tree})"
+            )
         return jax.tree.unflatten(self._out_tree, self._compiled(*leaves))
 
 
-def compile_program(fn: Callable, abstract: Sequence[Any], *, donate_argnums: Sequence[int] = (), fingerprint: str) -> Callable:
+def compile_program(
+    fn: Callable, abstract: Sequence[Any], *, donate_argnums: Sequence[int] = (), fingerprint: str
+) -> Callable:
     """``jax.jit(fn, donate_argnums).lower(*abstract).compile()``; with the cache on (``enable``) the traced
     program is also stored, keyed by ``fingerprint`` (everything ``fn`` closes over that shapes the
     program: configs, plan), the arguments' structure, shapes, dtypes and shardings, the devices and the

@@ -76,12 +76,23 @@ def generate(
     on the target's logits at every verified position, so the output is plain decoding's under the
     same processors (greedy) or the processed distribution (sampling).
     """
-    sampling = SamplingParams(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias or (),
-                              min_tokens)
+    sampling = SamplingParams(
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        logit_bias or (),
+        min_tokens,
+    )
     kw = dict(sampling=sampling, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=mesh, exact=exact)
     if _wants_auto(drafter, spec):
         return AutoRun(target, drafter, prompts, max_new_tokens, kw).result(tokenizer)
-    plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, sampling, spec, eos_token_id, tokenizer, mesh, exact)
+    plan, prompt, lens, rs = calls.prepare(
+        target, drafter, prompts, max_new_tokens, sampling, spec, eos_token_id, tokenizer, mesh, exact
+    )
     state, compile_s, run_s = calls.run_whole(calls.split_pair(target, drafter, mesh), plan, prompt, lens, rs, seed)
     return calls.result(state, plan, compile_s, run_s, tokenizer)
 
@@ -118,8 +129,17 @@ def generate_stream(
     once a depth is chosen: its choices run in the chunks a stream can wait for)."""
     if rounds_per_chunk < 1:
         raise ConfigError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
-    sampling = SamplingParams(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias or (),
-                              min_tokens)
+    sampling = SamplingParams(
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        logit_bias or (),
+        min_tokens,
+    )
     if _wants_auto(drafter, spec):  # streams AutoRun's chunks
         kw = dict(sampling=sampling, eos_token_id=eos_token_id, seed=seed, tokenizer=tokenizer, mesh=None, exact=exact)
         sent = [0] * len(prompts)
@@ -128,7 +148,9 @@ def generate_stream(
             if any(new):
                 yield new
         return
-    plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, sampling, spec, eos_token_id, tokenizer, None, exact)
+    plan, prompt, lens, rs = calls.prepare(
+        target, drafter, prompts, max_new_tokens, sampling, spec, eos_token_id, tokenizer, None, exact
+    )
     t_graph, t_state, d_graph, d_state = calls.split_pair(target, drafter, None)
 
     def begin(t_state, d_state, prompt, lens, rs, key):

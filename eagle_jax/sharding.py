@@ -86,7 +86,9 @@ def make_mesh(
     return Mesh(np.asarray(devices, dtype=object).reshape(sizes), axes)
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> PartitionSpec:
+def logical_to_spec(
+    axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None
+) -> PartitionSpec:
     """PartitionSpec for logical ``axes``; with ``shape`` and ``mesh``, non-dividing dims are replicated."""
     out: list[Any] = []
     used: set[str] = set()

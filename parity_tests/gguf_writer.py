@@ -44,7 +44,11 @@ _LAYER = {
 def gguf_name(hf_key: str) -> str:
     if not hf_key.startswith(("model.", "lm_head")):
         return hf_key  # already a llama.cpp name
-    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_key in glob:
         return glob[hf_key]
     _, _, i, rest = hf_key.split(".", 3)
@@ -137,7 +141,9 @@ def write_gguf(
             value = permute_rows(value, config["num_attention_heads"])
         elif arch == "llama" and key.endswith(("k_proj.weight", "k_proj.bias")):
             value = permute_rows(value, config["num_key_value_heads"])
-        kind = (tensor_qtypes or {}).get(key) or (embed_qtype if (embed_qtype and key == "model.embed_tokens.weight") else qtype)
+        kind = (tensor_qtypes or {}).get(key) or (
+            embed_qtype if (embed_qtype and key == "model.embed_tokens.weight") else qtype
+        )
         if kind == "BF16" and value.ndim >= 2:
             data, raw = quantize(value, Q.BF16), Q.BF16
         else:

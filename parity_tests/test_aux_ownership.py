@@ -62,7 +62,11 @@ def pair_dirs(tmp_path_factory):
             ref.embed_tokens.weight.copy_(hf.model.embed_tokens.weight)
         path = root / name
         path.mkdir()
-        sd = {k: v.detach().clone().contiguous() for k, v in ref.state_dict().items() if k not in ("embed_tokens.weight", "d2t", "t2d")}
+        sd = {
+            k: v.detach().clone().contiguous()
+            for k, v in ref.state_dict().items()
+            if k not in ("embed_tokens.weight", "d2t", "t2d")
+        }
         save_file(sd, str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps(cfg))
         refs[name], dirs[name] = ref.eval(), path
@@ -139,13 +143,19 @@ def test_one_target_many_drafters_any_order(pair_dirs):
         ref = _ref_draft_logits(hf, refs[name], ids, prompts)
         assert first.tolist() == [w[0] for w in want]
         err = rel_err(d_logits, ref)
-        assert err <= 1e-5, f"{name}: drafter logits over the target's layers {ids} differ from the reference: {err:.2e}"
-        out = eagle_jax.generate(target, drafter, prompts, max_new_tokens=NEW, spec={"num_speculative_tokens": 3}, eos_token_id=[])
+        assert err <= 1e-5, (
+            f"{name}: drafter logits over the target's layers {ids} differ from the reference: {err:.2e}"
+        )
+        out = eagle_jax.generate(
+            target, drafter, prompts, max_new_tokens=NEW, spec={"num_speculative_tokens": 3}, eos_token_id=[]
+        )
         assert out.tokens == want, f"{name}: speculative greedy != HF greedy"
         results[name] = (out.tokens, out.accepted)
 
     # Loaded again, in another order, after the others: the same drafts, the same acceptance.
     for name in ["ids_246", "ids_1356", "default"]:
         again = eagle_jax.load_drafter(dirs[name], target)
-        out = eagle_jax.generate(target, again, prompts, max_new_tokens=NEW, spec={"num_speculative_tokens": 3}, eos_token_id=[])
+        out = eagle_jax.generate(
+            target, again, prompts, max_new_tokens=NEW, spec={"num_speculative_tokens": 3}, eos_token_id=[]
+        )
         assert (out.tokens, out.accepted) == results[name], f"{name}: results depend on the order drafters were loaded"

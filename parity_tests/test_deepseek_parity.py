@@ -152,7 +152,10 @@ def hf_models(tmp_path_factory):
             if fmt == "state_dict":
                 for f in path.glob("*.safetensors"):
                     f.unlink()
-                torch.save({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, path / "pytorch_model.bin")
+                torch.save(
+                    {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+                    path / "pytorch_model.bin",
+                )
             reloaded = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
             cache[(case, fmt)] = (path, reloaded)
         return cache[(case, fmt)]
@@ -172,7 +175,9 @@ def check_logits(target, hf_model, ids, record, device="cpu") -> None:
     logits, aux = target(jnp.asarray(ids), tuple(range(num_layers)))
     errs = {}
     for i in range(num_layers):
-        errs[f"hidden_states[{i}]"] = record(f"hidden_states[{i}]", rel_err(aux[..., i * hidden : (i + 1) * hidden], hf_hidden[i]))
+        errs[f"hidden_states[{i}]"] = record(
+            f"hidden_states[{i}]", rel_err(aux[..., i * hidden : (i + 1) * hidden], hf_hidden[i])
+        )
     errs["logits"] = record("logits", rel_err(logits, hf_logits))
     bad = {k: v for k, v in errs.items() if v > FP32_TOL}
     assert not bad, f"differ from HF: {bad}"
@@ -210,7 +215,9 @@ def test_router_matches_hf(hf_models, record_error):
     router.e_score_correction_bias.set_value(jnp.asarray(hf_gate.e_score_correction_bias.numpy()))
     w, idx = router(jnp.asarray(x.numpy()))
     order_hf, order = np.argsort(hf_idx.numpy(), axis=1), np.argsort(np.asarray(idx), axis=1)
-    assert np.array_equal(np.take_along_axis(hf_idx.numpy(), order_hf, 1), np.take_along_axis(np.asarray(idx), order, 1))
+    assert np.array_equal(
+        np.take_along_axis(hf_idx.numpy(), order_hf, 1), np.take_along_axis(np.asarray(idx), order, 1)
+    )
     got_w, want_w = np.take_along_axis(np.asarray(w), order, 1), np.take_along_axis(hf_w.numpy(), order_hf, 1)
     assert record_error("weights", rel_err(got_w, want_w)) <= 1e-6
 
@@ -241,7 +248,9 @@ def prefill_then_decode(target, ids: np.ndarray, lengths, cache_len: int, block:
     for r in range(b):  # past a row's length: tokens that differ from its continuation, overwritten later
         prompt[r, lengths[r] :] = (ids[r, lengths[r] : p] + 1) % VOCAB
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    hidden, _, cache = target.forward(jnp.asarray(prompt), pos, window_mask(pos, pos, None), cache, jnp.zeros(b, jnp.int32))
+    hidden, _, cache = target.forward(
+        jnp.asarray(prompt), pos, window_mask(pos, pos, None), cache, jnp.zeros(b, jnp.int32)
+    )
     logits = np.asarray(target.logits(hidden))
     where = [(r, t) for r in range(b) for t in range(lengths[r])]
     out = {"prefill": (np.stack([logits[r, t] for r, t in where]), where)}
@@ -288,8 +297,10 @@ def test_cached_decoding(case, device, hf_models, input_ids, record_error):
     path, hf_model = hf_models(case)
     hf_logits = hf_forward(hf_model, input_ids, device)[0].numpy()
     target = JittedTarget(eagle_jax.load_target(path))
-    runs = {"absorbed": cached_decode(target, input_ids, (7, 11), block=3, singles=4),
-            "expanded": prefill_then_decode(target, input_ids, (7, 11), cache_len=SEQ + 8)}
+    runs = {
+        "absorbed": cached_decode(target, input_ids, (7, 11), block=3, singles=4),
+        "expanded": prefill_then_decode(target, input_ids, (7, 11), cache_len=SEQ + 8),
+    }
     for form, phases in runs.items():
         for phase, (got, where) in phases.items():
             want = np.stack([hf_logits[r, t] for r, t in where])
@@ -305,33 +316,85 @@ def test_latent_cache_holds_latent_and_rope_key_only(hf_models):
     numbers = sum(x.size for x in jax.tree.leaves(cache)) / (b * s * target.config.num_layers)
     assert numbers == BASE["kv_lora_rank"] + BASE["qk_rope_head_dim"] == 40
     assert all(k.shape == (b, 1, s, 32) for k in cache.k) and all(v.shape == (b, 1, s, 8) for v in cache.v)
-    per_head_kv = BASE["num_attention_heads"] * (BASE["qk_nope_head_dim"] + BASE["qk_rope_head_dim"] + BASE["v_head_dim"])
+    per_head_kv = BASE["num_attention_heads"] * (
+        BASE["qk_nope_head_dim"] + BASE["qk_rope_head_dim"] + BASE["v_head_dim"]
+    )
     assert per_head_kv == 160  # what the same model would cache per token and layer without the latent
 
 
 # Published config.json fields (the architecture's sizes only) of the two models the docstring table covers.
 DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
-    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
-    num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
-    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8,
-    topk_group=4, num_experts_per_tok=8, moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True,
-    scoring_func="sigmoid", num_nextn_predict_layers=1, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
-    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                  "original_max_position_embeddings": 4096, "type": "yarn"},
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    topk_method="noaux_tc",
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    moe_layer_freq=1,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    num_nextn_predict_layers=1,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_theta=10000,
+    rope_scaling={
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
 )
 KIMI_K2 = dict(
-    DEEPSEEK_V3, model_type="kimi_k2", vocab_size=163840, num_attention_heads=64, num_key_value_heads=64,
-    n_routed_experts=384, routed_scaling_factor=2.827, n_group=1, topk_group=1, first_k_dense_replace=1,
-    num_nextn_predict_layers=0, max_position_embeddings=131072, rope_theta=50000.0,
-    rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                  "original_max_position_embeddings": 4096, "type": "yarn"},
+    DEEPSEEK_V3,
+    model_type="kimi_k2",
+    vocab_size=163840,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    n_routed_experts=384,
+    routed_scaling_factor=2.827,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=131072,
+    rope_theta=50000.0,
+    rope_scaling={
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
 )
 
 
 @pytest.mark.parametrize(
     "name,raw,params,mla_bytes,mha_bytes",
-    [("DeepSeek-V3", DEEPSEEK_V3, 671_026_419_200, 70272, 4997120), ("Kimi-K2", KIMI_K2, 1_026_408_232_448, 70272, 2498560)],
+    [
+        ("DeepSeek-V3", DEEPSEEK_V3, 671_026_419_200, 70272, 4997120),
+        ("Kimi-K2", KIMI_K2, 1_026_408_232_448, 70272, 2498560),
+    ],
 )
 def test_full_size_configs(name, raw, params, mla_bytes, mha_bytes):
     """The published configs read as DeepSeek-V3 targets of the published sizes (671B parameters, the
@@ -358,7 +421,9 @@ def test_full_size_configs(name, raw, params, mla_bytes, mha_bytes):
         mask = jnp.ones((2, 4, 64), bool)
         return nnx.merge(graph, state).forward(ids, ids, mask, cache, jnp.zeros(2, jnp.int32), (0, dense))
 
-    hidden, aux, cache = jax.eval_shape(step, state, jax.eval_shape(lambda: KVCache.for_config(short, 2, 64, jnp.bfloat16)))
+    hidden, aux, cache = jax.eval_shape(
+        step, state, jax.eval_shape(lambda: KVCache.for_config(short, 2, 64, jnp.bfloat16))
+    )
     assert hidden.shape == (2, 4, 7168) and aux.shape == (2, 4, 2 * 7168) and cache.k[-1].shape == (2, 1, 64, 512)
 
 
@@ -376,7 +441,9 @@ def test_greedy_generate_equals_hf(hf_models):
     hf_model.generation_config.eos_token_id = None
     for prompt, got in zip(prompts, out.tokens):
         with torch.no_grad():
-            want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt) :].tolist()
+            want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[
+                0, len(prompt) :
+            ].tolist()
         assert got == want
 
 
@@ -401,8 +468,21 @@ def test_save_target_round_trip(hf_models, input_ids, record_error, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(reloaded) is DeepseekV3ForCausalLM
     a, b = reloaded.config, hf_model.config
-    fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_group",
-              "topk_group", "first_k_dense_replace", "n_shared_experts", "routed_scaling_factor", "norm_topk_prob", "rope_interleave")
+    fields = (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "n_group",
+        "topk_group",
+        "first_k_dense_replace",
+        "n_shared_experts",
+        "routed_scaling_factor",
+        "norm_topk_prob",
+        "rope_interleave",
+    )
     assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
     assert a.rope_parameters == b.rope_parameters
     want, _ = hf_forward(hf_model, input_ids)
@@ -419,7 +499,10 @@ def test_fused_expert_state_dict(hf_models, input_ids, record_error):
     down_proj [E, ...]) loads to the same logits."""
     path, hf_model = hf_models("direct_q", fmt="state_dict")
     stored = torch.load(path / "pytorch_model.bin", weights_only=True)
-    assert "model.layers.0.mlp.experts.gate_up_proj" in stored and "model.layers.0.mlp.experts.0.up_proj.weight" not in stored
+    assert (
+        "model.layers.0.mlp.experts.gate_up_proj" in stored
+        and "model.layers.0.mlp.experts.0.up_proj.weight" not in stored
+    )
     hf_logits, _ = hf_forward(hf_model, input_ids)
     logits, _ = eagle_jax.load_target(path)(jnp.asarray(input_ids))
     assert record_error("logits", rel_err(logits, hf_logits)) <= FP32_TOL
@@ -436,7 +519,10 @@ def test_kimi_k2_config_json(hf_models, input_ids, record_error, tmp_path):
         rope_theta=rope.pop("rope_theta"),
         rope_scaling={**{k: v for k, v in rope.items() if k != "rope_type"}, "type": rope["rope_type"]},
         torch_dtype=cfg.pop("dtype"),
-        auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config", "AutoModel": "modeling_deepseek.DeepseekV3Model"},
+        auto_map={
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        },
         scoring_func="sigmoid",
         topk_method="noaux_tc",
         num_nextn_predict_layers=0,

@@ -214,7 +214,11 @@ def test_drafter_parity(case_name, dtype, device, hf_target, tmp_path, record_er
     # ---- what the loader read
     dc = drafter.config
     assert drafter.dtype == jdt
-    assert (dc.fc_norm, dc.norm_output, dc.norm_before_fc) == (ref_cfg.fc_norm, ref_cfg.norm_output, ref_cfg.norm_before_fc)
+    assert (dc.fc_norm, dc.norm_output, dc.norm_before_fc) == (
+        ref_cfg.fc_norm,
+        ref_cfg.norm_output,
+        ref_cfg.norm_before_fc,
+    )
     assert (dc.hidden_size, dc.target_hidden_size, dc.num_aux_hidden_states, dc.draft_vocab_size) == (
         ref_cfg.hidden_size,
         ref_cfg.target_hidden_size,
@@ -276,7 +280,12 @@ def test_drafter_parity(case_name, dtype, device, hf_target, tmp_path, record_er
     r_lg, r_nx, kv = ref.step(g_t[:, :T], ids_t[:, :T], pos_t[:, :T])
     g_n = host(g_j)
     j_lg, j_nx, _, cache = drafter.step(
-        dev(g_n[:, :T]), dev(ids_n[:, :T]), dev(pos[:, :T], np.int32), slot_mask(pos[:, :T], slots), cache, dev(np.zeros(B, np.int32))
+        dev(g_n[:, :T]),
+        dev(ids_n[:, :T]),
+        dev(pos[:, :T], np.int32),
+        slot_mask(pos[:, :T], slots),
+        cache,
+        dev(np.zeros(B, np.int32)),
     )
     ref_l, ref_n, jx_l, jx_n = [r_lg], [r_nx], [j_lg], [j_nx]
     for t in range(T, n):
@@ -319,7 +328,9 @@ def test_drafter_parity(case_name, dtype, device, hf_target, tmp_path, record_er
     out = tmp_path / "saved"
     eagle_jax.save_drafter(drafter, out)
     cfg2 = RefDrafterConfig.from_dict(json.loads((out / "config.json").read_text()))
-    assert dataclasses.asdict(cfg2) == dataclasses.asdict(ref_cfg), "config.json written by save_drafter reads back differently"
+    assert dataclasses.asdict(cfg2) == dataclasses.asdict(ref_cfg), (
+        "config.json written by save_drafter reads back differently"
+    )
     sd2 = load_file(str(out / "model.safetensors"))
     assert all(v.dtype == tdt for k, v in sd2.items() if k not in ("d2t", "t2d")), {k: v.dtype for k, v in sd2.items()}
     assert sd2["d2t"].dtype == torch.int64 and sd2["t2d"].dtype == torch.bool

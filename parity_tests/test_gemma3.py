@@ -75,7 +75,10 @@ def tiny(tmp_path_factory):
         if dtype not in cache:
             path = root / str(dtype).replace("torch.", "")
             build_gemma3().to(dtype).save_pretrained(path)
-            cache[dtype] = path, AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+            cache[dtype] = (
+                path,
+                AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval(),
+            )
         return cache[dtype]
 
     return get
@@ -151,7 +154,9 @@ def test_tiny_gemma3_greedy_generate_equals_transformers(tiny):
     out = eagle_jax.generate(target, None, prompts, max_new_tokens=20, eos_token_id=[])
     for prompt, got in zip(prompts, out.tokens):
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+            ref = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
         assert got == ref[0, len(prompt) :].tolist()
         assert len(prompt) + len(got) > 3 * WINDOW
 
@@ -162,7 +167,10 @@ def test_tiny_gemma3_save_round_trip(tiny, input_ids, tmp_path, record_error):
     eagle_jax.save_target(eagle_jax.load_target(path), tmp_path / "saved")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="eager").eval()
     assert type(reloaded).__name__ == "Gemma3ForCausalLM"
-    assert reloaded.config.layer_types == LAYER_TYPES and reloaded.config.rope_parameters == hf_model.config.rope_parameters
+    assert (
+        reloaded.config.layer_types == LAYER_TYPES
+        and reloaded.config.rope_parameters == hf_model.config.rope_parameters
+    )
     want, _ = hf_forward(hf_model, input_ids)
     got, _ = hf_forward(reloaded, input_ids)
     assert record_error("logits", rel_err(got, want)) <= 1e-6
@@ -174,7 +182,10 @@ def test_tiny_gemma3_save_round_trip(tiny, input_ids, tmp_path, record_error):
         (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
         (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
         (dict(hidden_activation="gelu"), "hidden_activation"),
-        (dict(rope_parameters={"full_attention": {"rope_type": "longrope", "rope_theta": 1e6, "factor": 2.0}}), "rope_type"),
+        (
+            dict(rope_parameters={"full_attention": {"rope_type": "longrope", "rope_theta": 1e6, "factor": 2.0}}),
+            "rope_type",
+        ),
         (dict(architectures=["Gemma3ForConditionalGeneration"], vision_config={}), "vision"),
         (dict(layer_types=[SLIDING_LAYER, "chunked_attention", FULL_LAYER, SLIDING_LAYER]), "layer_types"),
     ],
@@ -230,8 +241,16 @@ def tiny_gemma3_gguf(tmp_path, extra_tensors: dict | None = None, extra_meta: di
     """A 6-layer GGUF (llama.cpp's fixed pattern: layer 5 global) at head_dim 256, where llama.cpp's query
     scale (1/sqrt(head_dim)) and transformers' default (query_pre_attn_scalar 256) agree; window 4."""
     model = build_gemma3(
-        num_hidden_layers=6, layer_types=None, head_dim=256, query_pre_attn_scalar=256, sliding_window=4,
-        num_attention_heads=2, num_key_value_heads=1, rope_local_base_freq=10000.0, rope_theta=1e6, final_logit_softcapping=None,
+        num_hidden_layers=6,
+        layer_types=None,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_local_base_freq=10000.0,
+        rope_theta=1e6,
+        final_logit_softcapping=None,
     )
     cfg = dict(model.config.to_dict(), model_type="gemma3", rope_theta=1e6)
     state = {**gguf_state(model), **(extra_tensors or {})}
@@ -240,13 +259,17 @@ def tiny_gemma3_gguf(tmp_path, extra_tensors: dict | None = None, extra_meta: di
 
 def test_tiny_gemma3_gguf_matches_transformers(tmp_path, record_error):
     file, _ = tiny_gemma3_gguf(tmp_path)
-    ref = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32, attn_implementation="eager").eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     assert ref.config.layer_types[5] == FULL_LAYER and ref.config.sliding_window == 4
     target = eagle_jax.load_target(file, dtype="float32")
     assert target.config.architecture == "gemma3" and target.config.layer_types == tuple(ref.config.layer_types)
     # The (1 + w) offset is taken off again, as transformers does: the stored norms are HF's w.
     ours = target.layers[0].post_feedforward_layernorm.weight[...]
-    np.testing.assert_array_equal(np.asarray(ours), ref.model.layers[0].post_feedforward_layernorm.weight.detach().numpy())
+    np.testing.assert_array_equal(
+        np.asarray(ours), ref.model.layers[0].post_feedforward_layernorm.weight.detach().numpy()
+    )
     ids = np.random.default_rng(3).integers(3, VOCAB, (2, 20)).astype(np.int32)
     check_every_layer(target, ref, ids, "cpu", record_error, FP32_TOL, FP32_TOL)
 
@@ -260,7 +283,9 @@ def test_gemma3_gguf_with_a_vision_tower_is_refused(tmp_path):
 def test_gemma3_gguf_with_an_unknown_rope_scaling_is_refused(tmp_path):
     import gguf
 
-    file, _ = tiny_gemma3_gguf(tmp_path, extra_meta={"gemma3.rope.scaling.type": ("longrope", gguf.GGUFValueType.STRING)})
+    file, _ = tiny_gemma3_gguf(
+        tmp_path, extra_meta={"gemma3.rope.scaling.type": ("longrope", gguf.GGUFValueType.STRING)}
+    )
     with pytest.raises(CheckpointError, match="gemma3.rope.scaling.type"):
         eagle_jax.load_target(file)
 
@@ -268,7 +293,9 @@ def test_gemma3_gguf_with_an_unknown_rope_scaling_is_refused(tmp_path):
 # ------------------------------------------------------------------------------ the real 270M
 
 GEMMA3_270M = model_path("gemma-3-270m")
-needs_270m = pytest.mark.skipif(not GEMMA3_270M.exists(), reason=f"Gemma 3 270M is not cached ({GEMMA3_270M}): eagle-jax-fetch gemma-3-270m")
+needs_270m = pytest.mark.skipif(
+    not GEMMA3_270M.exists(), reason=f"Gemma 3 270M is not cached ({GEMMA3_270M}): eagle-jax-fetch gemma-3-270m"
+)
 
 
 def long_text() -> str:
@@ -285,7 +312,9 @@ def long_text() -> str:
 def real():
     """(our float32 target, transformers' float32 load of the same file, tokenizer), loaded once."""
     target = eagle_jax.load_target(GEMMA3_270M, dtype="float32")
-    ref = AutoModelForCausalLM.from_pretrained(GEMMA3_270M.parent, gguf_file=GEMMA3_270M.name, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        GEMMA3_270M.parent, gguf_file=GEMMA3_270M.name, dtype=torch.float32
+    ).eval()
     return target, ref, eagle_jax.load_tokenizer(GEMMA3_270M)
 
 
@@ -298,15 +327,29 @@ def test_real_gemma3_270m_every_layer_and_logits(real, length, record_error):
     target, ref, tok = real
     ids = tok(long_text())["input_ids"][:length]
     assert len(ids) == length and target.config.sliding_window == 512
-    keep = np.arange(length) if length <= 64 else np.unique(np.r_[np.linspace(0, length - 1, 40).astype(int), length - 8 + np.arange(8)])
+    keep = (
+        np.arange(length)
+        if length <= 64
+        else np.unique(np.r_[np.linspace(0, length - 1, 40).astype(int), length - 8 + np.arange(8)])
+    )
     with torch.no_grad():
         out = ref(torch.tensor([ids]), output_hidden_states=True, logits_to_keep=torch.tensor(keep))
     positions = jnp.arange(length, dtype=jnp.int32)[None]
     n, h = target.config.num_layers, target.config.hidden_size
-    hidden, aux, _ = target.forward(jnp.asarray([ids], jnp.int32), positions, jnp.tril(jnp.ones((1, length, length), bool)), aux_layer_ids=tuple(range(n)))
-    worst = max(record_error(f"hidden_states[{i}]", rel_err(aux[..., i * h : (i + 1) * h], out.hidden_states[i])) for i in range(n))
+    hidden, aux, _ = target.forward(
+        jnp.asarray([ids], jnp.int32),
+        positions,
+        jnp.tril(jnp.ones((1, length, length), bool)),
+        aux_layer_ids=tuple(range(n)),
+    )
+    worst = max(
+        record_error(f"hidden_states[{i}]", rel_err(aux[..., i * h : (i + 1) * h], out.hidden_states[i]))
+        for i in range(n)
+    )
     assert worst <= FP32_TOL
-    err = record_error(f"logits at {len(keep)} of {length} positions", rel_err(target.logits(hidden[:, keep]), out.logits))
+    err = record_error(
+        f"logits at {len(keep)} of {length} positions", rel_err(target.logits(hidden[:, keep]), out.logits)
+    )
     assert err <= FP32_TOL
 
 

@@ -30,7 +30,14 @@ from parity_tests.gguf_writer import K_QUANT_SCALES, WRITABLE, write_gguf
 FP32_TOL = 1e-5
 # Rows of 256 values, so the K-quants' 256-value blocks fit; Qwen3 at its real head_dim 128 (transformers'
 # GGUF config for qwen3 ignores key_length and assumes 128).
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 TYPES = WRITABLE + tuple(K_QUANT_SCALES)  # 13 types
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -53,7 +60,9 @@ def tiny_gguf(tmp_path, arch: str):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gguf_weights_and_logits_match_transformers(tmp_path, arch, record_error):
     file, types = tiny_gguf(tmp_path, arch)
-    ref = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32, attn_implementation="eager").eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     target = eagle_jax.load_target(file, dtype="float32")
     assert target.config.architecture == arch and target.config.num_layers == 2
     # Every tensor, whatever its type, dequantizes (and, for llama's q/k, un-permutes) to transformers' values.
@@ -72,7 +81,10 @@ def test_gguf_weights_and_logits_match_transformers(tmp_path, arch, record_error
 SMOLLM2 = model_path("smollm2-135m-instruct")
 
 
-@pytest.mark.skipif(not SMOLLM2.exists(), reason=f"SmolLM2-135M-Instruct is not cached ({SMOLLM2}): eagle-jax-fetch smollm2-135m-instruct")
+@pytest.mark.skipif(
+    not SMOLLM2.exists(),
+    reason=f"SmolLM2-135M-Instruct is not cached ({SMOLLM2}): eagle-jax-fetch smollm2-135m-instruct",
+)
 def test_real_smollm2_gguf_matches_transformers(record_error):
     start = time.perf_counter()
     target = eagle_jax.load_target(SMOLLM2, dtype="float32")
@@ -83,7 +95,7 @@ def test_real_smollm2_gguf_matches_transformers(record_error):
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits
-        greedy = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        greedy = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
     got, _ = target(jnp.asarray([ids], jnp.int32))
     print(f"[gguf] SmolLM2-135M-Instruct Q4_1 load_target: {load_s:.2f} s")
     assert record_error("SmolLM2-135M-Instruct logits", rel_err(got, want)) <= FP32_TOL

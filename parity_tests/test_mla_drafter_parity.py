@@ -47,8 +47,24 @@ B, T, STEPS, CHAIN = 2, 8, 3, 3
 TARGET_AUX = (0, 1, 2)  # eagle_jax's default for the 3-layer target
 TOL = 1e-5
 
-YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=6, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
-KIMI_YARN = dict(type="yarn", factor=64.0, original_max_position_embeddings=4, beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+YARN = dict(
+    type="yarn",
+    factor=4.0,
+    original_max_position_embeddings=6,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+)
+KIMI_YARN = dict(
+    type="yarn",
+    factor=64.0,
+    original_max_position_embeddings=4,
+    beta_fast=1.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
 
 BASE_CONFIG = {
     "architectures": ["Eagle3DeepseekV2ForCausalLM"],
@@ -97,11 +113,23 @@ CASES = {
     ),
     # SpecForge's name; direct q_proj; plain RoPE; fc_norm only; Vd < V with d2t/t2d.
     "fc_norm_direct_q_vocab_map": Case(
-        config={"architectures": ["DeepseekV3ForCausalLMEagle3"], "q_lora_rank": None, "rope_scaling": None,
-                "fc_norm": True, "draft_vocab_size": 80},
+        config={
+            "architectures": ["DeepseekV3ForCausalLMEagle3"],
+            "q_lora_rank": None,
+            "rope_scaling": None,
+            "fc_norm": True,
+            "draft_vocab_size": 80,
+        },
     ),
     # vLLM's V3 alias; norm_output only; model_type deepseek_v3; a large rms_norm_eps (the latent norms use it).
-    "norm_output": Case(config={"architectures": ["Eagle3DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "norm_output": True, "rms_norm_eps": 0.05}),
+    "norm_output": Case(
+        config={
+            "architectures": ["Eagle3DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "norm_output": True,
+            "rms_norm_eps": 0.05,
+        }
+    ),
 }
 
 
@@ -142,10 +170,24 @@ def test_mla_drafter_parity(case_name, device, hf_target, tmp_path, record_error
     dc = drafter.config
     assert dc.mla is not None and type(drafter.self_attn).__name__ == "MLAttention"
     assert dc.architectures == tuple(cfg["architectures"])
-    assert (dc.mla.q_lora_rank, dc.mla.kv_lora_rank, dc.mla.qk_nope_head_dim, dc.mla.qk_rope_head_dim, dc.mla.v_head_dim) == (
-        ref_cfg.q_lora_rank, ref_cfg.kv_lora_rank, ref_cfg.qk_nope_head_dim, ref_cfg.qk_rope_head_dim, ref_cfg.v_head_dim
+    assert (
+        dc.mla.q_lora_rank,
+        dc.mla.kv_lora_rank,
+        dc.mla.qk_nope_head_dim,
+        dc.mla.qk_rope_head_dim,
+        dc.mla.v_head_dim,
+    ) == (
+        ref_cfg.q_lora_rank,
+        ref_cfg.kv_lora_rank,
+        ref_cfg.qk_nope_head_dim,
+        ref_cfg.qk_rope_head_dim,
+        ref_cfg.v_head_dim,
     )
-    assert (dc.fc_norm, dc.norm_output, dc.draft_vocab_size) == (ref_cfg.fc_norm, ref_cfg.norm_output, ref_cfg.draft_vocab_size)
+    assert (dc.fc_norm, dc.norm_output, dc.draft_vocab_size) == (
+        ref_cfg.fc_norm,
+        ref_cfg.norm_output,
+        ref_cfg.draft_vocab_size,
+    )
     assert dc.rope.theta == ref_cfg.rope_theta
     assert dc.rope.type == (ref_cfg.rope_scaling or {"type": "default"})["type"]
     assert dc.aux_layer_ids == TARGET_AUX
@@ -178,13 +220,25 @@ def test_mla_drafter_parity(case_name, device, hf_target, tmp_path, record_error
     check("fuse", g_j, g_t)
     g_n = host(g_j)
     cache = drafter.init_cache(B, slots)
-    assert cache[0].shape == (B, 1, slots, dc.mla.kv_lora_rank) and cache[1].shape == (B, 1, slots, dc.mla.qk_rope_head_dim)
+    assert cache[0].shape == (B, 1, slots, dc.mla.kv_lora_rank) and cache[1].shape == (
+        B,
+        1,
+        slots,
+        dc.mla.qk_rope_head_dim,
+    )
     r_pre, r_pre_n, kv = ref.step(g_t[:, :T], ids_t[:, :T], pos_t[:, :T])
     block_mask = dev(np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T)))  # the block over itself
-    j_pre, j_pre_n, _, cache = drafter.step(dev(g_n[:, :T]), dev(ids_n[:, :T]), dev(pos[:, :T], np.int32), block_mask, cache, dev(np.zeros(B, np.int32)))
+    j_pre, j_pre_n, _, cache = drafter.step(
+        dev(g_n[:, :T]), dev(ids_n[:, :T]), dev(pos[:, :T], np.int32), block_mask, cache, dev(np.zeros(B, np.int32))
+    )
     r_blk, r_blk_n, kv = ref.step(g_t[:, T:n], ids_t[:, T:n], pos_t[:, T:n], past_kv=kv)
     j_blk, j_blk_n, _, cache = drafter.step(
-        dev(g_n[:, T:n]), dev(ids_n[:, T:n]), dev(pos[:, T:n], np.int32), slot_mask(pos[:, T:n], slots), cache, dev(np.full(B, T, np.int32))
+        dev(g_n[:, T:n]),
+        dev(ids_n[:, T:n]),
+        dev(pos[:, T:n], np.int32),
+        slot_mask(pos[:, T:n], slots),
+        cache,
+        dev(np.full(B, T, np.int32)),
     )
     check("cached_logits", np.concatenate([np32(j_pre), np32(j_blk)], 1), torch.cat([r_pre, r_blk], 1))
     check("cached_next_feature", np.concatenate([np32(j_pre_n), np32(j_blk_n)], 1), torch.cat([r_pre_n, r_blk_n], 1))
@@ -199,8 +253,12 @@ def test_mla_drafter_parity(case_name, device, hf_target, tmp_path, record_error
         p = n + i
         r_lg, r_feat, kv = ref.step(r_feat, token, torch.full((B, 1), p, device=tdev), past_kv=kv)
         j_lg, j_feat, _, cache = drafter.step(
-            j_feat, dev(token.cpu().numpy(), np.int32), dev(np.full((B, 1), p, np.int32)), slot_mask(np.full((B, 1), p), slots),
-            cache, dev(np.full(B, p, np.int32)),
+            j_feat,
+            dev(token.cpu().numpy(), np.int32),
+            dev(np.full((B, 1), p, np.int32)),
+            slot_mask(np.full((B, 1), p), slots),
+            cache,
+            dev(np.full(B, p, np.int32)),
         )
         chain_r += [r_lg, r_feat]
         chain_j += [j_lg, j_feat]
@@ -213,7 +271,9 @@ def test_mla_drafter_parity(case_name, device, hf_target, tmp_path, record_error
     saved_cfg = json.loads((out / "config.json").read_text())
     assert saved_cfg["architectures"] == cfg["architectures"] and saved_cfg["model_type"] == "deepseek_v3"
     cfg2 = RefDrafterConfig.from_dict(saved_cfg)
-    assert dataclasses.asdict(cfg2) == dataclasses.asdict(ref_cfg), "config.json written by save_drafter reads back differently"
+    assert dataclasses.asdict(cfg2) == dataclasses.asdict(ref_cfg), (
+        "config.json written by save_drafter reads back differently"
+    )
     sd2 = load_file(str(out / "model.safetensors"))
     assert not any(k.startswith(("layers.", "model.")) for k in sd2), "save_drafter writes the midlayer.* layout"
     assert "embed_tokens.weight" not in sd2 and sd2["d2t"].dtype == torch.int64 and sd2["t2d"].dtype == torch.bool

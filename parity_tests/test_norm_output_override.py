@@ -1,6 +1,6 @@
 """SpecForge's ``norm_output`` against eagle_jax's, and the load-time override that reconciles them.
 
-Two trainers write the same EAGLE-3.1 config key with different meanings (SPEC 4):
+Two trainers write the same EAGLE-3.1 config key with different meanings:
 
 - vLLM, SGLang, TorchSpec, eagle_jax (``Drafter.layer``) and the torch reference (``RefDrafter``):
   ``norm_output: true`` feeds RMSNorm_final(h2) to the next draft step; the lm_head always sees
@@ -89,7 +89,9 @@ def write_specforge_checkpoint(ref: RefDrafter, cfg: dict, path: Path) -> None:
     the reference's: ``midlayer.*``, ``fc.weight``, ``fc_norm.{i}.weight``, ``norm.weight``, ``lm_head.weight``,
     ``embed_tokens.weight`` = the target's, ``d2t``, ``t2d``)."""
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().clone().contiguous() for k, v in ref.state_dict().items()}, str(path / "model.safetensors"))
+    save_file(
+        {k: v.detach().clone().contiguous() for k, v in ref.state_dict().items()}, str(path / "model.safetensors")
+    )
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -132,14 +134,24 @@ def jax_draft(drafter, aux: np.ndarray, ids: np.ndarray, tokens: list[torch.Tens
     pos = np.broadcast_to(np.arange(T), (B, T))
     cache = drafter.init_cache(B, slots)
     logits, feat, _, cache = drafter.step(
-        drafter.fuse(dev(aux)), dev(ids, np.int32), dev(pos, np.int32), slot_mask(pos, slots), cache, dev(np.zeros(B, np.int32))
+        drafter.fuse(dev(aux)),
+        dev(ids, np.int32),
+        dev(pos, np.int32),
+        slot_mask(pos, slots),
+        cache,
+        dev(np.zeros(B, np.int32)),
     )
     out = [np32(logits)[:, -1]]
     feat = feat[:, -1:]
     for i, token in enumerate(tokens):
         p = np.full((B, 1), T + i)
         logits, feat, _, cache = drafter.step(
-            feat, dev(token.numpy(), np.int32), dev(p, np.int32), slot_mask(p, slots), cache, dev(np.full(B, T + i, np.int32))
+            feat,
+            dev(token.numpy(), np.int32),
+            dev(p, np.int32),
+            slot_mask(p, slots),
+            cache,
+            dev(np.full(B, T + i, np.int32)),
         )
         out.append(np32(logits)[:, -1])
     return out
@@ -177,13 +189,18 @@ def test_specforge_norm_output_needs_override(tmp_path, record_error):
         "as_written": jax_draft(as_written, aux32, ids.numpy(), tokens),
     }
     errs = {
-        name: [record_error(f"{name}_draft_step{s + 1}_logits", rel_err(j, r)) for s, (j, r) in enumerate(zip(got, ref_logits))]
+        name: [
+            record_error(f"{name}_draft_step{s + 1}_logits", rel_err(j, r))
+            for s, (j, r) in enumerate(zip(got, ref_logits))
+        ]
         for name, got in results.items()
     }
 
     assert len(ref_logits) == CHAIN + 1 and CHAIN >= 3
     bad = [f"step {s + 1}: {e:.2e}" for s, e in enumerate(errs["override"]) if not e <= TOL]
-    assert not bad, f"with overrides={{'norm_output': False}} eagle_jax != SpecForge reference (rel err > {TOL:g}): {bad}"
+    assert not bad, (
+        f"with overrides={{'norm_output': False}} eagle_jax != SpecForge reference (rel err > {TOL:g}): {bad}"
+    )
     # Without the override the first draft step (target features only) agrees, every chained step does not.
     assert errs["as_written"][0] <= TOL, f"step 1 should not depend on the feedback: {errs['as_written'][0]:.2e}"
     quiet = [f"step {s + 2}: {e:.2e}" for s, e in enumerate(errs["as_written"][1:]) if not e > MISMATCH]

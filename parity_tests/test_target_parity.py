@@ -112,7 +112,6 @@ def check_per_layer(target, hf_model, ids, device, record, tol_logits, tol_hidde
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_target_parity_fp32(family, device, hf_models, input_ids, record_error):
     path, hf_model = hf_models(family)
-    num_layers = hf_model.config.num_hidden_layers
     target = eagle_jax.load_target(path)
     assert target.dtype == jnp.float32
     c = target.config  # the feature under test was read from config.json
@@ -128,7 +127,6 @@ def test_target_parity_fp32(family, device, hf_models, input_ids, record_error):
 def test_target_parity_bf16(family, device, hf_models, input_ids, record_error):
     path, hf_model = hf_models(family, torch.bfloat16)
     assert hf_model.dtype == torch.bfloat16
-    num_layers = hf_model.config.num_hidden_layers
     target = eagle_jax.load_target(path)  # dtype from config.json
     assert target.dtype == jnp.bfloat16
     check_per_layer(target, hf_model, input_ids, device, record_error, BF16_TOL, BF16_HIDDEN_TOL)

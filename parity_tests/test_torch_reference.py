@@ -92,12 +92,23 @@ def test_norm_placement():
     torch.testing.assert_close(la, a.lm_head(a.norm(na)), atol=ATOL, rtol=0)
 
 
-YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=6, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
+YARN = dict(
+    type="yarn",
+    factor=4.0,
+    original_max_position_embeddings=6,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+)
 MLA = dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(rope_scaling=dict(type="linear", factor=2.0)), dict(MLA),
-                                dict(MLA, rope_scaling=YARN)], ids=["default", "linear", "mla", "mla_yarn"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(rope_scaling=dict(type="linear", factor=2.0)), dict(MLA), dict(MLA, rope_scaling=YARN)],
+    ids=["default", "linear", "mla", "mla_yarn"],
+)
 @torch.no_grad()
 def test_reference_runs_on_its_inputs_device(kw):
     """Every table the reference builds lands on its inputs' device: the parity tests' cuda cases move
@@ -177,7 +188,7 @@ def test_ttt_accuracy_and_decay():
 @pytest.mark.parametrize("kw", [dict(), dict(norm_output=True, fc_norm=True)])
 @torch.no_grad()
 def test_ttt_unroll_matches_chain_decoding(kw):
-    """Step i, index j of TTT == drafting i tokens after a prefix of target pairs 0..j (SPEC 3/7).
+    """Step i, index j of TTT == drafting i tokens after a prefix of target pairs 0..j.
 
     This pins the TTT attention pattern (causal step-0 keys + diagonal), the RoPE shift pos+i and
     the token/feature shifts to what inference does with the KV cache.
@@ -284,20 +295,32 @@ def test_fc_norm_and_norm_before_fc_rejected():
 
 def test_config_dialects():
     c4 = RefDrafterConfig.from_dict(
-        cfg_dict(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0},
-                 eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]})
+        cfg_dict(
+            rope_theta=500000.0,
+            rope_scaling={"type": "linear", "factor": 2.0},
+            eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]},
+        )
     )
     c5 = RefDrafterConfig.from_dict(
-        cfg_dict(rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 2.0},
-                 eagle_aux_hidden_state_layer_ids=[1, 2, 3, 4])
+        cfg_dict(
+            rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 2.0},
+            eagle_aux_hidden_state_layer_ids=[1, 2, 3, 4],
+        )
     )
     for c in (c4, c5):
         assert c.rope_theta == 500000.0 and c.rope_scaling == {"type": "linear", "factor": 2.0}
         assert c.num_aux_hidden_states == 4 and c.fc_in == 96
     c = RefDrafterConfig.from_dict(cfg_dict(head_dim=None, num_key_value_heads=None))
     assert (c.rope_theta, c.rope_scaling, c.head_dim, c.num_key_value_heads, c.num_aux_hidden_states) == (
-        10000.0, None, 8, 4, 3)
-    d = cfg_dict(draft_vocab_size=None, target_hidden_size=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        10000.0,
+        None,
+        8,
+        4,
+        3,
+    )
+    d = cfg_dict(
+        draft_vocab_size=None, target_hidden_size=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+    )
     c = RefDrafterConfig.from_dict(d)
     assert (c.draft_vocab_size, c.target_hidden_size, c.rope_theta, c.rope_scaling) == (96, 32, 1e6, None)
     with pytest.raises(ValueError, match="yarn"):

@@ -1,4 +1,4 @@
-"""TTT (SPEC 7): eagle_jax.training.ttt against the independent PyTorch reference, on the same weights.
+"""TTT: eagle_jax.training.ttt against the independent PyTorch reference, on the same weights.
 
 Compared: the total loss, each step's loss and accuracy, and the gradient of every trainable drafter
 parameter, for EAGLE-3 and EAGLE-3.1 flags, Vd < V, both normalisations and both accuracy
@@ -65,8 +65,15 @@ MLA = dict(
     qk_rope_head_dim=4,
     v_head_dim=12,
     rope_theta=50000.0,
-    rope_scaling=dict(type="yarn", factor=16.0, original_max_position_embeddings=4, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
-                      mscale_all_dim=1.0),
+    rope_scaling=dict(
+        type="yarn",
+        factor=16.0,
+        original_max_position_embeddings=4,
+        beta_fast=1.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
 )
 VARIANTS = {
     "eagle3": dict(),
@@ -120,22 +127,32 @@ def jax_loss_and_grads(drafter: Drafter, batch: dict, **kw):
     jb = {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
 
     def f(p):
-        out = ttt.ttt_loss(nnx.merge(graphdef, p, rest), jb["aux"], jb["input_ids"], jb["target_logits"], jb["loss_mask"], **kw)
+        out = ttt.ttt_loss(
+            nnx.merge(graphdef, p, rest), jb["aux"], jb["input_ids"], jb["target_logits"], jb["loss_mask"], **kw
+        )
         return out.total, out
 
     (_, out), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)  # one program, not hundreds of eager ops
-    return out, {drafter_key(tuple(p)): np.asarray(v.get_value()).T if p[-1] == "kernel" else np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+    return out, {
+        drafter_key(tuple(p)): np.asarray(v.get_value()).T if p[-1] == "kernel" else np.asarray(v.get_value())
+        for p, v in nnx.to_flat_state(grads)
+    }
 
 
 def ref_loss_and_grads(ref: RefDrafter, batch: dict, **kw):
     ref.zero_grad(set_to_none=True)
-    total, losses, accs = ref_ttt_loss(ref, batch["aux"], batch["input_ids"], batch["target_logits"], batch["loss_mask"], **kw)
+    total, losses, accs = ref_ttt_loss(
+        ref, batch["aux"], batch["input_ids"], batch["target_logits"], batch["loss_mask"], **kw
+    )
     total.backward()
     grads = {n: p.grad.numpy() for n, p in ref.named_parameters() if p.requires_grad}
     return total.item(), np.array([x.item() for x in losses]), np.array([a.item() for a in accs]), grads
 
 
-CASES = [(v, n, "mask") for v in VARIANTS for n in ("all", "valid")] + [("eagle3", "valid", "loss_mask"), ("eagle3.1", "all", "loss_mask")]
+CASES = [(v, n, "mask") for v in VARIANTS for n in ("all", "valid")] + [
+    ("eagle3", "valid", "loss_mask"),
+    ("eagle3.1", "all", "loss_mask"),
+]
 
 
 @pytest.mark.parametrize("variant,normalize,acc_denominator", CASES)
@@ -169,7 +186,9 @@ def test_unroll_longer_than_sequence_matches_reference():
     np.testing.assert_allclose(np.asarray(out.losses), r_losses, rtol=LOSS_RTOL, atol=1e-7)
     assert np.all(r_losses[4:] == 0)
     for key, g in grads.items():
-        np.testing.assert_allclose(g, r_grads[key], rtol=0, atol=GRAD_REL * np.abs(r_grads[key]).max() + GRAD_ABS, err_msg=key)
+        np.testing.assert_allclose(
+            g, r_grads[key], rtol=0, atol=GRAD_REL * np.abs(r_grads[key]).max() + GRAD_ABS, err_msg=key
+        )
 
 
 # ----------------------------------------------------------------------------------- structure
@@ -178,7 +197,7 @@ def test_unroll_longer_than_sequence_matches_reference():
 @pytest.mark.parametrize("steps", [1, 2, 4])
 def test_extended_attention_equals_dense_mask_of_spec(steps):
     """Step i's attention = plain attention over [step-0 keys, step-1 keys, ..., step-i keys] under the
-    SPEC 7 mask: query j sees step-0 keys 0..j and, of each later step, only index j."""
+    The TTT mask: query j sees step-0 keys 0..j and, of each later step, only index j."""
     b, t, hq, hkv, d = 2, 6, 4, 2, 8
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (b, t, hq, d))
@@ -193,7 +212,9 @@ def test_extended_attention_equals_dense_mask_of_spec(steps):
     j = np.arange(t)[:, None]
     blocks = [j >= np.arange(t)[None, :]] + [j == np.arange(t)[None, :]] * (steps - 1)
     mask = jnp.broadcast_to(jnp.asarray(np.concatenate(blocks, axis=1)), (b, t, steps * t))
-    dense = attend(q, heads_first(jnp.concatenate(list(k_all), axis=1)), heads_first(jnp.concatenate(list(v_all), axis=1)), mask)
+    dense = attend(
+        q, heads_first(jnp.concatenate(list(k_all), axis=1)), heads_first(jnp.concatenate(list(v_all), axis=1)), mask
+    )
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense), rtol=1e-5, atol=1e-6)
 
 
@@ -235,7 +256,9 @@ def test_unroll_equals_cached_chain_drafting(variant):
     cache = drafter.init_cache(b, size)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     prefix_mask = jnp.broadcast_to(jnp.arange(size)[None, :] <= jnp.arange(t)[:, None], (b, t, size))
-    logits0, feat, _, cache = drafter.step(g0, jnp.asarray(tokens[:, 1 : t + 1]), pos, prefix_mask, cache, jnp.zeros((b,), jnp.int32))
+    logits0, feat, _, cache = drafter.step(
+        g0, jnp.asarray(tokens[:, 1 : t + 1]), pos, prefix_mask, cache, jnp.zeros((b,), jnp.int32)
+    )
     np.testing.assert_allclose(np.asarray(logits0), np.asarray(unrolled[0]), rtol=1e-5, atol=1e-5)
     for j in range(t):
         c, g = cache, feat[:, j : j + 1]
@@ -243,8 +266,12 @@ def test_unroll_equals_cached_chain_drafting(variant):
             slot = t + i - 1
             visible = (jnp.arange(size) <= j) | ((jnp.arange(size) >= t) & (jnp.arange(size) <= slot))
             tok = jnp.asarray(tokens[:, j + 1 + i : j + 2 + i])
-            lg, g, _, c = drafter.step(g, tok, jnp.full((b, 1), j + i, jnp.int32), visible[None, None], c, jnp.full((b,), slot, jnp.int32))
-            np.testing.assert_allclose(np.asarray(lg[:, 0]), np.asarray(unrolled[i][:, j]), rtol=1e-5, atol=1e-5, err_msg=f"step {i} index {j}")
+            lg, g, _, c = drafter.step(
+                g, tok, jnp.full((b, 1), j + i, jnp.int32), visible[None, None], c, jnp.full((b,), slot, jnp.int32)
+            )
+            np.testing.assert_allclose(
+                np.asarray(lg[:, 0]), np.asarray(unrolled[i][:, j]), rtol=1e-5, atol=1e-5, err_msg=f"step {i} index {j}"
+            )
 
 
 def test_simulated_acceptance_length():

@@ -1,7 +1,7 @@
-"""Independent plain-PyTorch reference of the EAGLE-3 / EAGLE-3.1 drafter (SPEC.md sections 3-5, 7).
+"""Independent plain-PyTorch reference of the EAGLE-3 / EAGLE-3.1 drafter and its TTT loss.
 
 This module deliberately imports nothing from ``eagle_jax``: it is the yardstick the JAX code is
-measured against, written straight from SPEC.md. It follows the numerics of the EAGLE authors'
+measured against, written from the EAGLE papers and the authors' code. It follows the numerics of the EAGLE authors'
 reference code where they matter for half-precision parity:
 
 - RMSNorm: compute in fp32, cast back to the input dtype, THEN multiply by the weight.
@@ -47,7 +47,7 @@ _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "original_ma
 
 
 def _parse_rope(d: Mapping[str, Any], allow_yarn: bool = False) -> tuple[float, dict[str, Any] | None]:
-    """Read theta and scaling from either config dialect (SPEC 5).
+    """Read theta and scaling from either config dialect.
 
     transformers 4 / most checkpoints: top-level ``rope_theta`` + ``rope_scaling``.
     transformers >= 5: ``rope_parameters`` = {rope_type, rope_theta, factor, ...}.
@@ -72,16 +72,14 @@ def _parse_rope(d: Mapping[str, Any], allow_yarn: bool = False) -> tuple[float, 
                 raise ValueError(f"rope scaling {kind!r} has no 'factor': {dict(scaling_src)}")
             scaling = {"type": kind, "factor": float(scaling_src["factor"])}
             if "original_max_position_embeddings" in scaling_src:
-                scaling["original_max_position_embeddings"] = int(
-                    scaling_src["original_max_position_embeddings"]
-                )
+                scaling["original_max_position_embeddings"] = int(scaling_src["original_max_position_embeddings"])
         elif kind == "yarn" and allow_yarn:
             scaling = {"type": "yarn", "factor": float(scaling_src["factor"])}
             scaling.update({k: scaling_src.get(k) for k in _YARN_KEYS})
             if scaling["original_max_position_embeddings"] is None:
                 scaling["original_max_position_embeddings"] = int(d.get("max_position_embeddings") or 2048)
         else:
-            # Only linear and dynamic appear in GQA drafter code (SPEC 3); never substitute another.
+            # Only linear and dynamic appear in GQA drafter code; never substitute another.
             raise ValueError(f"rope scaling type {kind!r} is not supported by the drafter reference")
     return float(theta), scaling
 
@@ -113,16 +111,14 @@ class RefDrafterConfig:
 
     def __post_init__(self) -> None:
         if self.fc_norm and self.norm_before_fc:
-            raise ValueError("config: 'fc_norm' and 'norm_before_fc' are mutually exclusive (SPEC 4)")
+            raise ValueError("config: 'fc_norm' and 'norm_before_fc' are mutually exclusive")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config: num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(
-                f"config: draft_vocab_size={self.draft_vocab_size} > vocab_size={self.vocab_size}"
-            )
+            raise ValueError(f"config: draft_vocab_size={self.draft_vocab_size} > vocab_size={self.vocab_size}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RefDrafterConfig":
@@ -147,7 +143,9 @@ class RefDrafterConfig:
             max_pos = scaling["original_max_position_embeddings"]
         if mla:
             kv_heads, head_dim = heads, int(d["qk_nope_head_dim"]) + int(d["qk_rope_head_dim"])
-            mla_fields = {k: d[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+            mla_fields = {
+                k: d[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            }
         else:
             mla_fields = {}
         return cls(
@@ -353,7 +351,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def make_vocab_map(used_ids: torch.Tensor | list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) from the kept target ids (SPEC 5): sorted ascending, d2t[i] = used[i] - i."""
+    """(d2t, t2d) from the kept target ids: sorted ascending, d2t[i] = used[i] - i."""
     used = torch.as_tensor(used_ids, dtype=torch.int64).sort().values
     if used.numel() and (used[0] < 0 or used[-1] >= vocab_size):
         raise ValueError("make_vocab_map: ids out of [0, vocab_size)")
@@ -371,7 +369,7 @@ def make_vocab_map(used_ids: torch.Tensor | list[int], vocab_size: int) -> tuple
 
 
 class RefDrafter(nn.Module):
-    """EAGLE-3 / 3.1 drafter with the EAGLE authors' state-dict layout (SPEC 5).
+    """EAGLE-3 / 3.1 drafter with the EAGLE authors' state-dict layout.
 
     Cast the whole module with ``.to(dtype)`` for half-precision runs; d2t/t2d keep their dtypes.
     """
@@ -587,14 +585,14 @@ class RefDrafter(nn.Module):
 
 
 def _normalize_keys(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map accepted key variants onto the authors' layout (SPEC 5)."""
+    """Map accepted key variants onto the authors' layout."""
     out: dict[str, torch.Tensor] = {}
     for key, val in sd.items():
         k = key
         if k.startswith("model."):  # `model.` prefix on every key but lm_head
-            k = k[len("model."):]
+            k = k[len("model.") :]
         if k.startswith("layers.0."):
-            k = "midlayer." + k[len("layers.0."):]
+            k = "midlayer." + k[len("layers.0.") :]
         if k == "draft_id_to_target_id":
             k = "d2t"
         if k in out:
@@ -659,7 +657,7 @@ def load_eagle_state_dict(
 
 
 # --------------------------------------------------------------------------------------------------
-# TTT (training-time test), SPEC 7
+# TTT (training-time test)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -726,7 +724,7 @@ def ttt_loss(
     normalize: str = "all",
     acc_denominator: str = "mask",
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """TTT loss of SPEC 7.
+    """The TTT loss.
 
     aux [B, T, N*Ht]; input_ids [B, T]; target_logits [B, T, V] (target position t predicts token
     t+1); loss_mask [B, T] (1 on tokens to learn, e.g. assistant tokens, aligned with input_ids).
@@ -745,7 +743,7 @@ def ttt_loss(
     all_logits = ttt_unroll(model, aux, input_ids, ttt_length)
 
     # Position t pairs (feature_t, token_{t+1}) and is supervised by the target's distribution for
-    # token_{t+2}, i.e. target_logits[t+1]. SPEC 7 shifts targets AND loss mask by one together
+    # token_{t+2}, i.e. target_logits[t+1]. TTT shifts targets AND loss mask by one together
     # with the tokens (ttt_unroll shifts the tokens), so after this: target[t] = target_logits[t+1],
     # lmask[t] = loss_mask[t+1], zero-padded at the end.
     target = shift_left(target_logits.to(torch.float32))

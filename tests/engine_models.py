@@ -60,11 +60,21 @@ def deepseek_config(vocab: int, hidden: int = 64, layers: int = 3, **kw) -> Targ
         num_kv_heads=4,
         head_dim=24,
         rms_norm_eps=1e-6,
-        rope=RopeConfig(theta=10000.0, type="yarn", factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.8),
+        rope=RopeConfig(
+            theta=10000.0, type="yarn", factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.8
+        ),
         max_position_embeddings=kw.pop("max_position_embeddings", 256),
         mla=MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=32),
-        moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=2,
-                      topk_group=1, routed_scaling_factor=2.0, first_k_dense_replace=1),
+        moe=MoEConfig(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.0,
+            first_k_dense_replace=1,
+        ),
         **kw,
     )
 
@@ -114,7 +124,12 @@ def successor_maps(vocab: int, seed: int, disagree: float):
 
 
 def markov_target(
-    vocab: int = 32, hidden: int = 64, seed: int = 0, eps: float = 0.05, margin: float = 1.0, config: TargetConfig | None = None
+    vocab: int = 32,
+    hidden: int = 64,
+    seed: int = 0,
+    eps: float = 0.05,
+    margin: float = 1.0,
+    config: TargetConfig | None = None,
 ) -> tuple[Target, np.ndarray]:
     """The near-bigram target of the module docstring; returns (target, succ).
 

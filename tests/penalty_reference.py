@@ -6,8 +6,18 @@ from __future__ import annotations
 import numpy as np
 
 
-def processed(logits: np.ndarray, prompt, generated, *, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-              repetition_penalty: float = 1.0, logit_bias: dict | None = None, min_tokens: int = 0, stop_ids=()) -> np.ndarray:
+def processed(
+    logits: np.ndarray,
+    prompt,
+    generated,
+    *,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: dict | None = None,
+    min_tokens: int = 0,
+    stop_ids=(),
+) -> np.ndarray:
     """One position's logits [V] after ``generated`` tokens (the prompt's excluded) under the processors."""
     x = np.asarray(logits, np.float64).copy()
     if len(generated) < min_tokens:

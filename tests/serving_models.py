@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import eagle_jax
 from engine_models import markov_drafter, markov_target
+
+import eagle_jax
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,!?"  # ids 0..30
 VOCAB = 32  # the model's vocabulary: the characters and one id (31) that decodes to nothing

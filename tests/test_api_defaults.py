@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from engine_models import random_pair
 
 import eagle_jax
-from eagle_jax import SpecConfig
-from eagle_jax import ConfigError
+from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.config import default_aux_layer_ids
-from engine_models import random_pair
 
 MAX_NEW = 12
 
@@ -50,8 +49,13 @@ def test_eos_from_config_json(saved_pair):
     for d in (None, drafter):
         assert eagle_jax.generate(target, d, [[1, 2, 3]], max_new_tokens=MAX_NEW, spec=chain).tokens[0] == cut
         # An explicit empty list turns stopping off.
-        assert eagle_jax.generate(target, d, [[1, 2, 3]], max_new_tokens=MAX_NEW, spec=chain, eos_token_id=[]).tokens[0] == plain
-    chunks = list(eagle_jax.generate_stream(target, drafter, [[1, 2, 3]], max_new_tokens=MAX_NEW, rounds_per_chunk=2, spec=chain))
+        assert (
+            eagle_jax.generate(target, d, [[1, 2, 3]], max_new_tokens=MAX_NEW, spec=chain, eos_token_id=[]).tokens[0]
+            == plain
+        )
+    chunks = list(
+        eagle_jax.generate_stream(target, drafter, [[1, 2, 3]], max_new_tokens=MAX_NEW, rounds_per_chunk=2, spec=chain)
+    )
     assert [t for c in chunks for t in c[0]] == cut
 
 
@@ -64,7 +68,9 @@ def test_eos_list_from_generation_config(saved_pair):
     _write(root / "target", "generation_config.json", {"eos_token_id": [47, eos]})
     target = eagle_jax.load_target(root / "target")
     assert target.config.eos_token_id == (47, eos)
-    assert eagle_jax.generate(target, None, [[1, 2, 3]], max_new_tokens=MAX_NEW).tokens[0] == plain[: plain.index(eos) + 1]
+    assert (
+        eagle_jax.generate(target, None, [[1, 2, 3]], max_new_tokens=MAX_NEW).tokens[0] == plain[: plain.index(eos) + 1]
+    )
     (root / "target" / "generation_config.json").unlink()
 
 
@@ -77,7 +83,9 @@ def test_drafter_overrides(saved_pair):
     assert flipped.config.norm_output and flipped.config.fc_norm == base.config.fc_norm
     moved = eagle_jax.load_drafter(root / "drafter", target, overrides={"aux_layer_ids": [0, 1, 2]})
     assert moved.config.aux_layer_ids == (0, 1, 2) and base.config.aux_layer_ids == default_aux_layer_ids(4)
-    out = eagle_jax.generate(target, moved, [[1, 2, 3]], max_new_tokens=4, eos_token_id=[], spec=SpecConfig(num_speculative_tokens=3))
+    out = eagle_jax.generate(
+        target, moved, [[1, 2, 3]], max_new_tokens=4, eos_token_id=[], spec=SpecConfig(num_speculative_tokens=3)
+    )
     assert len(out.tokens[0]) == 4
     with pytest.raises(ConfigError, match=r"overrides \['hidden_size'\] are not overridable"):
         eagle_jax.load_drafter(root / "drafter", target, overrides={"hidden_size": 64})
@@ -91,11 +99,12 @@ def test_drafter_overrides(saved_pair):
 
 def test_one_pair_check_for_loading_and_generating(saved_pair):
     """The same check (``eagle_jax.config.check_pair``) guards load_drafter, generate and the slot engine."""
+    from engine_models import drafter_config
+
     import eagle_jax.checkpoint.eagle_drafter as loader
     import eagle_jax.generate as gen
     from eagle_jax.config import check_pair
     from eagle_jax.serving import SlotEngine
-    from engine_models import drafter_config
 
     root, _ = saved_pair
     assert not hasattr(gen, "check_pair") or gen.check_pair is check_pair
@@ -107,8 +116,10 @@ def test_one_pair_check_for_loading_and_generating(saved_pair):
     from flax import nnx
 
     abstract = nnx.eval_shape(lambda: eagle_jax.Drafter(wrong))
-    for call in (lambda: eagle_jax.generate(target, abstract, [[1, 2]], max_new_tokens=2),
-                 lambda: SlotEngine(target, abstract, slots=1, max_len=16)):
+    for call in (
+        lambda: eagle_jax.generate(target, abstract, [[1, 2]], max_new_tokens=2),
+        lambda: SlotEngine(target, abstract, slots=1, max_len=16),
+    ):
         with pytest.raises(ConfigError) as err:
             call()
         assert str(err.value) == str(direct.value)

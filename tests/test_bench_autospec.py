@@ -13,7 +13,10 @@ def _call(repeat: int, rates: dict[str, float], tokens: int = 100) -> dict:
 def test_the_best_fixed_is_chosen_on_the_other_repeats_and_rated_on_each():
     # K=3 is lucky on repeat 0 (120 tok/s) and unlucky on repeat 1 (95): pooled it beats K=1 (100 on both),
     # but the repeat that picks it is not the one that rates it.
-    rows = [_call(0, {"auto": 100, "plain": 50, "K=1": 100, "K=3": 120}), _call(1, {"auto": 100, "plain": 50, "K=1": 100, "K=3": 95})]
+    rows = [
+        _call(0, {"auto": 100, "plain": 50, "K=1": 100, "K=3": 120}),
+        _call(1, {"auto": 100, "plain": 50, "K=1": 100, "K=3": 95}),
+    ]
     names = ["plain", "K=1", "K=3"]
     pooled_k3 = 200 / (100 / 120 + 100 / 95)
     assert held_out_best(rows, names) == pytest.approx(200 / (100 / 100 + 100 / 95))  # K=1 on repeat 0, K=3 on repeat 1
@@ -32,9 +35,15 @@ def test_one_repeat_has_no_held_out_reading():
 def test_the_printed_line_names_the_held_out_reading_and_the_control():
     rows = [_call(i, {"auto": 100, "plain": 50, "K=1": 100, CONTROL: 98}) | {"equal_to_plain": True} for i in (0, 1)]
     line = summary_line("float32", 0.0, 1, "random 1", summarise(rows, ["plain", "K=1", CONTROL], "K=1"))
-    assert "1.00x it chosen on the other repeats" in line and "control 0.98x its twin" in line and "OUTPUT DIFFERS" not in line
+    assert (
+        "1.00x it chosen on the other repeats" in line
+        and "control 0.98x its twin" in line
+        and "OUTPUT DIFFERS" not in line
+    )
     assert summarise(rows, ["plain", "K=1", CONTROL], "K=1")["control_vs_best_held_out"] == pytest.approx(0.98)
-    assert "chosen on the other repeats" not in summary_line("float32", 0.0, 1, "random 1", summarise(rows[:1], ["plain", "K=1"], "K=1"))
+    assert "chosen on the other repeats" not in summary_line(
+        "float32", 0.0, 1, "random 1", summarise(rows[:1], ["plain", "K=1"], "K=1")
+    )
 
 
 def test_calls_where_a_configurations_samples_ended_a_row_early_are_rated_apart():
@@ -46,4 +55,6 @@ def test_calls_where_a_configurations_samples_ended_a_row_early_are_rated_apart(
     assert s["best_fixed"] == "K=1" and s["vs_best"] == pytest.approx(687 / 7.68 / (768 / (2 * 3.84 * 100 / 102)))
     assert s["vs_best_same_length"] == pytest.approx(100 / 102) and s["same_length_calls"] == 1
     assert "0.98x best on the 1 calls of one length" in summary_line("float32", 1.0, 4, "random 1", s)
-    assert "vs_best_same_length" not in summarise([even, even], ["plain", "K=1"])  # every call of one length: nothing apart
+    assert "vs_best_same_length" not in summarise(
+        [even, even], ["plain", "K=1"]
+    )  # every call of one length: nothing apart

@@ -14,11 +14,15 @@ from bench.common import round_robin
 
 # SmolLM2-Instruct's template (ChatML with a default system prompt) and a non-ChatML one.
 TEMPLATES = {
-    "chatml": ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
-               "You are a helpful AI assistant<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
-               "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
-    "tagged": ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
-               "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"),
+    "chatml": (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+        "You are a helpful AI assistant<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+        "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "tagged": (
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+    ),
 }
 WORDS = "the river council said on monday that new bridge plans would cost more than expected after storms".split()
 
@@ -44,9 +48,15 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.pieces[i] for i in ids)
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False
+    ) -> str:
         assert not tokenize
-        return jinja2.Environment().from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return (
+            jinja2.Environment()
+            .from_string(self.chat_template)
+            .render(messages=messages, add_generation_prompt=add_generation_prompt)
+        )
 
 
 @pytest.fixture(params=list(TEMPLATES))

@@ -79,8 +79,17 @@ def test_chain_diagnostic_matches_engine(eagle31):
     from eagle_jax.decoding.prefill import start
     from eagle_jax.decoding.sampling import RowSampling, SamplingParams
 
-    tc = TargetConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+    tc = TargetConfig(
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     target = Target(tc, rngs=nnx.Rngs(0))
     drafter = random_drafter(target, eagle31, seed=3)
     k, b, t = 4, 2, 24
@@ -89,7 +98,16 @@ def test_chain_diagnostic_matches_engine(eagle31):
     _, raw, fed, drafts = _draft_chain_norms(drafter, drafter_aux(aux_all, target, drafter), ids, first, k)
 
     plan = Plan.one_shot(b, t, 8, SpecConfig(num_speculative_tokens=k), True, ())
-    st = start(target, drafter, plan, ids, jnp.full((b,), t, jnp.int32), RowSampling.fill(SamplingParams(), b), jax.random.PRNGKey(0), 8)
+    st = start(
+        target,
+        drafter,
+        plan,
+        ids,
+        jnp.full((b,), t, jnp.int32),
+        RowSampling.fill(SamplingParams(), b),
+        jax.random.PRNGKey(0),
+        8,
+    )
     engine_drafts = _draft_chain(drafter, plan, st, None, k)[0]
     assert np.array_equal(np.asarray(drafts), np.asarray(engine_drafts))
     np.testing.assert_allclose(np.asarray(fed[:, 0]), np.sqrt(np.mean(np.asarray(st.d_feat) ** 2, -1)), rtol=1e-5)

@@ -8,9 +8,23 @@ from bench.serve import pooled
 
 
 def _pass(per_user: float, ttft: float, sha: str, steps: dict) -> dict:
-    return {"per_user_tok_s": per_user, "per_user_tok_s_min": per_user - 1, "total_tok_s": 4 * per_user, "tokens": 100, "wall_s": 2.0,
-            "ttft_p50": ttft, "ttft_p90": ttft, "ttft_p99": ttft, "ttft_steady_p50": None, "itl_p50": 0.01, "itl_p90": 0.02, "itl_p99": 0.03,
-            "compiles_while_measured": 0, "steps_by_depth": steps, "texts_sha": sha}
+    return {
+        "per_user_tok_s": per_user,
+        "per_user_tok_s_min": per_user - 1,
+        "total_tok_s": 4 * per_user,
+        "tokens": 100,
+        "wall_s": 2.0,
+        "ttft_p50": ttft,
+        "ttft_p90": ttft,
+        "ttft_p99": ttft,
+        "ttft_steady_p50": None,
+        "itl_p50": 0.01,
+        "itl_p90": 0.02,
+        "itl_p99": 0.03,
+        "compiles_while_measured": 0,
+        "steps_by_depth": steps,
+        "texts_sha": sha,
+    }
 
 
 def test_repeated_passes_pool_into_one_row():

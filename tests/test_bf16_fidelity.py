@@ -81,8 +81,12 @@ def test_bf16_greedy_divergences_are_near_ties(capsys, record_property):
     drafter = eagle_jax.load_drafter(DRAFTER, targets["bfloat16"], dtype="bfloat16")
     # eos_token_id=[]: every row runs MAX_NEW tokens, so rows compare position by position
     out = {
-        ("bfloat16", "plain"): eagle_jax.generate(targets["bfloat16"], None, prompts, max_new_tokens=MAX_NEW, eos_token_id=[]).tokens,
-        ("bfloat16", "spec"): eagle_jax.generate(targets["bfloat16"], drafter, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], spec=spec).tokens,
+        ("bfloat16", "plain"): eagle_jax.generate(
+            targets["bfloat16"], None, prompts, max_new_tokens=MAX_NEW, eos_token_id=[]
+        ).tokens,
+        ("bfloat16", "spec"): eagle_jax.generate(
+            targets["bfloat16"], drafter, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], spec=spec
+        ).tokens,
     }
 
     # Reference logits of every position of plain bf16's output, one padded batch per dtype: position

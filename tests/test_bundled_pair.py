@@ -61,7 +61,9 @@ def test_greedy_speculation_equals_plain_and_meets_al_floor(pair, name):
     target, prompts, plain = pair
     drafter = eagle_jax.load_drafter(DRAFTERS[name], target, dtype="float32")
     assert drafter.config.draft_vocab_size < target.config.vocab_size  # d2t is exercised
-    res = eagle_jax.generate(target, drafter, prompts, spec=SpecConfig(num_speculative_tokens=5), max_new_tokens=MAX_NEW)
+    res = eagle_jax.generate(
+        target, drafter, prompts, spec=SpecConfig(num_speculative_tokens=5), max_new_tokens=MAX_NEW
+    )
     assert res.tokens == plain.tokens
     assert res.acceptance_length >= AL_FLOOR[name], f"{name}: AL {res.acceptance_length:.2f} < floor {AL_FLOOR[name]}"
 
@@ -75,8 +77,10 @@ def test_tree_greedy_equals_plain_and_a_one_wide_tree_is_the_chain(pair):
     assert tree.acceptance_length >= AL_FLOOR["eagle3.1"]
     # A tree with one child per node and depth K drafts exactly the chain's K tokens: with a trained
     # drafter (not only a hand-built one) it must accept the same number in every round.
-    spec_of = {"chain": SpecConfig(num_speculative_tokens=4),
-               "tree": SpecConfig(method="tree", tree_top_k=1, tree_depth=4, tree_total_tokens=5)}
+    spec_of = {
+        "chain": SpecConfig(num_speculative_tokens=4),
+        "tree": SpecConfig(method="tree", tree_top_k=1, tree_depth=4, tree_total_tokens=5),
+    }
     runs = {n: eagle_jax.generate(target, drafter, rows, spec=s, max_new_tokens=MAX_NEW) for n, s in spec_of.items()}
     assert runs["tree"].accepted == runs["chain"].accepted
     assert runs["tree"].tokens == plain.tokens[:3]
@@ -95,8 +99,9 @@ def test_the_first_draft_at_inference_is_the_ttt_step_0_prediction(pair, name="e
 
     target, prompts, _ = pair
     drafter = eagle_jax.load_drafter(DRAFTERS[name], target, dtype="float32")
-    res = eagle_jax.generate(target, drafter, prompts[:4], spec=SpecConfig(num_speculative_tokens=1), max_new_tokens=MAX_NEW,
-                             eos_token_id=[])
+    res = eagle_jax.generate(
+        target, drafter, prompts[:4], spec=SpecConfig(num_speculative_tokens=1), max_new_tokens=MAX_NEW, eos_token_id=[]
+    )
     forward = _forward_fn(target, aux_layer_ids_for(drafter.config, target.config))
     d2t = np.asarray(drafter.d2t[...])
     agree, rounds, rejected = 0, 0, 0
@@ -104,7 +109,9 @@ def test_the_first_draft_at_inference_is_the_ttt_step_0_prediction(pair, name="e
         seq = np.asarray([prompt + out], np.int32)
         positions = np.arange(seq.shape[1], dtype=np.int32)[None]
         aux, _, _ = forward(seq, positions, np.zeros_like(positions))
-        step0 = np.asarray(ttt_unroll(drafter, aux, jnp.asarray(seq), 1)[0, 0]).argmax(-1)  # index j predicts token j + 2
+        step0 = np.asarray(ttt_unroll(drafter, aux, jnp.asarray(seq), 1)[0, 0]).argmax(
+            -1
+        )  # index j predicts token j + 2
         predicted = step0 + d2t[step0]
         at = len(prompt)  # a round starts after the token at ``at``; its first draft is token at + 1
         for a in accepted:

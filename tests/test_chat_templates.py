@@ -197,10 +197,18 @@ REWRITES_HISTORY = r"""{%- for m in messages %}
 
 TEMPLATES = {  # name: (template, its special tokens, the token that ends a turn)
     "smollm2": (SMOLLM2, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
-    "llama3.1": (LLAMA31, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"], "<|eot_id|>"),
+    "llama3.1": (
+        LLAMA31,
+        ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"],
+        "<|eot_id|>",
+    ),
     "qwen2.5": (QWEN25, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
 }
-DEFAULT_SYSTEM = {"smollm2": "named SmolLM", "llama3.1": "Cutting Knowledge Date", "qwen2.5": "You are Qwen, created by Alibaba Cloud."}
+DEFAULT_SYSTEM = {
+    "smollm2": "named SmolLM",
+    "llama3.1": "Cutting Knowledge Date",
+    "qwen2.5": "You are Qwen, created by Alibaba Cloud.",
+}
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n" * 10,
@@ -275,8 +283,10 @@ def test_pre_query_and_end_of_turn(tok_dir, name):
     end = tok.convert_tokens_to_ids(TEMPLATES[name][2])
     assert end_of_turn_ids(tok) == {end, tok.eos_token_id}
     text = pre_query(tok)
-    assert DEFAULT_SYSTEM[name] in text and text == tok.apply_chat_template(
-        [{"role": "user", "content": "X"}], tokenize=False)[: len(text)]
+    assert (
+        DEFAULT_SYSTEM[name] in text
+        and text == tok.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False)[: len(text)]
+    )
     with_system = pre_query(tok, "Be terse.")
     assert "Be terse." in with_system and with_system.endswith(text[-8:])  # the same user header
     if name != "llama3.1":  # Llama-3.1 writes its date header with any system prompt
@@ -297,9 +307,15 @@ def test_template_that_rewrites_history_is_refused(tok_dir):
     tok = AutoTokenizer.from_pretrained(tok_dir)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = REWRITES_HISTORY
-    conv = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "<think>hmm</think>Fine."},
-            {"role": "user", "content": "how are you?"}, {"role": "assistant", "content": "<think>ok</think>Fine, thanks."}]
-    with pytest.raises(DataError, match=r"chats\.jsonl:7: turn 1 \(assistant\).*not a prefix.*renders earlier turns differently"):
+    conv = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "<think>hmm</think>Fine."},
+        {"role": "user", "content": "how are you?"},
+        {"role": "assistant", "content": "<think>ok</think>Fine, thanks."},
+    ]
+    with pytest.raises(
+        DataError, match=r"chats\.jsonl:7: turn 1 \(assistant\).*not a prefix.*renders earlier turns differently"
+    ):
         encode_record({"messages": conv}, tok, "chats.jsonl:7")
     # The last turn alone is rendered like the whole conversation: single-turn records are fine.
     s = encode_record({"messages": conv[:2]}, tok, "chats.jsonl:8")

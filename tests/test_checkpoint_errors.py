@@ -283,8 +283,14 @@ MLA_FIELDS = {"q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "q
     [
         # An MLA drafter's name without its MLA fields.
         ({"architectures": ["Eagle3DeepseekV2ForCausalLM"]}, "required field 'q_lora_rank' is missing"),
-        ({"architectures": ["DeepseekV3ForCausalLMEagle3"], "q_lora_rank": 8}, "required field 'kv_lora_rank' is missing"),
-        ({"architectures": ["Eagle3DeepseekV3ForCausalLM"], **MLA_FIELDS, "qk_rope_head_dim": 5}, "'qk_rope_head_dim'=5 must be even"),
+        (
+            {"architectures": ["DeepseekV3ForCausalLMEagle3"], "q_lora_rank": 8},
+            "required field 'kv_lora_rank' is missing",
+        ),
+        (
+            {"architectures": ["Eagle3DeepseekV3ForCausalLM"], **MLA_FIELDS, "qk_rope_head_dim": 5},
+            "'qk_rope_head_dim'=5 must be even",
+        ),
     ],
 )
 def test_bad_mla_drafter_config(fields, pattern, drafter_dir):
@@ -297,7 +303,11 @@ def test_bad_mla_drafter_config(fields, pattern, drafter_dir):
 
 def test_mla_config_on_a_gqa_checkpoint(drafter_dir):
     """A valid MLA config.json over Llama-layout weights: the first MLA tensor is missing, by name."""
-    edit_config(drafter_dir, architectures=["Eagle3DeepseekV2ForCausalLM"], **{k: v for k, v in MLA_FIELDS.items() if v is not None})
+    edit_config(
+        drafter_dir,
+        architectures=["Eagle3DeepseekV2ForCausalLM"],
+        **{k: v for k, v in MLA_FIELDS.items() if v is not None},
+    )
     cfg = json.loads((drafter_dir / "config.json").read_text())
     (drafter_dir / "config.json").write_text(json.dumps({**cfg, "q_lora_rank": None}))
     with pytest.raises(CheckpointError, match=r"unexpected tensors \['midlayer.self_attn.(k|q|v)_proj.weight'"):

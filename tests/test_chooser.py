@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from engine_models import markov_pair
 
 import eagle_jax
 from eagle_jax.decoding import auto_run, chooser
 from eagle_jax.decoding.chooser import PLAIN, Acceptance, Chooser, CostTable
-from engine_models import markov_pair
 
 SPAN = 512
 # A round's seconds on a weight-bound device: drafts nearly free next to the verification.
@@ -30,9 +30,13 @@ def serve(ch: Chooser, p: float, chunks: int, rng, rows: int = 1, estimates=None
         depth = ch.choose(rows, True, estimates, lambda d: SPAN)
         if depth == PLAIN:  # rounds without drafts score the first draft
             hits = [(float(rng.binomial(every, p)), float(every)) for _ in estimates]
-            ch.observe(PLAIN, rows, SPAN, True, COSTS[0] * every, every, estimates, [[0] * every] * len(estimates), hits)
+            ch.observe(
+                PLAIN, rows, SPAN, True, COSTS[0] * every, every, estimates, [[0] * every] * len(estimates), hits
+            )
         else:
-            accepted = [[int(np.argmin(np.append(rng.random(depth) < p, False))) for _ in range(every)] for _ in estimates]
+            accepted = [
+                [int(np.argmin(np.append(rng.random(depth) < p, False))) for _ in range(every)] for _ in estimates
+            ]
             ch.observe(depth, rows, SPAN, True, COSTS[depth] * every, every, estimates, accepted)
         ran.append(depth)
     return ran
@@ -113,7 +117,9 @@ def test_greedy_output_is_plain_decodings_whatever_runs(pair, monkeypatch):
     out = eagle_jax.generate(target, drafter, PROMPTS, max_new_tokens=24, eos_token_id=[])
     assert out.tokens == plain and out.stats["spec"] == "auto"
     assert [d for d, _ in out.stats["chunks"][:2]] == [PLAIN, chooser.DEEPEST]  # the warm-up profile's two ends
-    streamed = list(eagle_jax.generate_stream(target, drafter, PROMPTS, max_new_tokens=24, eos_token_id=[], rounds_per_chunk=2))
+    streamed = list(
+        eagle_jax.generate_stream(target, drafter, PROMPTS, max_new_tokens=24, eos_token_id=[], rounds_per_chunk=2)
+    )
     assert [sum((c[b] for c in streamed), []) for b in range(len(PROMPTS))] == plain
     turns = iter([7, 0, 1, 5, 0, 3, 7, 1] * 10)
     monkeypatch.setattr(Chooser, "choose", lambda *a, **k: next(turns))
@@ -129,8 +135,11 @@ def test_a_call_that_never_speculates_drops_the_drafter(pair, monkeypatch):
     monkeypatch.setattr(Chooser, "choose", lambda *a, **k: PLAIN)
     fed = []
     run = auto_run.AutoRun._run
-    monkeypatch.setattr(auto_run.AutoRun, "_run", lambda self, program, st, limit: (fed.append(st.d_cache is not None),
-                                                                                     run(self, program, st, limit))[1])
+    monkeypatch.setattr(
+        auto_run.AutoRun,
+        "_run",
+        lambda self, program, st, limit: (fed.append(st.d_cache is not None), run(self, program, st, limit))[1],
+    )
     out = eagle_jax.generate(target, drafter, PROMPTS, max_new_tokens=40, eos_token_id=[])
     assert out.tokens == eagle_jax.generate(target, None, PROMPTS, max_new_tokens=40, eos_token_id=[]).tokens
     assert fed[0] and not fed[-1], fed
@@ -153,7 +162,9 @@ def test_nothing_compiles_after_the_first_call(pair):
         for i in range(3):
             if i == 1:
                 chooser.reset()
-            r = eagle_jax.generate(target, drafter, [prompts[2 + i], prompts[i]], max_new_tokens=20, eos_token_id=[], temperature=0.0)
+            r = eagle_jax.generate(
+                target, drafter, [prompts[2 + i], prompts[i]], max_new_tokens=20, eos_token_id=[], temperature=0.0
+            )
             assert r.compile_s == 0.0
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)

@@ -22,14 +22,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from eagle_jax import SpecConfig
-from eagle_jax.serving import SpecSchedule
-from eagle_jax.serving.server import Server, make_service
 from engine_models import markov_drafter, markov_target
 from serving_models import VOCAB, build_tokenizer
 
 import eagle_jax
+from eagle_jax import SpecConfig
+from eagle_jax.serving import SpecSchedule
+from eagle_jax.serving.server import Server, make_service
 
 MODEL = "markov"
 MAX_LEN = 128
@@ -41,19 +40,46 @@ HF_EVAL_LEN = MAX_LEN - 2
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[clients]')")
 
 TASKS = {
-    "tiny_mc": ("multiple_choice", {"doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}",
-                                    "metric_list": [{"metric": "acc"}]},
-                [{"question": q, "choices": c, "answer": a} for q, c, a in (
-                    ("the cat sat on the", [" mat", " dog", " hat"], 0), ("a b c d", [" e", " f g", " abc"], 1),
-                    ("hello wor", ["ld", "m", "ld and more"], 2), ("xyz", [" a", " b"], 0))]),
-    "tiny_rolling": ("loglikelihood_rolling", {"doc_to_text": "", "doc_to_target": "{{text}}",
-                                               "metric_list": [{"metric": "word_perplexity"}]},
-                     [{"text": t} for t in ("the quick brown fox jumps over the lazy dog.", "hello there, how are you today?",
-                                            "abc def ghi jkl mno pqr stu vwx yz " * 5)]),
-    "tiny_gen": ("generate_until", {"doc_to_text": "{{prompt}}", "doc_to_target": "{{target}}",
-                                    "generation_kwargs": {"until": ["."], "max_gen_toks": 16, "do_sample": False},
-                                    "metric_list": [{"metric": "exact_match"}]},
-                 [{"prompt": p, "target": "x"} for p in ("once upon a time", "the answer is", "q")]),
+    "tiny_mc": (
+        "multiple_choice",
+        {
+            "doc_to_text": "{{question}}",
+            "doc_to_choice": "{{choices}}",
+            "doc_to_target": "{{answer}}",
+            "metric_list": [{"metric": "acc"}],
+        },
+        [
+            {"question": q, "choices": c, "answer": a}
+            for q, c, a in (
+                ("the cat sat on the", [" mat", " dog", " hat"], 0),
+                ("a b c d", [" e", " f g", " abc"], 1),
+                ("hello wor", ["ld", "m", "ld and more"], 2),
+                ("xyz", [" a", " b"], 0),
+            )
+        ],
+    ),
+    "tiny_rolling": (
+        "loglikelihood_rolling",
+        {"doc_to_text": "", "doc_to_target": "{{text}}", "metric_list": [{"metric": "word_perplexity"}]},
+        [
+            {"text": t}
+            for t in (
+                "the quick brown fox jumps over the lazy dog.",
+                "hello there, how are you today?",
+                "abc def ghi jkl mno pqr stu vwx yz " * 5,
+            )
+        ],
+    ),
+    "tiny_gen": (
+        "generate_until",
+        {
+            "doc_to_text": "{{prompt}}",
+            "doc_to_target": "{{target}}",
+            "generation_kwargs": {"until": ["."], "max_gen_toks": 16, "do_sample": False},
+            "metric_list": [{"metric": "exact_match"}],
+        },
+        [{"prompt": p, "target": "x"} for p in ("once upon a time", "the answer is", "q")],
+    ),
 }
 
 
@@ -68,8 +94,18 @@ def served(tmp_path_factory):
     tok.bos_token = "<pad>"  # id VOCAB - 1
     eagle_jax.save_target(target, root / "target")
     tok.save_pretrained(root / "target")
-    service = make_service(target, drafter, tok, SpecSchedule.fixed(SpecConfig(num_speculative_tokens=2)), (), slots=2,
-                           max_len=MAX_LEN, rounds_per_step=2, model_name=MODEL, precompile=False)
+    service = make_service(
+        target,
+        drafter,
+        tok,
+        SpecSchedule.fixed(SpecConfig(num_speculative_tokens=2)),
+        (),
+        slots=2,
+        max_len=MAX_LEN,
+        rounds_per_step=2,
+        model_name=MODEL,
+        precompile=False,
+    )
     server = Server(service).start()
     yield server, root / "target"
     server.stop()
@@ -81,8 +117,14 @@ def _write_tasks(root: Path) -> Path:
     for name, (kind, fields, docs) in TASKS.items():
         data = root / f"{name}.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-        spec = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
-                "test_split": "test", "output_type": kind, **fields}
+        spec = {
+            "task": name,
+            "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test",
+            "output_type": kind,
+            **fields,
+        }
         (root / f"{name}.yaml").write_text(yaml.safe_dump(spec))
     return root
 
@@ -91,9 +133,18 @@ def _samples(model: str, model_args: str, tasks_dir: Path) -> dict[str, list]:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    out = simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS), batch_size=1, log_samples=True,
-                          task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False), random_seed=0, numpy_random_seed=0,
-                          torch_random_seed=0, fewshot_random_seed=0)
+    out = simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=list(TASKS),
+        batch_size=1,
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
     return {name: [s["resps"] for s in sorted(out["samples"][name], key=lambda s: s["doc_id"])] for name in TASKS}
 
 
@@ -115,7 +166,10 @@ def test_lm_eval_local_completions_equals_its_hf_backend(served, tmp_path, monke
     reference = _samples("hf", f"pretrained={hf_dir},dtype=float32,max_length={HF_EVAL_LEN},device=cpu", tasks_dir)
     base = f"model={MODEL},base_url={server.url}/v1/completions,max_length={MAX_LEN},num_concurrent=1,max_retries=1"
     # Token-id prompts tokenized through the server (/tokenizer_info, /tokenize, /detokenize), and text prompts.
-    for tokenized, tokenizer in ((True, "tokenizer_backend=remote"), (False, f"tokenizer_backend=huggingface,tokenizer={hf_dir}")):
+    for tokenized, tokenizer in (
+        (True, "tokenizer_backend=remote"),
+        (False, f"tokenizer_backend=huggingface,tokenizer={hf_dir}"),
+    ):
         got = _samples("local-completions", f"{base},{tokenizer},tokenized_requests={tokenized}", tasks_dir)
         worst = 0.0
         for name in TASKS:
@@ -130,7 +184,9 @@ def test_lm_eval_local_completions_equals_its_hf_backend(served, tmp_path, monke
                 else:
                     assert abs(h - w) < 1e-3, (name, tokenized, w, h)
                     worst = max(worst, abs(h - w))
-        print(f"lm-eval local-completions vs hf, tokenized_requests={tokenized}: largest log-likelihood difference {worst:.2e}")
+        print(
+            f"lm-eval local-completions vs hf, tokenized_requests={tokenized}: largest log-likelihood difference {worst:.2e}"
+        )
 
 
 @pytest.mark.parametrize("temperature", [None, 0.0], ids=["default_temperature", "greedy"])
@@ -145,10 +201,23 @@ def test_guidellm_concurrent_streaming_completes_without_errors(served, tmp_path
     backend = {"kind": "openai_http", "target": server.url, "model": MODEL}
     if temperature is not None:
         backend["extras"] = {"body": {"temperature": temperature}}
-    cmd = [str(exe), "run", "--backend", json.dumps(backend),
-           "--profile", "kind=concurrent,streams=2", "--constraint", "kind=max_requests,count=6",
-           "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=8", "--tokenizer", f"kind=huggingface_auto,model={hf_dir}",
-           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    cmd = [
+        str(exe),
+        "run",
+        "--backend",
+        json.dumps(backend),
+        "--profile",
+        "kind=concurrent,streams=2",
+        "--constraint",
+        "kind=max_requests,count=6",
+        "--data",
+        "kind=synthetic_text,prompt_tokens=16,output_tokens=8",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={hf_dir}",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console-interactive",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -38,8 +38,7 @@ SAMPLE_SOURCES = [
     "        return (self.x ** 2 + self.y ** 2) ** 0.5\n",
     "import sys\n\n\ndef main(argv):\n\tif not argv:\n\t\treturn 1\n\tfor a in argv:\n\t\tprint(a)\n"
     "\treturn 0\n\n\nclass E(Exception): pass\n",
-    "x = {'caf\u00e9': '\u2603', \"tab\": '\\t'}\n"
-    "def  spaced( a ,b ):   \n        return   a+b   # trailing  \n\n",
+    "x = {'caf\u00e9': '\u2603', \"tab\": '\\t'}\ndef  spaced( a ,b ):   \n        return   a+b   # trailing  \n\n",
 ]
 
 

@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from engine_models import deepseek_config
 from flax import nnx
 
 import eagle_jax
 from eagle_jax import CheckpointError, ConfigError, Target, TargetConfig
 from eagle_jax.checkpoint.tensor_files import TensorSource, write_safetensors
 from eagle_jax.config import MLAConfig, MoEConfig
-from engine_models import deepseek_config
 
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)), jnp.int32)
 
@@ -52,7 +52,10 @@ def test_round_trip_is_exact(saved):
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and "head_dim" not in config
     keys = TensorSource(path).keys()
-    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in keys and "model.layers.1.mlp.experts.gate_proj.weight" not in keys
+    assert (
+        "model.layers.1.mlp.experts.7.gate_proj.weight" in keys
+        and "model.layers.1.mlp.experts.gate_proj.weight" not in keys
+    )
     loaded = eagle_jax.load_target(path)
     assert loaded.config == target.config.replace(dtype="float32")
     assert loaded.layers[1].mlp.gate.e_score_correction_bias[...].dtype == jnp.float32
@@ -77,7 +80,10 @@ def test_bf16_load_keeps_the_selection_bias_fp32(saved):
         ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
         ({"kv_lora_rank": None}, "kv_lora_rank"),
         ({"n_routed_experts": None}, "n_routed_experts"),
-        ({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}}, "quantization_config"),
+        (
+            {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}},
+            "quantization_config",
+        ),
     ],
 )
 def test_config_errors_name_the_field(saved, tmp_path, change, field):
@@ -115,7 +121,9 @@ def test_missing_expert_is_named(saved, tmp_path):
 
 def test_expert_beyond_n_routed_experts_is_unexpected(saved, tmp_path):
     extra = "model.layers.1.mlp.experts.8.down_proj.weight"
-    bad = copy_with(saved[0], tmp_path / "bad", tensors=lambda d: {**d, extra: d["model.layers.1.mlp.experts.0.down_proj.weight"]})
+    bad = copy_with(
+        saved[0], tmp_path / "bad", tensors=lambda d: {**d, extra: d["model.layers.1.mlp.experts.0.down_proj.weight"]}
+    )
     with pytest.raises(CheckpointError, match=r"unexpected tensors .*experts\.8\.down_proj"):
         eagle_jax.load_target(bad)
 
@@ -123,7 +131,9 @@ def test_expert_beyond_n_routed_experts_is_unexpected(saved, tmp_path):
 def test_wrong_expert_shape_is_named(saved, tmp_path):
     key = "model.layers.1.mlp.experts.3.gate_proj.weight"
     bad = copy_with(saved[0], tmp_path / "bad", tensors=lambda d: {**d, key: d[key][:, :-1]})
-    with pytest.raises(CheckpointError, match="experts of 'model.layers.1.mlp.experts.gate_proj.weight' differ in shape"):
+    with pytest.raises(
+        CheckpointError, match="experts of 'model.layers.1.mlp.experts.gate_proj.weight' differ in shape"
+    ):
         eagle_jax.load_target(bad)
 
 
@@ -131,7 +141,10 @@ def test_multi_token_prediction_layers_are_skipped(saved, tmp_path):
     """DeepSeek-V3 stores its MTP module as layer L (num_nextn_predict_layers=1): ignored, as by HF;
     the same tensors without that field are unexpected."""
     path, target = saved
-    mtp = {"model.layers.3.eh_proj.weight": np.zeros((64, 128), np.float32), "model.layers.3.enorm.weight": np.ones(64, np.float32)}
+    mtp = {
+        "model.layers.3.eh_proj.weight": np.zeros((64, 128), np.float32),
+        "model.layers.3.enorm.weight": np.ones(64, np.float32),
+    }
     with_mtp = copy_with(path, tmp_path / "mtp", config={"num_nextn_predict_layers": 1}, tensors=lambda d: {**d, **mtp})
     np.testing.assert_array_equal(np.asarray(eagle_jax.load_target(with_mtp)(IDS)[0]), np.asarray(target(IDS)[0]))
     no_field = copy_with(path, tmp_path / "no_field", tensors=lambda d: {**d, **mtp})
@@ -178,6 +191,8 @@ def test_block_fp8_checkpoint_is_dequantized(saved, tmp_path):
     kernel = np.asarray(a.layers[0].self_attn.kv_a_proj_with_mqa.kernel[...])
     np.testing.assert_array_equal(kernel, dequantized["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].T)
     np.testing.assert_array_equal(np.asarray(a(IDS)[0]), np.asarray(b(IDS)[0]))
-    bad = copy_with(fp8, tmp_path / "bad", config={"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}})
+    bad = copy_with(
+        fp8, tmp_path / "bad", config={"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}
+    )
     with pytest.raises(CheckpointError, match=r"_scale_inv' has shape \[\d+, \d+\], expected"):
         eagle_jax.load_target(bad)

@@ -9,11 +9,11 @@ i.e. accepted tree paths gathered in the latent cache, really happen.
 from __future__ import annotations
 
 import pytest
+from engine_models import deepseek_config, markov_drafter, markov_mla_drafter, markov_target
 
 import eagle_jax
 from eagle_jax import SpecConfig
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
-from engine_models import deepseek_config, markov_drafter, markov_mla_drafter, markov_target
 
 PROMPTS = [[1, 2, 3], [9, 8], list(range(5, 25))]
 CHAIN = SpecConfig(num_speculative_tokens=3)

@@ -29,11 +29,11 @@ import re
 import shlex
 import shutil
 import subprocess
-import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -45,19 +45,39 @@ EXTERNAL = {"lm_eval", "guidellm"}  # the standard clients (the clients extra): 
 DOC_URL = "http://127.0.0.1:8000"
 DOC_MODEL = '"target"'
 
-BLOCK = re.compile(r"(?:^<!-- doc-test: (?P<mark>[^>]*?) -->\n)?^```(?P<info>[^\n`]*)\n(?P<code>.*?)^```\s*$", re.S | re.M)
+BLOCK = re.compile(
+    r"(?:^<!-- doc-test: (?P<mark>[^>]*?) -->\n)?^```(?P<info>[^\n`]*)\n(?P<code>.*?)^```\s*$", re.S | re.M
+)
 INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-PATH_ROOTS = ("eagle_jax/", "bench/", "configs/", "tests/", "parity_tests/", "serve/", "train/", "workshop/", "assets/",
-              "docs/", ".ci/")
+PATH_ROOTS = (
+    "eagle_jax/",
+    "bench/",
+    "configs/",
+    "tests/",
+    "parity_tests/",
+    "serve/",
+    "train/",
+    "workshop/",
+    "assets/",
+    "docs/",
+    ".ci/",
+)
 TOP_FILES = {"pyproject.toml", "conftest.py", "README.md", "BENCHMARKS.md"}
 OUTPUTS = ("bench/results", "parity_tests/.last_parity_errors.json")  # written by the benches and the parity tests
 
 
 def blocks(page: Path) -> list[dict]:
     text = page.read_text()
-    found = [dict(mark=(m["mark"] or "").strip(), lang=m["info"].strip(), code=m["code"], line=text[: m.start()].count("\n") + 1)
-             for m in BLOCK.finditer(text)]
+    found = [
+        dict(
+            mark=(m["mark"] or "").strip(),
+            lang=m["info"].strip(),
+            code=m["code"],
+            line=text[: m.start()].count("\n") + 1,
+        )
+        for m in BLOCK.finditer(text)
+    ]
     assert text.count("\n```") - text.count("\n````") >= 2 * len(found), f"{page.name}: a fence BLOCK did not match"
     return found
 
@@ -160,7 +180,7 @@ def check_command(cmd: list[str], where: str, *, full: bool = True) -> None:
             warnings.warn(f"{what}: {cmd[0]} is not installed (the clients extra), not checked")
         return
     if cmd[0] == "curl":
-        for arg in cmd[cmd.index("-d") + 1:][:1]:
+        for arg in cmd[cmd.index("-d") + 1 :][:1]:
             json.loads(arg)
         return
     assert _main_of(cmd) is not None, f"{what}: not an entry point of this project"
@@ -204,8 +224,12 @@ def test_every_block_is_runnable_or_marked():
     for page in [*PAGES, BENCHMARKS]:
         for b in blocks(page):
             where = f"{page.name}:{b['line']}"
-            assert b["lang"] in ("python", "bash", "text"), f"{where}: a ```{b['lang']} block (python, bash or text only)"
-            assert b["mark"] in ("", "check") or re.fullmatch(r"needs [\w.-]+", b["mark"]), f"{where}: unknown mark {b['mark']!r}"
+            assert b["lang"] in ("python", "bash", "text"), (
+                f"{where}: a ```{b['lang']} block (python, bash or text only)"
+            )
+            assert b["mark"] in ("", "check") or re.fullmatch(r"needs [\w.-]+", b["mark"]), (
+                f"{where}: unknown mark {b['mark']!r}"
+            )
             assert not (b["lang"] == "text" and b["mark"]), f"{where}: a text block is never run, so needs no mark"
 
 
@@ -221,8 +245,11 @@ def test_paths_and_links_exist():
     for page in PAGES + [BENCHMARKS]:
         text = prose(page)
         for span in INLINE.findall(text):
-            if re.fullmatch(r"[\w./-]+(::\w+)?", span) and (span.startswith(PATH_ROOTS) or span in TOP_FILES) \
-                    and not span.startswith(OUTPUTS):
+            if (
+                re.fullmatch(r"[\w./-]+(::\w+)?", span)
+                and (span.startswith(PATH_ROOTS) or span in TOP_FILES)
+                and not span.startswith(OUTPUTS)
+            ):
                 path, _, test = span.partition("::")
                 assert (REPO / path).exists(), f"{page.name}: `{span}` does not exist"
                 assert not test or f"def {test}" in (REPO / path).read_text(), f"{page.name}: no {test} in {path}"
@@ -270,17 +297,28 @@ def test_readme_keeps_the_setup_commands_first():
 def doc_server():
     """A server of the serving tests' small pair, the model name and address the documents' requests are sent to."""
     pytest.importorskip("fastapi")
+    from engine_models import markov_pair
+    from serving_models import build_tokenizer
+
     from eagle_jax import SpecConfig
     from eagle_jax.serving import SpecSchedule
     from eagle_jax.serving.server import Server, make_service
-    from engine_models import markov_pair
-    from serving_models import build_tokenizer
 
     target, drafter = markov_pair()
     tok = build_tokenizer()
     eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
-    service = make_service(target, drafter, tok, SpecSchedule.fixed(SpecConfig(num_speculative_tokens=2)), eos, slots=1,
-                           max_len=128, rounds_per_step=2, model_name="markov", precompile=False)
+    service = make_service(
+        target,
+        drafter,
+        tok,
+        SpecSchedule.fixed(SpecConfig(num_speculative_tokens=2)),
+        eos,
+        slots=1,
+        max_len=128,
+        rounds_per_step=2,
+        model_name="markov",
+        precompile=False,
+    )
     srv = Server(service).start()
     yield srv
     srv.stop()
@@ -300,7 +338,9 @@ def _run_bash(code: str, where: str, request) -> None:
             continue
         extra, argv = _without_env(cmd)
         p = subprocess.run(argv, cwd=REPO, env={**env, **extra}, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, f"{where}: `{shlex.join(cmd)}` exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+        assert p.returncode == 0, (
+            f"{where}: `{shlex.join(cmd)}` exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+        )
 
 
 def _needs(mark: str) -> str | None:

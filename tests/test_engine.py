@@ -1,4 +1,4 @@
-"""Tests of the speculative decoding engine (SPEC 6): greedy equality with plain decoding, no leakage
+"""Tests of the speculative decoding engine: greedy equality with plain decoding, no leakage
 between rows, cache invariants after every round, losslessness of sampling, argument errors, streaming.
 
 Compile time dominates (every distinct plan is a new XLA program), so the models are tiny, results are
@@ -15,7 +15,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import penalty_reference
 import pytest
+from engine_models import drafter_config, markov_drafter, markov_target, random_pair, target_config
 from flax import nnx
 
 import eagle_jax
@@ -26,9 +28,6 @@ from eagle_jax.decoding.engine import one_round
 from eagle_jax.decoding.prefill import start
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.modeling import layers
-
-from engine_models import drafter_config, markov_drafter, markov_target, random_pair, target_config
-import penalty_reference
 
 MAX_NEW = 24
 # Ragged batch: lengths 5, 12 (bucket 16) and 17, 30 (bucket 32): the batch is padded to 32.
@@ -103,7 +102,9 @@ def runs(markov, eos):
 
     def run(name, drafter, spec, prompts=PROMPTS):
         if name not in memo:
-            memo[name] = eagle_jax.generate(markov[0], drafter, prompts, max_new_tokens=MAX_NEW, spec=spec, eos_token_id=eos)
+            memo[name] = eagle_jax.generate(
+                markov[0], drafter, prompts, max_new_tokens=MAX_NEW, spec=spec, eos_token_id=eos
+            )
         return memo[name]
 
     return run
@@ -154,7 +155,9 @@ def test_greedy_spec_equals_plain(markov, runs, expected, eos, name):
     # The statistics are consistent with the per-round counts.
     flat = [a for row in res.accepted for a in row]
     assert res.acceptance_length == pytest.approx(np.mean(flat) + 1)
-    assert res.position_acceptance == pytest.approx([np.mean([a > i for a in flat]) for i in range(spec.max_emitted - 1)])
+    assert res.position_acceptance == pytest.approx(
+        [np.mean([a > i for a in flat]) for i in range(spec.max_emitted - 1)]
+    )
     # Every row emitted 1 token at prefill and accepted + 1 per round, and ran no round after it stopped.
     for row, acc in zip(res.tokens, res.accepted):
         assert 1 + sum(a + 1 for a in acc[:-1]) < len(row) <= 1 + sum(a + 1 for a in acc)
@@ -235,7 +238,9 @@ def recompute(markov):
         positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
         mask = jnp.arange(w)[None, None, :] <= positions[:, :, None]
         zero = jnp.zeros((b,), jnp.int32)
-        _, aux, t_cache = target.forward(ids, positions, mask, target.init_cache(b, w), zero, aux_layer_ids_for(drafter.config, target.config))
+        _, aux, t_cache = target.forward(
+            ids, positions, mask, target.init_cache(b, w), zero, aux_layer_ids_for(drafter.config, target.config)
+        )
         nxt = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         normed, feat, d_cache = drafter.layer(drafter.fuse(aux), nxt, positions, mask, drafter.init_cache(b, w), zero)
         return t_cache, d_cache, feat, drafter.lm_head(normed)
@@ -262,8 +267,18 @@ def _check_invariant(recompute, prompts, st, atol=2e-5):
     for i in range(b):
         n = int(length[i])
         for layer in range(len(t_cache.k)):
-            np.testing.assert_allclose(got_t.k[layer][i, :, :n], t_cache.k[layer][i, :, :n], atol=atol, err_msg=f"target K layer {layer} row {i}")
-            np.testing.assert_allclose(got_t.v[layer][i, :, :n], t_cache.v[layer][i, :, :n], atol=atol, err_msg=f"target V layer {layer} row {i}")
+            np.testing.assert_allclose(
+                got_t.k[layer][i, :, :n],
+                t_cache.k[layer][i, :, :n],
+                atol=atol,
+                err_msg=f"target K layer {layer} row {i}",
+            )
+            np.testing.assert_allclose(
+                got_t.v[layer][i, :, :n],
+                t_cache.v[layer][i, :, :n],
+                atol=atol,
+                err_msg=f"target V layer {layer} row {i}",
+            )
         np.testing.assert_allclose(got_d[0][i, :, :n], d_cache[0][i, :, :n], atol=atol, err_msg=f"drafter K row {i}")
         np.testing.assert_allclose(got_d[1][i, :, :n], d_cache[1][i, :, :n], atol=atol, err_msg=f"drafter V row {i}")
         np.testing.assert_allclose(got_feat[i], feat[i, n - 1], atol=atol, err_msg=f"d_feat row {i}")
@@ -278,10 +293,16 @@ def _check_invariant(recompute, prompts, st, atol=2e-5):
 def test_caches_equal_recompute_after_each_round(markov, recompute, spec, temperature):
     """prefill + 4 rounds by hand (jitted over nnx.split states); the invariant holds after each."""
     target, drafter = markov[0], markov[1]
-    plan, prompt, lens, rs = calls.prepare(target, drafter, PROMPTS, MAX_NEW, SamplingParams(temperature), spec, None, None)
+    plan, prompt, lens, rs = calls.prepare(
+        target, drafter, PROMPTS, MAX_NEW, SamplingParams(temperature), spec, None, None
+    )
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(drafter)
-    pre = jax.jit(lambda ts, ds, prompt, lens, key: start(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, prompt, lens, rs, key, MAX_NEW))
+    pre = jax.jit(
+        lambda ts, ds, prompt, lens, key: start(
+            nnx.merge(tg, ts), nnx.merge(dg, ds), plan, prompt, lens, rs, key, MAX_NEW
+        )
+    )
     step = jax.jit(lambda ts, ds, st: one_round(nnx.merge(tg, ts), nnx.merge(dg, ds), plan, st))
     st = pre(ts, ds, prompt, lens, jax.random.key(7))
     _check_invariant(recompute, PROMPTS, st)
@@ -441,8 +462,15 @@ SAMPLING_CASES = {
 }
 # Logits processors on the verification logits (decoding/penalties.py): every position of a round sees
 # the counts of the drafts on its path; min_tokens = 3 holds token 7 (the EOS here) back at all three.
-PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.3, logit_bias={3: 1.0, 5: -2.0}, min_tokens=3,
-                 min_p=0.05, eos_token_id=[7])
+PENALTIES = dict(
+    presence_penalty=0.5,
+    frequency_penalty=0.7,
+    repetition_penalty=1.3,
+    logit_bias={3: 1.0, 5: -2.0},
+    min_tokens=3,
+    min_p=0.05,
+    eos_token_id=[7],
+)
 SAMPLING_CASES["chain-penalties"] = dict(SAMPLING_CASES["chain"], pen=PENALTIES)
 SAMPLING_CASES["tree-penalties"] = dict(SAMPLING_CASES["tree"], pen=PENALTIES)
 
@@ -453,8 +481,12 @@ def _exact_joint3_penalised(logits, pen: dict) -> np.ndarray:
     rules = {k: val for k, val in pen.items() if k not in ("min_p", "eos_token_id")}
 
     def p(row, pos, generated):
-        return penalty_reference.probs(penalty_reference.processed(logits[row, pos], SAMPLE_PROMPT, generated, stop_ids=pen["eos_token_id"],
-                                                                   **rules), min_p=pen["min_p"])
+        return penalty_reference.probs(
+            penalty_reference.processed(
+                logits[row, pos], SAMPLE_PROMPT, generated, stop_ids=pen["eos_token_id"], **rules
+            ),
+            min_p=pen["min_p"],
+        )
 
     out = np.zeros((v, v, v))
     p1 = p(0, 0, [])
@@ -480,8 +512,16 @@ def sampled(sampling_pair):
                     mp.setattr(auto_run, "CHOOSE_EVERY", 1)
                     mp.setattr(auto_run, "PROFILE_ROUNDS", 1)
                 res = eagle_jax.generate(
-                    target, drafter, [SAMPLE_PROMPT] * N_SAMPLES, max_new_tokens=3, temperature=1.0,
-                    top_k=case["top_k"], top_p=case["top_p"], spec=case["spec"], seed=42, **case.get("pen", {}),
+                    target,
+                    drafter,
+                    [SAMPLE_PROMPT] * N_SAMPLES,
+                    max_new_tokens=3,
+                    temperature=1.0,
+                    top_k=case["top_k"],
+                    top_p=case["top_p"],
+                    spec=case["spec"],
+                    seed=42,
+                    **case.get("pen", {}),
                 )
             memo[name] = res
         return memo[name]
@@ -497,7 +537,10 @@ def test_sampling_keeps_target_distribution(sampling_pair, sample_logits, sample
     res = sampled(name)
     if "pen" in case:
         exact = _exact_joint3_penalised(sample_logits, case["pen"])
-        assert g_test_pvalue(_counts3(res.tokens, target.config.vocab_size), _exact_joint3(sample_logits, 1.0, 0, 1.0)) < 1e-6
+        assert (
+            g_test_pvalue(_counts3(res.tokens, target.config.vocab_size), _exact_joint3(sample_logits, 1.0, 0, 1.0))
+            < 1e-6
+        )
     else:
         exact = _exact_joint3(sample_logits, 1.0, case["top_k"], case["top_p"])
     counts = _counts3(res.tokens, target.config.vocab_size)
@@ -580,7 +623,9 @@ def test_generate_argument_errors(pair32):
     t, d = pair32
     ok = [[1, 2, 3]]
     _raises("num_speculative_tokens", t, d, ok, spec={"num_speculative_tokens": 0})
-    _raises("tree_total_tokens", t, d, ok, spec={"method": "tree", "tree_top_k": 2, "tree_depth": 2, "tree_total_tokens": 8})
+    _raises(
+        "tree_total_tokens", t, d, ok, spec={"method": "tree", "tree_top_k": 2, "tree_depth": 2, "tree_total_tokens": 8}
+    )
     _raises("max_position_embeddings", t, d, [list(range(32)) * 7], max_new_tokens=60)  # 224 + 60 > 256
     _raises("prompt 1 is empty", t, d, [[1], []])
     _raises("prompts is empty", t, d, [])
@@ -625,7 +670,9 @@ def test_spec_parse_vllm_dict(markov, runs):
 def test_stream_yields_the_same_tokens(markov, runs, eos):
     ref = runs("chain3", markov[1], CHAIN3)
     chunks = list(
-        eagle_jax.generate_stream(markov[0], markov[1], PROMPTS, max_new_tokens=MAX_NEW, rounds_per_chunk=3, spec=CHAIN3, eos_token_id=eos)
+        eagle_jax.generate_stream(
+            markov[0], markov[1], PROMPTS, max_new_tokens=MAX_NEW, rounds_per_chunk=3, spec=CHAIN3, eos_token_id=eos
+        )
     )
     assert len(chunks) >= 3
     joined = [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))]
@@ -649,15 +696,21 @@ def test_the_drafters_prefill_computes_outputs_only_where_drafting_starts():
     ids = rng.integers(0, 32, size=(3, p)).astype(np.int32)
     rs = RowSampling.fill(SamplingParams(), 3)
     keys = jax.random.split(jax.random.key(0), 3)
-    got = prefill(target, drafter, Plan(3, s, 0, None, True, ()), jnp.asarray(ids), jnp.asarray(lens, jnp.int32), rs, keys)
+    got = prefill(
+        target, drafter, Plan(3, s, 0, None, True, ()), jnp.asarray(ids), jnp.asarray(lens, jnp.int32), rs, keys
+    )
     close = dict(rtol=1e-5, atol=1e-5)
     for i, n in enumerate(lens):  # the reference: the whole layer over the prompt's block
-        row = jnp.asarray(ids[i: i + 1, :n])
+        row = jnp.asarray(ids[i : i + 1, :n])
         pos = jnp.arange(n, dtype=jnp.int32)[None]
         plan = Plan(1, n, 0, None, True, ())
-        _, aux, _ = engine.target_forward(target, drafter, plan, row, pos, causal_mask(1, n), target.init_cache(1, n), jnp.zeros((1,), jnp.int32))
-        nxt = jnp.concatenate([row[:, 1:], got.first[i: i + 1, None]], axis=1)
-        normed, feat, cache = drafter.layer(drafter.fuse(aux), nxt, pos, causal_mask(1, n), drafter.init_cache(1, n), jnp.zeros((1,), jnp.int32))
+        _, aux, _ = engine.target_forward(
+            target, drafter, plan, row, pos, causal_mask(1, n), target.init_cache(1, n), jnp.zeros((1,), jnp.int32)
+        )
+        nxt = jnp.concatenate([row[:, 1:], got.first[i : i + 1, None]], axis=1)
+        normed, feat, cache = drafter.layer(
+            drafter.fuse(aux), nxt, pos, causal_mask(1, n), drafter.init_cache(1, n), jnp.zeros((1,), jnp.int32)
+        )
         np.testing.assert_allclose(got.d_logits[i], drafter.lm_head(normed[0, n - 1]), **close)
         np.testing.assert_allclose(got.d_feat[i], feat[0, n - 1], **close)
         for got_c, ref_c in zip(got.d_cache, cache):
@@ -665,12 +718,22 @@ def test_the_drafters_prefill_computes_outputs_only_where_drafting_starts():
     # The longest prompt in chunks of 8 (the last one padded past the prompt), in a cache of 20.
     n = int(lens[2])
     t_cache, d_cache = target.init_cache(1, s), drafter.init_cache(1, s)
-    for start in range(0, n, 8):
+    for at in range(0, n, 8):
         chunk = np.zeros((1, 9), np.int32)
-        part = ids[2:3, start: start + 9]
+        part = ids[2:3, at : at + 9]
         chunk[:, : part.shape[1]] = part
-        out = prefill_chunk(target, drafter, Plan(1, s, 0, None, True, ()), jnp.asarray(chunk), jnp.asarray([start], jnp.int32),
-                            jnp.asarray([n], jnp.int32), t_cache, d_cache, RowSampling.fill(SamplingParams(), 1), keys[2:])
+        out = prefill_chunk(
+            target,
+            drafter,
+            Plan(1, s, 0, None, True, ()),
+            jnp.asarray(chunk),
+            jnp.asarray([at], jnp.int32),
+            jnp.asarray([n], jnp.int32),
+            t_cache,
+            d_cache,
+            RowSampling.fill(SamplingParams(), 1),
+            keys[2:],
+        )
         t_cache, d_cache = out.t_cache, out.d_cache
     assert int(out.first[0]) == int(got.first[2])
     np.testing.assert_allclose(out.d_logits[0], got.d_logits[2], **close)

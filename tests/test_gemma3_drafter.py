@@ -15,11 +15,26 @@ from eagle_jax.config import FULL_LAYER, SLIDING_LAYER, RopeConfig, TargetConfig
 from eagle_jax.training.recipe import build_target, drafter_config_for, load_config, merge_config, warm_start
 
 GEMMA3_270M = TargetConfig(
-    architecture="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
-    num_kv_heads=1, head_dim=256, rope=RopeConfig(theta=1e6), local_rope=RopeConfig(theta=1e4), sliding_window=512,
-    layer_types=tuple(SLIDING_LAYER if (i + 1) % 6 else FULL_LAYER for i in range(18)), norm_unit_offset=True,
-    sandwich_norms=True, scale_embeddings=True, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=256.0, qk_norm=True,
-    tie_word_embeddings=True, max_position_embeddings=32768,
+    architecture="gemma3",
+    vocab_size=262144,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_layers=18,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=256,
+    rope=RopeConfig(theta=1e6),
+    local_rope=RopeConfig(theta=1e4),
+    sliding_window=512,
+    layer_types=tuple(SLIDING_LAYER if (i + 1) % 6 else FULL_LAYER for i in range(18)),
+    norm_unit_offset=True,
+    sandwich_norms=True,
+    scale_embeddings=True,
+    hidden_act="gelu_pytorch_tanh",
+    query_pre_attn_scalar=256.0,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
 )
 EAGLE31 = {"drafter": {"draft_vocab_size": 32768, "fc_norm": True, "norm_output": True}}
 
@@ -37,10 +52,25 @@ def test_eagle31_drafter_config_for_gemma3_270m():
 
 
 def test_warm_started_norm_scales_as_the_targets():
-    random = dict(architecture="gemma3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                  num_kv_heads=1, head_dim=16, sliding_window=4, layer_types=[SLIDING_LAYER, FULL_LAYER],
-                  local_rope={"theta": 100.0}, norm_unit_offset=True, sandwich_norms=True, scale_embeddings=True,
-                  hidden_act="gelu_pytorch_tanh", qk_norm=True, tie_word_embeddings=True)
+    random = dict(
+        architecture="gemma3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=[SLIDING_LAYER, FULL_LAYER],
+        local_rope={"theta": 100.0},
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        qk_norm=True,
+        tie_word_embeddings=True,
+    )
     cfg = merge_config(load_config(), {"target": {"random": random}, **EAGLE31, "drafter": {"draft_vocab_size": 16}})
     target = build_target(cfg)
     target.norm.weight.set_value(jnp.linspace(-0.5, 0.5, 32))

@@ -14,13 +14,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_models import markov_drafter, markov_target
 from flax import nnx
 
 import eagle_jax
 from eagle_jax import RopeConfig, SpecConfig
 from eagle_jax.config import FULL_LAYER, SLIDING_LAYER, TargetConfig
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
-from engine_models import markov_drafter, markov_target
 
 VOCAB, HIDDEN, WINDOW, MAX_NEW = 32, 64, 6, 24
 PROMPTS = [[3, 1, 4, 1, 5], list(np.random.default_rng(2).integers(0, VOCAB, size=13))]
@@ -87,7 +87,9 @@ def test_greedy_speculation_equals_plain_past_the_window(pair, plain, name):
     target, drafter = pair
     out = eagle_jax.generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, spec=SPECS[name], eos_token_id=[])
     assert out.tokens == plain
-    assert out.acceptance_length > 1.1  # drafts were accepted (measured 1.24 with the chain): the accepted-path moves ran
+    assert (
+        out.acceptance_length > 1.1
+    )  # drafts were accepted (measured 1.24 with the chain): the accepted-path moves ran
     assert all(len(p) + MAX_NEW > 3 * WINDOW for p in PROMPTS)
 
 
@@ -96,7 +98,9 @@ def test_server_slots_with_chunked_prefill_equal_plain(pair):
     a short one, in the slot engine with speculation: plain greedy decoding's tokens."""
     target, drafter = pair
     schedule = SpecSchedule.fixed(SPECS["chain3"])
-    engine = SlotEngine(target, drafter, slots=2, max_len=128, specs=schedule.specs, rounds_per_step=3, eos_ids=(), chunk=32)
+    engine = SlotEngine(
+        target, drafter, slots=2, max_len=128, specs=schedule.specs, rounds_per_step=3, eos_ids=(), chunk=32
+    )
     prompts = [PROMPTS[0], [int(t) for t in np.random.default_rng(5).integers(0, VOCAB, size=70)]]
     sched = Scheduler(engine, schedule).start()
     try:

@@ -21,8 +21,20 @@ from eagle_jax.checkpoint.module_fill import export_tensors
 from eagle_jax.config import RopeConfig
 from parity_tests.gguf_writer import tokenizer_metadata, write_gguf
 
-CFG = TargetConfig("llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+CFG = TargetConfig(
+    "llama",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
 
 
@@ -48,8 +60,21 @@ def test_round_trip_same_logits_and_config(llama_file):
     target, file = llama_file
     loaded = eagle_jax.load_target(file)
     c = loaded.config
-    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == ("llama", 2, 4, 2, 16, 96)
-    assert (c.bos_token_id, c.eos_token_id, c.tie_word_embeddings, c.rope.theta, c.dtype) == (1, 2, False, CFG.rope.theta, "float32")
+    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (
+        "llama",
+        2,
+        4,
+        2,
+        16,
+        96,
+    )
+    assert (c.bos_token_id, c.eos_token_id, c.tie_word_embeddings, c.rope.theta, c.dtype) == (
+        1,
+        2,
+        False,
+        CFG.rope.theta,
+        "float32",
+    )
     assert c.max_position_embeddings == 128 and abs(c.rms_norm_eps - 1e-5) < 1e-9
     np.testing.assert_allclose(np.asarray(loaded(IDS)[0]), np.asarray(target(IDS)[0]), rtol=1e-6, atol=1e-6)
     assert gguf_target_config(file) == c.replace(dtype=None)
@@ -81,8 +106,14 @@ def llama3_factors(head_dim: int, theta: float, factor: float) -> np.ndarray:
 
 
 def test_llama3_rope_read_from_rope_freqs(tmp_path):
-    rope = RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=8192)
+    rope = RopeConfig(
+        theta=500000.0,
+        type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
     config = CFG.replace(rope=rope, max_position_embeddings=131072)
     plain = CFG.replace(rope=RopeConfig(theta=500000.0), max_position_embeddings=131072)  # what the metadata alone says
     target, file = write(tmp_path, plain, tensors={"rope_freqs.weight": llama3_factors(16, 500000.0, 8.0)})
@@ -121,7 +152,9 @@ def test_truncated_file_names_the_tensor_or_the_header(llama_file, tmp_path):
     raw = file.read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(raw[: len(raw) - 1000])
-    with pytest.raises(CheckpointError, match=r"cut\.gguf: tensor '[\w.]+' ends at byte \d+ but the file has \d+ bytes: truncated"):
+    with pytest.raises(
+        CheckpointError, match=r"cut\.gguf: tensor '[\w.]+' ends at byte \d+ but the file has \d+ bytes: truncated"
+    ):
         eagle_jax.load_target(cut)
     head = tmp_path / "head.gguf"
     head.write_bytes(raw[:200])
@@ -133,7 +166,10 @@ def test_unknown_architecture(tmp_path):
     target = Target(CFG)
     state = dict(export_tensors(target, target_key))
     file = write_gguf(tmp_path / "falcon.gguf", state, {**hf_dict(CFG), "model_type": "falcon"})
-    with pytest.raises(CheckpointError, match=r"falcon\.gguf: unsupported architecture 'falcon' \(metadata field 'general.architecture'\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"falcon\.gguf: unsupported architecture 'falcon' \(metadata field 'general.architecture'\)",
+    ):
         eagle_jax.load_target(file)
 
 
@@ -150,7 +186,10 @@ def test_unknown_tensor_and_missing_metadata(tmp_path):
     raw = (tmp_path / "m.gguf").read_bytes()
     key = b"llama.attention.layer_norm_rms_epsilon"
     (tmp_path / "noeps.gguf").write_bytes(raw.replace(key, b"llama.attention.layer_norm_rms_epsiloX"))
-    with pytest.raises(CheckpointError, match=r"noeps\.gguf: required metadata field 'llama\.attention\.layer_norm_rms_epsilon' is missing"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"noeps\.gguf: required metadata field 'llama\.attention\.layer_norm_rms_epsilon' is missing",
+    ):
         eagle_jax.load_target(tmp_path / "noeps.gguf")
 
 
@@ -165,10 +204,16 @@ def chat_gguf(tmp_path_factory):
     from workshop.tokenizer_build import CHAT_TEMPLATE, train_tokenizer
 
     tmp = tmp_path_factory.mktemp("chat_gguf")
-    train_tokenizer(["def add(a, b):\n    return a + b\n" * 20, "Hello there, how are you?\n" * 20], vocab_size=300, out_dir=tmp / "tok")
+    train_tokenizer(
+        ["def add(a, b):\n    return a + b\n" * 20, "Hello there, how are you?\n" * 20],
+        vocab_size=300,
+        out_dir=tmp / "tok",
+    )
     source = AutoTokenizer.from_pretrained(tmp / "tok")
     meta = tokenizer_metadata(source, CHAT_TEMPLATE)
-    meta.update({"tokenizer.ggml.bos_token_id": source.bos_token_id, "tokenizer.ggml.padding_token_id": source.pad_token_id})
+    meta.update(
+        {"tokenizer.ggml.bos_token_id": source.bos_token_id, "tokenizer.ggml.padding_token_id": source.pad_token_id}
+    )
     config = CFG.replace(vocab_size=len(source), bos_token_id=source.bos_token_id, eos_token_id=source.eos_token_id)
     target = Target(config)
     target.lm_head.kernel.set_value(target.lm_head.kernel[...] * 8.0)  # peaked: varied, decisive greedy replies

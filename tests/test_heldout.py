@@ -38,10 +38,25 @@ def config(tmp_path, **sections) -> dict:
     base = {
         "seed": 0,
         # vocab_size: the bundled tokenizer's
-        "target": {"random": {"vocab_size": 6144, "hidden_size": 32, "intermediate_size": 64, "num_layers": 3, "num_heads": 4,
-                              "num_kv_heads": 2, "head_dim": 8, "logit_scale": 8.0}},
+        "target": {
+            "random": {
+                "vocab_size": 6144,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_layers": 3,
+                "num_heads": 4,
+                "num_kv_heads": 2,
+                "head_dim": 8,
+                "logit_scale": 8.0,
+            }
+        },
         "drafter": {"draft_vocab_size": 256, "norm_output": True, "fc_norm": True},
-        "data": {"path": write_texts(tmp_path / "train.jsonl", 48, 0), "tokenizer": TOKENIZER, "max_length": 32, "batching": "pack"},
+        "data": {
+            "path": write_texts(tmp_path / "train.jsonl", 48, 0),
+            "tokenizer": TOKENIZER,
+            "max_length": 32,
+            "batching": "pack",
+        },
         "eval": {"path": write_texts(tmp_path / "heldout.jsonl", 12, 1), "every": 4},
         "train": {"steps": 8, "batch_size": 2, "lr": 3e-3, "warmup_steps": 1, "ttt_length": 2},
         "checkpoint": {"every": 0},
@@ -71,26 +86,37 @@ def test_heldout_accuracy_is_logged_and_is_the_drafters_own(tmp_path):
         out = ttt_loss(drafter, aux, ids, logits, jnp.asarray(s.loss_mask[None]), ttt_length=2, normalize="valid")
         correct += np.asarray(out.accuracies) * np.asarray(out.counts)
         counts += np.asarray(out.counts)
-    np.testing.assert_allclose(last["heldout_acc_per_position"], correct / counts, atol=2e-3)  # fp32 sums in another order: a near-tie may flip
+    np.testing.assert_allclose(
+        last["heldout_acc_per_position"], correct / counts, atol=2e-3
+    )  # fp32 sums in another order: a near-tie may flip
     assert last["heldout_positions"] == int(counts[0])
     # bench.training_curve reads the same records, against the tokens trained so far
     points = curve([tmp_path / "run"])
-    assert [p["step"] for p in points] == [0, 4, 8] and 0 == points[0]["tokens"] < points[1]["tokens"] < points[2]["tokens"]
+    assert [p["step"] for p in points] == [0, 4, 8] and 0 == points[0]["tokens"] < points[1]["tokens"] < points[2][
+        "tokens"
+    ]
     assert points[2]["heldout_simulated_al"] == last["heldout_simulated_al"]
 
 
 def test_heldout_from_features_matches_online(tmp_path):
     online = train(config(tmp_path / "a"))
-    cached = train(config(tmp_path / "b", data={"features": str(tmp_path / "f")}, eval={"features": str(tmp_path / "fe")}))
+    cached = train(
+        config(tmp_path / "b", data={"features": str(tmp_path / "f")}, eval={"features": str(tmp_path / "fe")})
+    )
     a = [r for r in online["records"] if "heldout_loss_per_position" in r]
     b = [r for r in cached["records"] if "heldout_loss_per_position" in r]
-    np.testing.assert_allclose([r["heldout_loss_per_position"] for r in b], [r["heldout_loss_per_position"] for r in a], rtol=1e-4)
+    np.testing.assert_allclose(
+        [r["heldout_loss_per_position"] for r in b], [r["heldout_loss_per_position"] for r in a], rtol=1e-4
+    )
 
 
-@pytest.mark.parametrize("sections, message", [
-    ({"data": {"features": "f"}}, "eval.features and data.features go together"),
-    ({"eval": {"every": 3}}, "must be a multiple of log.every"),
-])
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"data": {"features": "f"}}, "eval.features and data.features go together"),
+        ({"eval": {"every": 3}}, "must be a multiple of log.every"),
+    ],
+)
 def test_bad_eval_settings_are_refused(tmp_path, sections, message):
     with pytest.raises(TrainConfigError, match=message):
         check_config(config(tmp_path, **sections))

@@ -15,8 +15,17 @@ MAIN, OTHER = "a" * 40, "b" * 40
 
 
 def tiny_target(seed: int, layers: int) -> Target:
-    config = TargetConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=layers,
-                          num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    config = TargetConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     return Target(config, rngs=nnx.Rngs(seed))
 
 

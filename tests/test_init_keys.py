@@ -11,8 +11,17 @@ from flax import nnx
 from eagle_jax import Target, TargetConfig
 from eagle_jax.modeling.layers import InitKeys
 
-TINY = TargetConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                    num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
+TINY = TargetConfig(
+    architecture="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
+)
 
 
 def test_same_keys_and_rngs_state_as_drawing_from_rngs():
@@ -27,8 +36,10 @@ def test_same_keys_and_rngs_state_as_drawing_from_rngs():
     rngs = nnx.Rngs(5)
     t = Target(TINY, rngs=rngs)
     assert int(rngs.params.count[...]) == 16
-    np.testing.assert_array_equal(np.asarray(t.embed_tokens[...]),
-                                  np.asarray(jax.random.normal(jax.random.fold_in(jax.random.key(5), 0), (64, 32)) * 0.02))
+    np.testing.assert_array_equal(
+        np.asarray(t.embed_tokens[...]),
+        np.asarray(jax.random.normal(jax.random.fold_in(jax.random.key(5), 0), (64, 32)) * 0.02),
+    )
 
 
 def test_abstract_build_draws_nothing_from_the_traced_rngs(monkeypatch):

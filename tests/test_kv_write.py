@@ -16,7 +16,7 @@ from eagle_jax.modeling.layers import write_kv
 def _reference(cache: np.ndarray, new: np.ndarray, start: np.ndarray) -> np.ndarray:
     out = cache.copy()
     for r in range(new.shape[0]):
-        out[r, :, start[r]: start[r] + new.shape[1]] = new[r].transpose(1, 0, 2)
+        out[r, :, start[r] : start[r] + new.shape[1]] = new[r].transpose(1, 0, 2)
     return out
 
 

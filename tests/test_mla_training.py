@@ -34,19 +34,53 @@ from eagle_jax.training.trainer import (
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "train" / "tiny_mla_moe.yaml"
 KIMI = REPO / "configs" / "train" / "kimi_k2_mla.yaml"
-SHORT = ["train.steps=60", "train.ttt_length=3", "data.synthetic={num_samples: 256, prompt_length: 8}", "data.max_length=48",
-         "checkpoint.every=0", "log.every=1", "log.progress=false"]
+SHORT = [
+    "train.steps=60",
+    "train.ttt_length=3",
+    "data.synthetic={num_samples: 256, prompt_length: 8}",
+    "data.max_length=48",
+    "checkpoint.every=0",
+    "log.every=1",
+    "log.progress=false",
+]
 
 # Kimi-K2-Instruct's config.json (the fields the loader reads).
 KIMI_K2 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168,
-    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
-    "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1,
-    "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.827, "norm_topk_prob": True,
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
-                                            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "kimi_k2",
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.827,
+    "norm_topk_prob": True,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "rope_theta": 50000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
 }
 
 
@@ -65,7 +99,12 @@ def test_mla_drafter_trains_exports_and_drafts(run):
 
     export = Path(summary["export_dir"])
     hf = json.loads((export / "config.json").read_text())
-    assert hf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and hf["kv_lora_rank"] == 32 and hf["fc_norm"] and hf["norm_output"]
+    assert (
+        hf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+        and hf["kv_lora_rank"] == 32
+        and hf["fc_norm"]
+        and hf["norm_output"]
+    )
     target = build_target(cfg)  # the same seeded target
     assert target.config.architecture == "deepseek_v3"
     drafter = eagle_jax.load_drafter(export, target)
@@ -75,7 +114,9 @@ def test_mla_drafter_trains_exports_and_drafts(run):
     rng = np.random.default_rng(12345)  # held out: the training prompts come from seed 0
     prompts = [list(map(int, rng.integers(0, 512, 8))) for _ in range(16)]
     plain = eagle_jax.generate(target, None, prompts, max_new_tokens=40, eos_token_id=[])
-    out = eagle_jax.generate(target, drafter, prompts, max_new_tokens=40, spec=SpecConfig(num_speculative_tokens=3), eos_token_id=[])
+    out = eagle_jax.generate(
+        target, drafter, prompts, max_new_tokens=40, spec=SpecConfig(num_speculative_tokens=3), eos_token_id=[]
+    )
     assert out.tokens == plain.tokens
     accepted = sum(a for row in out.accepted for a in row)
     assert accepted >= 10, f"{accepted} drafts accepted (AL {out.acceptance_length:.3f})"
@@ -89,14 +130,34 @@ def test_drafter_attention_follows_the_target_or_the_config(run):
     gqa = drafter_config_for(load_config(TINY, SHORT + ["drafter.attention=gqa"]), target)
     assert gqa.mla is None and gqa.rope.type == "default" and gqa.architectures == ("LlamaForCausalLMEagle3",)
     with pytest.raises(TrainConfigError, match="drafter.attention=mla needs an MLA target"):
-        drafter_config_for(load_config(TINY, ["drafter.attention=mla"]), Target(TargetConfig(
-            "llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8)))
+        drafter_config_for(
+            load_config(TINY, ["drafter.attention=mla"]),
+            Target(
+                TargetConfig(
+                    "llama",
+                    vocab_size=64,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_layers=3,
+                    num_heads=4,
+                    num_kv_heads=2,
+                    head_dim=8,
+                )
+            ),
+        )
     with pytest.raises(TrainConfigError, match="drafter.num_kv_heads / drafter.head_dim"):
         drafter_config_for(load_config(TINY, ["drafter.num_kv_heads=2"]), target)
     with pytest.raises(TrainConfigError, match="target.random: .*moe"):
-        build_target(load_config(TINY, ["target.random={architecture: deepseek_v3, vocab_size: 64, hidden_size: 32, "
-                                        "intermediate_size: 64, num_layers: 2, num_heads: 4, "
-                                        "mla: {q_lora_rank: null, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 8}}"]))
+        build_target(
+            load_config(
+                TINY,
+                [
+                    "target.random={architecture: deepseek_v3, vocab_size: 64, hidden_size: 32, "
+                    "intermediate_size: 64, num_layers: 2, num_heads: 4, "
+                    "mla: {q_lora_rank: null, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 8}}"
+                ],
+            )
+        )
 
 
 def test_kimi_k2_recipe_validates():
@@ -114,8 +175,21 @@ def test_kimi_k2_recipe_validates():
     dc = drafter_config_for(cfg, target)
     assert check_pair(target.config, dc, "kimi_k2_mla.yaml") == (2, 30, 58)
     assert (dc.hidden_size, dc.num_heads, dc.intermediate_size, dc.draft_vocab_size) == (7168, 64, 18432, 163840)
-    assert (dc.mla.q_lora_rank, dc.mla.kv_lora_rank, dc.mla.qk_nope_head_dim, dc.mla.qk_rope_head_dim, dc.mla.v_head_dim) == (1536, 512, 128, 64, 128)
-    assert (dc.rope.type, dc.rope.theta, dc.rope.factor, dc.rms_norm_eps, dc.fc_norm, dc.norm_output) == ("yarn", 50000.0, 32.0, 1e-5, True, True)
+    assert (
+        dc.mla.q_lora_rank,
+        dc.mla.kv_lora_rank,
+        dc.mla.qk_nope_head_dim,
+        dc.mla.qk_rope_head_dim,
+        dc.mla.v_head_dim,
+    ) == (1536, 512, 128, 64, 128)
+    assert (dc.rope.type, dc.rope.theta, dc.rope.factor, dc.rms_norm_eps, dc.fc_norm, dc.norm_output) == (
+        "yarn",
+        50000.0,
+        32.0,
+        1e-5,
+        True,
+        True,
+    )
     assert dc.to_hf()["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
     drafter = nnx.eval_shape(lambda: Drafter(dc))
     trainable = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(drafter, nnx.Param)))

@@ -67,7 +67,9 @@ def make_pair(kind: str) -> tuple[Target, object]:
         tc = target_config(VOCAB, hidden=32, sliding_window=6 if kind == "window" else None)
     target = Target(tc, rngs=nnx.Rngs(3))
     target.lm_head.kernel.set_value(target.lm_head.kernel[...] * 4.0)
-    cfg = load_config(None, [f"drafter.draft_vocab_size={DRAFT_VOCAB}", "drafter.fc_norm=true", "drafter.norm_output=true"])
+    cfg = load_config(
+        None, [f"drafter.draft_vocab_size={DRAFT_VOCAB}", "drafter.fc_norm=true", "drafter.norm_output=true"]
+    )
     drafter, _ = build_drafter(cfg, target, documents())
     return target, drafter
 
@@ -96,15 +98,27 @@ def loss_and_grads(target, drafter, batch: dict, *, documents_apart: bool, remat
             logits, aux = nnx.merge(graphdef_t, target_state)(ids, aux_ids, pos, seg)
 
             def f(p):
-                out = ttt.ttt_loss(nnx.merge(graphdef_d, p, rest), aux, ids, logits, mask, ttt_length=TTT_LENGTH,
-                                   normalize="valid", positions=pos, segment_ids=seg, remat=remat)
+                out = ttt.ttt_loss(
+                    nnx.merge(graphdef_d, p, rest),
+                    aux,
+                    ids,
+                    logits,
+                    mask,
+                    ttt_length=TTT_LENGTH,
+                    normalize="valid",
+                    positions=pos,
+                    segment_ids=seg,
+                    remat=remat,
+                )
                 return out.total, out
 
             (_, out), grads = jax.value_and_grad(f, has_aux=True)(params)
             return out, logits, grads
 
         _PROGRAMS[key] = run
-    return _PROGRAMS[key](target_state, params, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["loss_mask"]), pos, seg)
+    return _PROGRAMS[key](
+        target_state, params, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["loss_mask"]), pos, seg
+    )
 
 
 def assert_grads_close(got, want) -> None:
@@ -136,8 +150,12 @@ def test_packed_documents_give_the_loss_and_gradients_of_separate_rows(kind, req
         start = 0
         for i in row:
             n = LENGTHS[i]
-            np.testing.assert_allclose(logits[r, start : start + n], ref_logits[i, :n], rtol=0,
-                                       atol=LOSS_RTOL * float(np.abs(ref_logits).max()))
+            np.testing.assert_allclose(
+                logits[r, start : start + n],
+                ref_logits[i, :n],
+                rtol=0,
+                atol=LOSS_RTOL * float(np.abs(ref_logits).max()),
+            )
             start += n
 
     # The same packed rows as one sequence each (documents see each other) give another loss.
@@ -255,7 +273,15 @@ def test_pack_batching_epochs_positions_segments_and_resume():
 def test_pad_and_bucket_batches_carry_positions_and_segments():
     samples = _samples(40, 3, 20)
     for mode in ("pad", "bucket"):
-        b = Batcher(samples, batch_size=4, max_length=32, mode=mode, buckets=(16, 32) if mode == "bucket" else None, seed=0, pad_id=1)
+        b = Batcher(
+            samples,
+            batch_size=4,
+            max_length=32,
+            mode=mode,
+            buckets=(16, 32) if mode == "bucket" else None,
+            seed=0,
+            pad_id=1,
+        )
         batch = b.batch(DataPosition(0, 0))
         length = batch["input_ids"].shape[1]
         np.testing.assert_array_equal(batch["positions"], np.tile(np.arange(length), (4, 1)))
@@ -278,8 +304,14 @@ def test_pack_errors():
 TRAIN = [
     "target.random={vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_layers: 3, num_heads: 4, num_kv_heads: 2, "
     "head_dim: 8, logit_scale: 4.0}",
-    "data.synthetic={num_samples: 1}", "data.max_length=32", "train.batch_size=4", "train.ttt_length=3", "train.lr=1e-3",
-    "checkpoint.every=0", "log.every=1", "log.progress=false",
+    "data.synthetic={num_samples: 1}",
+    "data.max_length=32",
+    "train.batch_size=4",
+    "train.ttt_length=3",
+    "train.lr=1e-3",
+    "checkpoint.every=0",
+    "log.every=1",
+    "log.progress=false",
 ]
 
 
@@ -293,7 +325,9 @@ def short_samples(monkeypatch):
 
 def test_packed_run_with_remat_logs_lengths_and_tokens_per_s(short_samples, tmp_path):
     steps = 4
-    cfg = load_config(None, TRAIN + [f"run_dir={tmp_path}", f"train.steps={steps}", "data.batching=pack", "train.remat=true"])
+    cfg = load_config(
+        None, TRAIN + [f"run_dir={tmp_path}", f"train.steps={steps}", "data.batching=pack", "train.remat=true"]
+    )
     summary = trainer.train(cfg)
     recs = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, steps + 1)) and all(np.isfinite(r["loss"]) for r in recs)
@@ -304,7 +338,9 @@ def test_packed_run_with_remat_logs_lengths_and_tokens_per_s(short_samples, tmp_
 
 
 def test_bucketed_run_reports_tokens_per_s_per_length(short_samples, tmp_path):
-    cfg = load_config(None, TRAIN + [f"run_dir={tmp_path}", "data.batching=bucket", "data.buckets=[16, 32]", "log.every=3"])
+    cfg = load_config(
+        None, TRAIN + [f"run_dir={tmp_path}", "data.batching=bucket", "data.buckets=[16, 32]", "log.every=3"]
+    )
     batcher = Batcher(short_samples, 4, 32, mode="bucket", buckets=(16, 32), seed=0)
     lengths = [batcher.batch(DataPosition(0, k))["input_ids"].shape[1] for k in range(batcher.batches_per_epoch)]
     steps = batcher.batches_per_epoch
@@ -316,14 +352,19 @@ def test_bucketed_run_reports_tokens_per_s_per_length(short_samples, tmp_path):
     per_step = sum((r["step_tokens_per_s"] for r in recs), [])
     first = {n: lengths.index(n) for n in (16, 32)}  # each length's first step compiled: not timed
     assert all((per_step[k] is None) == (k in first.values()) for k in range(steps))
-    assert sorted(summary["tokens_per_s_by_length"]) == [16, 32] and all(v > 0 for v in summary["tokens_per_s_by_length"].values())
+    assert sorted(summary["tokens_per_s_by_length"]) == [16, 32] and all(
+        v > 0 for v in summary["tokens_per_s_by_length"].values()
+    )
 
 
-@pytest.mark.parametrize("key, value, match", [
-    ("data.batching", "sorted", "data.batching='sorted'; expected one of: pad, bucket, pack"),
-    ("train.remat", "'yes'", "train.remat='yes'; expected true or false"),
-    ("train.normalize", "mean", "train.normalize='mean'; expected one of: all, valid"),
-])
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("data.batching", "sorted", "data.batching='sorted'; expected one of: pad, bucket, pack"),
+        ("train.remat", "'yes'", "train.remat='yes'; expected true or false"),
+        ("train.normalize", "mean", "train.normalize='mean'; expected one of: all, valid"),
+    ],
+)
 def test_bad_values_are_config_errors(key, value, match, tmp_path):
     with pytest.raises(TrainConfigError, match=match):
         trainer.train(load_config(None, TRAIN + [f"run_dir={tmp_path}", f"{key}={value}"]))

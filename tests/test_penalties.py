@@ -9,19 +9,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_models import markov_pair
 from flax import nnx
+from penalty_reference import processed
 
 import eagle_jax
 from eagle_jax import SpecConfig
 from eagle_jax.config import ConfigError
 from eagle_jax.decoding import chooser
-from engine_models import markov_pair
-from penalty_reference import processed
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(20))]
 EOS = 7
 MAX_NEW = 24
-PEN = dict(presence_penalty=0.4, frequency_penalty=0.6, repetition_penalty=1.5, logit_bias={3: 2.0, 9: -5.0}, min_tokens=6)
+PEN = dict(
+    presence_penalty=0.4, frequency_penalty=0.6, repetition_penalty=1.5, logit_bias={3: 2.0, 9: -5.0}, min_tokens=6
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +70,15 @@ def test_greedy_speculation_equals_plain_under_penalties(pair):
     assert all(len(r) >= PEN["min_tokens"] for r in ref) and EOS not in sum((r[: PEN["min_tokens"]] for r in ref), [])
     chooser.reset()
     for name, (with_drafter, spec) in SPECS.items():
-        res = eagle_jax.generate(target, drafter if with_drafter else None, PROMPTS, max_new_tokens=MAX_NEW, spec=spec,
-                                 eos_token_id=[EOS], **PEN)
+        res = eagle_jax.generate(
+            target,
+            drafter if with_drafter else None,
+            PROMPTS,
+            max_new_tokens=MAX_NEW,
+            spec=spec,
+            eos_token_id=[EOS],
+            **PEN,
+        )
         assert res.tokens == ref, name
         if name in ("chain", "tree"):
             assert max(a for row in res.accepted for a in row) >= 2, name  # drafts were accepted under penalties
@@ -77,9 +86,14 @@ def test_greedy_speculation_equals_plain_under_penalties(pair):
 
 def test_bad_processor_values_are_refused(pair):
     target, drafter = pair
-    for kw, match in [(dict(presence_penalty=3.0), "presence_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-                      (dict(min_p=1.5), "min_p"), (dict(logit_bias={99: 1.0}), "outside the vocabulary"),
-                      (dict(logit_bias={1: 150.0}), "logit_bias values"), (dict(min_tokens=-1), "min_tokens")]:
+    for kw, match in [
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(logit_bias={99: 1.0}), "outside the vocabulary"),
+        (dict(logit_bias={1: 150.0}), "logit_bias values"),
+        (dict(min_tokens=-1), "min_tokens"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             eagle_jax.generate(target, drafter, PROMPTS, max_new_tokens=4, spec=SPECS["chain"][1], **kw)
 
@@ -107,6 +121,9 @@ def test_served_requests_equal_generate_under_penalties(pair):
     finally:
         sched.stop()
     for p, pen, h in zip(prompts, kinds, handles):
-        assert h.tokens == eagle_jax.generate(target, None, [p], max_new_tokens=MAX_NEW, eos_token_id=[EOS], **pen).tokens[0]
+        assert (
+            h.tokens
+            == eagle_jax.generate(target, None, [p], max_new_tokens=MAX_NEW, eos_token_id=[EOS], **pen).tokens[0]
+        )
     assert len(handles[3].tokens) == MAX_NEW  # min_tokens beyond the limit: no EOS at all
     assert sum(a for h in handles for a in h.accepted) > 0

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_models import markov_pair, random_pair
 
 from eagle_jax import ConfigError, SpecConfig
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
-from engine_models import markov_pair, random_pair
 
 SPEC = SpecConfig(num_speculative_tokens=3)
 MAX_LEN = 160
@@ -110,9 +110,11 @@ def test_a_stopped_row_never_writes_into_what_its_slot_holds(attending):
 def test_prompts_beside_others_equal_prompts_alone(attending):
     """Three prompts (greedy and seeded sampling, one with a penalty) prefilled into slots 0, 2 and 3 of one
     engine and decoded together: each gets the tokens, acceptance and penalties it gets alone."""
-    rows = [(0, tuple(_prompt(30, 37)), SamplingParams(), 0),
-            (2, tuple(_prompt(31, 5)), SamplingParams(temperature=1.0, presence_penalty=1.5), 7),
-            (3, tuple(_prompt(32, 60)), SamplingParams(temperature=1.0), 8)]
+    rows = [
+        (0, tuple(_prompt(30, 37)), SamplingParams(), 0),
+        (2, tuple(_prompt(31, 5)), SamplingParams(temperature=1.0, presence_penalty=1.5), 7),
+        (3, tuple(_prompt(32, 60)), SamplingParams(temperature=1.0), 8),
+    ]
 
     def run(rows):
         engine = _engine(attending, slots=4)
@@ -180,9 +182,16 @@ def test_scheduler_reuses_prefixes_through_slots_and_the_pool(pair):
     tokens and per-round acceptance are those of a cold prefill. The LRU pool row goes first."""
     system, other = _prompt(2, 40), _prompt(3, 40)
     a = Request(tuple(system + _prompt(4, 10)), 12)
-    prompts = [a, Request(tuple(system + _prompt(5, 12)), 12), None, Request(tuple(other + _prompt(6, 5)), 12),
-               Request(tuple(system + _prompt(7, 3)), 12), Request(tuple(_prompt(8, 30)), 12), Request(tuple(_prompt(9, 30)), 12),
-               Request(tuple(other + _prompt(10, 5)), 12)]
+    prompts = [
+        a,
+        Request(tuple(system + _prompt(5, 12)), 12),
+        None,
+        Request(tuple(other + _prompt(6, 5)), 12),
+        Request(tuple(system + _prompt(7, 3)), 12),
+        Request(tuple(_prompt(8, 30)), 12),
+        Request(tuple(_prompt(9, 30)), 12),
+        Request(tuple(other + _prompt(10, 5)), 12),
+    ]
     cold = _serve(pair, [r for r in prompts if r is not None])
     chat = Request(tuple([*a.prompt, *cold[0].tokens, *_prompt(11, 6)]), 12)  # the next turn of ``a``
     prompts[2] = chat

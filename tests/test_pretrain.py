@@ -11,9 +11,19 @@ import pytest
 from eagle_jax.config import RopeConfig, TargetConfig
 from workshop.pretrain import PretrainConfig, pretrain
 
-CONFIG = TargetConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, rope=RopeConfig(theta=10000.0),
-                      max_position_embeddings=64, tie_word_embeddings=True)
+CONFIG = TargetConfig(
+    architecture="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope=RopeConfig(theta=10000.0),
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
 
 
 def _stream(n: int, seed: int) -> np.ndarray:
@@ -68,17 +78,37 @@ def test_continued_pretraining_starts_from_the_given_weights(tmp_path):
     """``init_from``: step 0 is the given model (its held-out loss, not a random model's), the optimiser is
     fresh, and a model of another shape is refused before anything is written."""
     stream, heldout = _stream(4000, 2), _stream(800, 2)
-    base = pretrain(CONFIG, stream, heldout, PretrainConfig(steps=8, batch=4, seq_len=16, lr=1e-2, warmup=2, save_every=8), tmp_path / "base")
-    from workshop.pretrain import lm_loss
+    base = pretrain(
+        CONFIG,
+        stream,
+        heldout,
+        PretrainConfig(steps=8, batch=4, seq_len=16, lr=1e-2, warmup=2, save_every=8),
+        tmp_path / "base",
+    )
     import jax.numpy as jnp
+
+    from workshop.pretrain import lm_loss
 
     windows = jnp.asarray(np.stack([heldout[i : i + 17] for i in range(0, 320, 40)]).astype(np.int32))
     base_loss = float(lm_loss(base, windows))
-    cont = pretrain(CONFIG, stream, heldout, PretrainConfig(steps=1, batch=4, seq_len=16, lr=1e-9, warmup=0, save_every=1),
-                    tmp_path / "cont", init_from=tmp_path / "base/ckpt")
+    cont = pretrain(
+        CONFIG,
+        stream,
+        heldout,
+        PretrainConfig(steps=1, batch=4, seq_len=16, lr=1e-9, warmup=0, save_every=1),
+        tmp_path / "cont",
+        init_from=tmp_path / "base/ckpt",
+    )
     assert abs(float(lm_loss(cont, windows)) - base_loss) < 1e-4 < np.log(64) - base_loss
 
     other = TargetConfig(**{**CONFIG.__dict__, "hidden_size": 48, "head_dim": 12})
     with pytest.raises(ValueError, match="parameter shapes differ"):
-        pretrain(other, stream, heldout, PretrainConfig(steps=1, batch=2, seq_len=16), tmp_path / "bad", init_from=tmp_path / "base/ckpt")
+        pretrain(
+            other,
+            stream,
+            heldout,
+            PretrainConfig(steps=1, batch=2, seq_len=16),
+            tmp_path / "bad",
+            init_from=tmp_path / "base/ckpt",
+        )
     assert not (tmp_path / "bad" / "ckpt").exists()

@@ -39,7 +39,7 @@ def greedy(target: Target, ids: list[int], n: int, eos: int, width: int = 128) -
         out.append(int(np.argmax(np.asarray(logits[0, len(out) - 1]))))
         if out[-1] == eos:
             break
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,17 @@ def pair(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     train_tokenizer(CORPUS, vocab_size=300, out_dir=path)
     tok = AutoTokenizer.from_pretrained(path)
-    cfg = TargetConfig("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+    cfg = TargetConfig(
+        "llama",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
     target = Target(cfg)
     kernel = target.lm_head.kernel[...] * 8.0  # peaked, varied replies
     target.lm_head.kernel.set_value(kernel)
@@ -60,7 +69,9 @@ def pair(tmp_path_factory):
     for system in (None, None, "be brief", "be brief"):
         ids = tok(pre_query(tok, system), add_special_tokens=False)["input_ids"]
         for _ in range(12):
-            logits = np.asarray(forward_of(target)(jnp.asarray([ids + [0] * (128 - len(ids))], jnp.int32))[0, len(ids) - 1])
+            logits = np.asarray(
+                forward_of(target)(jnp.asarray([ids + [0] * (128 - len(ids))], jnp.int32))[0, len(ids) - 1]
+            )
             p = np.exp(logits - logits.max())
             ids.append(int(rng.choice(len(p), p=p / p.sum())))
             written[ids[-1]] += 1
@@ -78,7 +89,9 @@ def assert_greedy_replies(conv: list[dict[str, str]], tok, target: Target, n: in
     for i, m in enumerate(conv):
         if m["role"] != "assistant":
             continue
-        prompt = tok.apply_chat_template(conv[:i], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+        prompt = tok.apply_chat_template(conv[:i], tokenize=True, add_generation_prompt=True, return_dict=True)[
+            "input_ids"
+        ]
         want = tok.decode(greedy(target, list(prompt), n, tok.eos_token_id), skip_special_tokens=True)
         assert m["content"] == want and "OLD" not in m["content"]
 
@@ -88,15 +101,42 @@ def test_regenerate_cli_replaces_assistant_turns_in_order(pair, tmp_path):
 
     path, tok, target = pair
     convs = [
-        {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "OLD1"},
-                      {"role": "user", "content": "and add?"}, {"role": "assistant", "content": "OLD2"}]},
-        {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "def"}, {"from": "gpt", "value": "OLD3"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "OLD1"},
+                {"role": "user", "content": "and add?"},
+                {"role": "assistant", "content": "OLD2"},
+            ]
+        },
+        {
+            "conversations": [
+                {"from": "system", "value": "be brief"},
+                {"from": "human", "value": "def"},
+                {"from": "gpt", "value": "OLD3"},
+            ]
+        },
     ]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(c) for c in convs) + "\n")
-    main(["--target", str(path), "--data", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"),
-          "--max-new-tokens", "6", "--batch-size", "2"])
+    main(
+        [
+            "--target",
+            str(path),
+            "--data",
+            str(tmp_path / "in.jsonl"),
+            "--out",
+            str(tmp_path / "out.jsonl"),
+            "--max-new-tokens",
+            "6",
+            "--batch-size",
+            "2",
+        ]
+    )
     out = read_out(tmp_path / "out.jsonl")
-    assert [[m["role"] for m in c] for c in out] == [["user", "assistant", "user", "assistant"], ["system", "user", "assistant"]]
+    assert [[m["role"] for m in c] for c in out] == [
+        ["user", "assistant", "user", "assistant"],
+        ["system", "user", "assistant"],
+    ]
     assert out[0][2]["content"] == "and add?" and out[1][1]["content"] == "def"
     for conv in out:
         assert_greedy_replies(conv, tok, target, 6)
@@ -111,16 +151,39 @@ def test_prompt_only_records_are_answered(pair, tmp_path, capsys):
     records = [
         {"messages": [{"role": "user", "content": "hello"}]},
         {"prompt": "def add(a, b):"},
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "OLD1"}, {"role": "user", "content": "how are you?"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "OLD1"},
+                {"role": "user", "content": "how are you?"},
+            ]
+        },
         {"messages": [{"role": "system", "content": "nothing asked"}]},  # skipped and counted
     ]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    main(["--target", str(path), "--data", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"),
-          "--max-new-tokens", "6", "--batch-size", "2"])
+    main(
+        [
+            "--target",
+            str(path),
+            "--data",
+            str(tmp_path / "in.jsonl"),
+            "--out",
+            str(tmp_path / "out.jsonl"),
+            "--max-new-tokens",
+            "6",
+            "--batch-size",
+            "2",
+        ]
+    )
     out = read_out(tmp_path / "out.jsonl")
-    assert [[m["role"] for m in c] for c in out] == [["user", "assistant"], ["user", "assistant"],
-                                                     ["user", "assistant", "user", "assistant"]]
-    assert [c[0]["content"] for c in out] == ["hello", "def add(a, b):", "hi"] and out[2][2]["content"] == "how are you?"
+    assert [[m["role"] for m in c] for c in out] == [
+        ["user", "assistant"],
+        ["user", "assistant"],
+        ["user", "assistant", "user", "assistant"],
+    ]
+    assert [c[0]["content"] for c in out] == ["hello", "def add(a, b):", "hi"] and out[2][2][
+        "content"
+    ] == "how are you?"
     for conv in out:
         assert_greedy_replies(conv, tok, target, 6)
     report = capsys.readouterr().out
@@ -131,8 +194,12 @@ def test_a_run_with_nothing_to_answer_fails(pair, tmp_path):
     from eagle_jax.cli.regenerate import main
 
     path, _, _ = pair
-    (tmp_path / "in.jsonl").write_text(json.dumps({"messages": [{"role": "system", "content": "x"}]}) + "\n"
-                                       + json.dumps({"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "?"}]}) + "\n")
+    (tmp_path / "in.jsonl").write_text(
+        json.dumps({"messages": [{"role": "system", "content": "x"}]})
+        + "\n"
+        + json.dumps({"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "?"}]})
+        + "\n"
+    )
     out = tmp_path / "out.jsonl"
     with pytest.raises(SystemExit) as e:
         main(["--target", str(path), "--data", str(tmp_path / "in.jsonl"), "--out", str(out)])
@@ -141,7 +208,9 @@ def test_a_run_with_nothing_to_answer_fails(pair, tmp_path):
     # Every prompt too long for the context: the run fails after the model is loaded, and writes nothing.
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "hello"}) + "\n")
     with pytest.raises(SystemExit) as e:
-        main(["--target", str(path), "--data", str(tmp_path / "in.jsonl"), "--out", str(out), "--max-new-tokens", "250"])
+        main(
+            ["--target", str(path), "--data", str(tmp_path / "in.jsonl"), "--out", str(out), "--max-new-tokens", "250"]
+        )
     assert "nothing written" in str(e.value.code) and "1 cut at the context limit" in str(e.value.code)
     assert not out.exists() and not list(tmp_path.glob("out.jsonl*"))
 
@@ -150,9 +219,24 @@ def test_synthesize_samples_distinct_user_turns_and_answers_them(pair, tmp_path,
     from eagle_jax.cli.regenerate import main
 
     path, tok, target = pair
-    args = ["--target", str(path), "--synthesize", "4", "--synth-max-tokens", "12", "--synth-min-chars", "2",
-            "--synth-max-samples", "400",
-            "--max-new-tokens", "6", "--batch-size", "2", "--seed", "3"]
+    args = [
+        "--target",
+        str(path),
+        "--synthesize",
+        "4",
+        "--synth-max-tokens",
+        "12",
+        "--synth-min-chars",
+        "2",
+        "--synth-max-samples",
+        "400",
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "2",
+        "--seed",
+        "3",
+    ]
     main(args + ["--out", str(tmp_path / "a.jsonl")])
     report = capsys.readouterr().out
     out = read_out(tmp_path / "a.jsonl")
@@ -168,7 +252,9 @@ def test_synthesize_samples_distinct_user_turns_and_answers_them(pair, tmp_path,
     # Another seed, with --system: the system message comes first in every record, the queries differ.
     main(args[:-1] + ["4", "--system", "be brief", "--out", str(tmp_path / "c.jsonl")])
     other = read_out(tmp_path / "c.jsonl")
-    assert other and all([m["role"] for m in c] == ["system", "user", "assistant"] and c[0]["content"] == "be brief" for c in other)
+    assert other and all(
+        [m["role"] for m in c] == ["system", "user", "assistant"] and c[0]["content"] == "be brief" for c in other
+    )
     assert [c[1]["content"] for c in other] != users
     for conv in other:
         assert_greedy_replies(conv, tok, target, 6)
@@ -184,10 +270,18 @@ def test_synthesized_turns_are_filtered_and_deduplicated(pair, monkeypatch):
     _, tok, target = pair
     end = tok.eos_token_id
     batches = [
-        [("Write a story about a cat who sails the sea", True), ("write a  story about a CAT who sails the sea ", True),
-         ("Write a story about a cat who sails the moon", True), ("Hi", True)],
-        [("What is the capital of France?", False), ("What is the capital of France?", True),
-         ("Explain recursion to a child.", True), ("Tell me a joke about dogs.", True)],
+        [
+            ("Write a story about a cat who sails the sea", True),
+            ("write a  story about a CAT who sails the sea ", True),
+            ("Write a story about a cat who sails the moon", True),
+            ("Hi", True),
+        ],
+        [
+            ("What is the capital of France?", False),
+            ("What is the capital of France?", True),
+            ("Explain recursion to a child.", True),
+            ("Tell me a joke about dogs.", True),
+        ],
     ]
     seeds = []
 
@@ -195,12 +289,25 @@ def test_synthesized_turns_are_filtered_and_deduplicated(pair, monkeypatch):
         assert end in eos_token_id and len(prompts) == 4
         seeds.append(seed)
         rows = batches[len(seeds) - 1]
-        return type("R", (), {"text": [t for t, _ in rows], "tokens": [[5, end] if ended else [5, 5] for _, ended in rows]})
+        return type(
+            "R", (), {"text": [t for t, _ in rows], "tokens": [[5, end] if ended else [5, 5] for _, ended in rows]}
+        )
 
     monkeypatch.setattr(importlib.import_module("eagle_jax.generate"), "generate", fake_generate)
     prompts, stats = synthesize_prompts(target, tok, 3, batch_size=4, seed=1, progress=False)
-    assert prompts == ["Write a story about a cat who sails the sea", "What is the capital of France?", "Explain recursion to a child."]
-    assert (stats.sampled, stats.kept, stats.unfinished, stats.too_short, stats.duplicates, stats.near_duplicates) == (7, 3, 1, 1, 1, 1)
+    assert prompts == [
+        "Write a story about a cat who sails the sea",
+        "What is the capital of France?",
+        "Explain recursion to a child.",
+    ]
+    assert (stats.sampled, stats.kept, stats.unfinished, stats.too_short, stats.duplicates, stats.near_duplicates) == (
+        7,
+        3,
+        1,
+        1,
+        1,
+        1,
+    )
     assert len(set(seeds)) == 2
 
 
@@ -212,12 +319,45 @@ def test_a_stopped_run_resumes_after_its_last_shard_with_the_same_result(pair, t
     from eagle_jax.cli.regenerate import main
 
     path, _, _ = pair
-    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in ("hello", "def add(a, b):", "hi")) + "\n")
-    data = ["--target", str(path), "--data", str(tmp_path / "in.jsonl"), "--max-new-tokens", "6", "--batch-size", "2",
-            "--shard-size", "1"]
-    synth = ["--target", str(path), "--synthesize", "4", "--synth-max-tokens", "12", "--synth-min-chars", "2",
-             "--synth-max-samples", "400", "--max-new-tokens", "6", "--batch-size", "2", "--seed", "3", "--shard-size", "2"]
-    for args, module, name in ((data, regen_module, "regenerate_conversations"), (synth, synth_module, "synthesize_conversations")):
+    (tmp_path / "in.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": p}) for p in ("hello", "def add(a, b):", "hi")) + "\n"
+    )
+    data = [
+        "--target",
+        str(path),
+        "--data",
+        str(tmp_path / "in.jsonl"),
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "2",
+        "--shard-size",
+        "1",
+    ]
+    synth = [
+        "--target",
+        str(path),
+        "--synthesize",
+        "4",
+        "--synth-max-tokens",
+        "12",
+        "--synth-min-chars",
+        "2",
+        "--synth-max-samples",
+        "400",
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "2",
+        "--seed",
+        "3",
+        "--shard-size",
+        "2",
+    ]
+    for args, module, name in (
+        (data, regen_module, "regenerate_conversations"),
+        (synth, synth_module, "synthesize_conversations"),
+    ):
         main(args + ["--out", str(tmp_path / "whole.jsonl")])
         real, calls = getattr(module, name), []
 
@@ -235,8 +375,12 @@ def test_a_stopped_run_resumes_after_its_last_shard_with_the_same_result(pair, t
         assert not out.exists() and len(read_out(out.with_name("resumed.jsonl.partial"))) >= 1
         # Other settings are refused, naming them; the unfinished run is kept.
         with pytest.raises(SystemExit, match=r"max_new_tokens=6 \(now 5\)"):
-            main(args[:args.index("--max-new-tokens")] + ["--max-new-tokens", "5"] + args[args.index("--max-new-tokens") + 2:]
-                 + ["--out", str(out)])
+            main(
+                args[: args.index("--max-new-tokens")]
+                + ["--max-new-tokens", "5"]
+                + args[args.index("--max-new-tokens") + 2 :]
+                + ["--out", str(out)]
+            )
         capsys.readouterr()
         main(args + ["--out", str(out)])
         assert "resuming" in capsys.readouterr().out

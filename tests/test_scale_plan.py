@@ -20,11 +20,29 @@ from eagle_jax.modeling import layers
 
 # Small enough to compile in seconds, with weights (1.9 M numbers) far above the program's activations
 # and caches, so that a hoisted float32 copy of them would dominate the temporaries.
-TARGET = {**scale.TINY, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048}
-DRAFTER = {**scale.TINY_DRAFTER, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": 64, "vocab_size": 2048, "draft_vocab_size": 512, "target_hidden_size": 256,
-           "num_aux_hidden_states": 2, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]}}
+TARGET = {
+    **scale.TINY,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 2048,
+}
+DRAFTER = {
+    **scale.TINY_DRAFTER,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 2048,
+    "draft_vocab_size": 512,
+    "target_hidden_size": 256,
+    "num_aux_hidden_states": 2,
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]},
+}
 SPEC = SpecConfig(num_speculative_tokens=2)
 BATCH, PROMPT, NEW = 1, 16, 8
 
@@ -59,7 +77,9 @@ def test_bf16_program_temporaries_close_to_fp32(pair, record_property):
     f32 = scale.measure(tc, dc, "float32", SPEC, BATCH, PROMPT, NEW)
     bf16 = scale.measure(tc, dc, "bfloat16", SPEC, BATCH, PROMPT, NEW)
     allowance = half_f32_bytes(tc, dc)
-    record_property("temp_bytes", {"float32": f32["temp_bytes"], "bfloat16": bf16["temp_bytes"], "allowance": allowance})
+    record_property(
+        "temp_bytes", {"float32": f32["temp_bytes"], "bfloat16": bf16["temp_bytes"], "allowance": allowance}
+    )
     # The float32 program's temporaries are activations, scratch and cache updates; the bf16 program
     # needs about as many (some values held in both dtypes). A float32 copy of the widened weights
     # (4 bytes x 1.9 M numbers = 7 MiB) would be ~35x the float32 program's temporaries.
@@ -70,4 +90,8 @@ def test_bf16_program_temporaries_close_to_fp32(pair, record_property):
     # Without the widening the same program holds float32 copies of (nearly) all weights: the guard fails.
     native = scale.measure(tc, dc, "bfloat16", SPEC, BATCH, PROMPT, NEW, weights="native")
     assert native["hoisted_widening_bytes"] > 0.8 * 2 * native["weight_bytes"], native["hoisted_widening_bytes"]
-    assert native["temp_bytes"] > 2 * f32["temp_bytes"] + allowance, (native["temp_bytes"], f32["temp_bytes"], allowance)
+    assert native["temp_bytes"] > 2 * f32["temp_bytes"] + allowance, (
+        native["temp_bytes"],
+        f32["temp_bytes"],
+        allowance,
+    )

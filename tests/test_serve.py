@@ -17,11 +17,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from serving_models import save_pair
 
 import eagle_jax
 from eagle_jax import SpecConfig
 from eagle_jax.serving.server import Server, build_service, freeze_startup_heap
-from serving_models import save_pair
 
 MODEL = "target"
 SCHEDULE = "1:3,3:1,4:0"
@@ -37,7 +37,9 @@ def pair_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(pair_dirs):
     t_dir, d_dir = pair_dirs
-    service = build_service(t_dir, d_dir, spec=SCHEDULE, slots=4, max_len=MAX_LEN, rounds_per_step=2, max_queue=64, precompile=False)
+    service = build_service(
+        t_dir, d_dir, spec=SCHEDULE, slots=4, max_len=MAX_LEN, rounds_per_step=2, max_queue=64, precompile=False
+    )
     freeze_startup_heap()  # as eagle-jax-serve does before it listens
     srv = Server(service).start()
     yield srv
@@ -74,8 +76,14 @@ def solo(server):
     def get(ids: list[int], max_tokens: int):
         assert max_tokens <= SOLO_NEW
         if tuple(ids) not in memo:
-            res = eagle_jax.generate(engine.target, engine.drafter, [ids], max_new_tokens=SOLO_NEW,
-                                     spec=SpecConfig(num_speculative_tokens=3), eos_token_id=list(engine.eos_ids))
+            res = eagle_jax.generate(
+                engine.target,
+                engine.drafter,
+                [ids],
+                max_new_tokens=SOLO_NEW,
+                spec=SpecConfig(num_speculative_tokens=3),
+                eos_token_id=list(engine.eos_ids),
+            )
             memo[tuple(ids)] = res.tokens[0]
         tokens = memo[tuple(ids)][:max_tokens]
         return tokens, svc.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -96,7 +104,11 @@ def test_completion_greedy_equals_generate(server, client, solo):
     tokens, text = solo(_ids(server, prompt), 40)
     assert r.choices[0].text == text and text
     assert r.choices[0].finish_reason == "length"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(prompt), 40, len(prompt) + 40)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(prompt),
+        40,
+        len(prompt) + 40,
+    )
     spec = r.model_extra["speculation"]
     # Drafts were accepted (the Markov pair agrees often): fewer rounds than tokens.
     assert spec["rounds"] == len(spec["accepted_per_round"]) and spec["acceptance_length"] > 1.5
@@ -105,13 +117,20 @@ def test_completion_greedy_equals_generate(server, client, solo):
 
 def test_completion_token_prompt_and_stream(server, client, solo):
     ids = _ids(server, "a stream of tokens")
-    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=30, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == solo(ids, 30)[1]
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["length"]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30 and chunks[-1].usage.prompt_tokens == len(ids)
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == 30
+        and chunks[-1].usage.prompt_tokens == len(ids)
+    )
     assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # really streamed, not one blob
 
 
@@ -122,8 +141,16 @@ def test_chat_stream_and_nonstream(server, client, solo):
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=25, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == expected
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 25
-    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=25, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    stream = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_completion_tokens=25,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
     assert stream[-1].usage.total_tokens == len(ids) + 25
@@ -138,7 +165,9 @@ def test_stop_strings(server, client, solo):
     decode = server.service.tokenizer.decode
     needed = next(n for n in range(1, len(tokens) + 1) if stop in decode(tokens[:n], skip_special_tokens=True))
     for stream in (False, True):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0, stop=[stop, "@@"], stream=stream)
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=60, temperature=0, stop=[stop, "@@"], stream=stream
+        )
         if stream:
             r = list(r)
             got = "".join(c.choices[0].text for c in r)
@@ -212,9 +241,19 @@ BAD_REQUESTS = {
     "prompt-over-context": ("/v1/completions", {**GOOD, "prompt": "a" * MAX_LEN}, 400, "prompt"),
     "max-tokens-over-context": ("/v1/completions", {**GOOD, "max_tokens": MAX_LEN}, 400, "max_tokens"),
     "too-many-stops": ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    "chat-bad-role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    "chat-bad-role": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+    ),
     "chat-no-messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
-    "chat-unknown-model": ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    "chat-unknown-model": (
+        "/v1/chat/completions",
+        {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+        404,
+        "model",
+    ),
 }
 
 
@@ -282,7 +321,9 @@ def test_disconnect_mid_stream_frees_the_slot(server, client, solo):
             if line.startswith("data: {"):
                 break  # one chunk received: hang up
     deadline = time.time() + 60
-    while time.time() < deadline and (server.service.scheduler.active or _metric(server, 'eagle_requests_total{outcome="cancelled"}') == before):
+    while time.time() < deadline and (
+        server.service.scheduler.active or _metric(server, 'eagle_requests_total{outcome="cancelled"}') == before
+    ):
         time.sleep(0.05)
     assert server.service.scheduler.active == 0
     assert _metric(server, 'eagle_requests_total{outcome="cancelled"}') == before + 1
@@ -298,10 +339,20 @@ def test_models_health_metrics(server, client):
     assert health["status"] == "ok" and health["slots"] == 4
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=8, temperature=0)
     text = httpx.get(server.url + "/metrics").text
-    for name in ("eagle_requests_total", "eagle_prompt_tokens_total", "eagle_generation_tokens_total",
-                 "eagle_time_to_first_token_seconds_bucket", "eagle_inter_token_latency_seconds_bucket", "eagle_queue_depth",
-                 "eagle_slots_occupied", "eagle_acceptance_length", 'eagle_spec_accepted_position_total{position="0"}',
-                 'eagle_compile_events_total{program="step"}', "eagle_programs", "eagle_program_compile_seconds"):
+    for name in (
+        "eagle_requests_total",
+        "eagle_prompt_tokens_total",
+        "eagle_generation_tokens_total",
+        "eagle_time_to_first_token_seconds_bucket",
+        "eagle_inter_token_latency_seconds_bucket",
+        "eagle_queue_depth",
+        "eagle_slots_occupied",
+        "eagle_acceptance_length",
+        'eagle_spec_accepted_position_total{position="0"}',
+        'eagle_compile_events_total{program="step"}',
+        "eagle_programs",
+        "eagle_program_compile_seconds",
+    ):
         assert name in text, name
     assert _metric(server, "eagle_acceptance_length") > 1.0
     assert _metric(server, 'eagle_compile_events_total{program="chunk"}') >= 1
@@ -322,7 +373,9 @@ def test_stored_programs_of_other_code_are_pruned_when_stale(tmp_path):
 
     root = tmp_path / "exported"
     month_ago = time.time() - 30 * 86400
-    folders = {name: root / name for name in ("0123456789abcdef", "fedcba9876543210", compile_cache._code_digest()[:16])}
+    folders = {
+        name: root / name for name in ("0123456789abcdef", "fedcba9876543210", compile_cache._code_digest()[:16])
+    }
     for folder in folders.values():
         folder.mkdir(parents=True)
         (folder / "p.jaxexport").write_bytes(b"")
@@ -343,7 +396,11 @@ def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path, 
     from eagle_jax.decoding.engine import run_rounds
     from eagle_jax.serving import slot_programs
 
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
     old = {name: getattr(jax.config, name) for name in names}
     hits = []
 
@@ -361,9 +418,12 @@ def test_precompiled_server_compiles_nothing_while_serving(pair_dirs, tmp_path, 
         assert len(engine.compile_events) == len(engine.program_set()) == 3 + 1 + 1 + 1 + 1
         srv = Server(service).start()
         try:
-            bodies = [dict(prompt="abc", max_tokens=12, temperature=0), dict(prompt="x" * 40, max_tokens=6, temperature=1.0, seed=1),
-                      dict(prompt="hello", max_tokens=10, ignore_eos=True, presence_penalty=0.5, logit_bias={"3": 2.0}),
-                      dict(prompt="score me", max_tokens=3, echo=True, logprobs=2, temperature=0)]
+            bodies = [
+                dict(prompt="abc", max_tokens=12, temperature=0),
+                dict(prompt="x" * 40, max_tokens=6, temperature=1.0, seed=1),
+                dict(prompt="hello", max_tokens=10, ignore_eos=True, presence_penalty=0.5, logit_bias={"3": 2.0}),
+                dict(prompt="score me", max_tokens=3, echo=True, logprobs=2, temperature=0),
+            ]
             texts = []
             for body in bodies * 2:
                 r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, **body}, timeout=120)
@@ -438,8 +498,23 @@ def test_cli_serves_a_target_alone(pair_dirs, monkeypatch):
 
     monkeypatch.setattr(server_module, "build_service", build)
     monkeypatch.setattr(uvicorn, "run", run)
-    main(["--target", str(t_dir), "--drafter", "none", "--spec", "none", "--slots", "1", "--max-len", "64", "--no-precompile",
-          "--compile-cache", "off"])
+    main(
+        [
+            "--target",
+            str(t_dir),
+            "--drafter",
+            "none",
+            "--spec",
+            "none",
+            "--slots",
+            "1",
+            "--max-len",
+            "64",
+            "--no-precompile",
+            "--compile-cache",
+            "off",
+        ]
+    )
     service = built["service"]
     assert [m["id"] for m in seen["models"]["data"]] == [t_dir.name]
     assert service.scheduler.engine.drafter is None and service.scheduler.schedule.choose(1) is None
@@ -455,8 +530,11 @@ class _AppServer:
 
         from eagle_jax.serving.http_app import create_app
 
-        self._server = uvicorn.Server(uvicorn.Config(create_app(service, **options), host="127.0.0.1", port=0,
-                                                     log_level="warning", lifespan="off"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(service, **options), host="127.0.0.1", port=0, log_level="warning", lifespan="off"
+            )
+        )
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def __enter__(self) -> str:
@@ -476,18 +554,30 @@ def test_an_api_key_guards_the_v1_routes(server, monkeypatch):
     get the same 401 body; /health and /metrics stay open."""
     with _AppServer(server.service, api_key="s3cret") as url:
         good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=120)
-        assert good.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0).choices[0].text is not None
+        assert (
+            good.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0).choices[0].text is not None
+        )
         assert [m.id for m in good.models.list().data] == [MODEL]
         for key in ("wrong", "s3cret "[:-1] + "x"):
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0).models.list()
-        for headers in ({}, {"Authorization": "s3cret"}, {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer"},
-                        {"Authorization": "Bearer s3cret extra"}, {"Authorization": "bearer  wrong"}):
-            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}, headers=headers)
+        for headers in (
+            {},
+            {"Authorization": "s3cret"},
+            {"Authorization": "Basic s3cret"},
+            {"Authorization": "Bearer"},
+            {"Authorization": "Bearer s3cret extra"},
+            {"Authorization": "bearer  wrong"},
+        ):
+            r = httpx.post(
+                url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}, headers=headers
+            )
             assert r.status_code == 401, (headers, r.text)
             assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
         assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
-        assert httpx.get(url + "/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200  # the scheme is case-blind
+        assert (
+            httpx.get(url + "/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
+        )  # the scheme is case-blind
     with pytest.raises(eagle_jax.ConfigError, match="API key is empty"):
         from eagle_jax.serving.http_app import create_app
 
@@ -504,7 +594,9 @@ def test_limits_are_refused_before_any_work_is_queued(server):
         with _AppServer(server.service, max_request_bytes=2000) as url:
             r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 3000, "max_tokens": 1})
             assert r.status_code == 400 and "limit of 2000" in r.json()["error"]["message"], r.text
-            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [[1] * (MAX_LEN + 1)], "max_tokens": 1})
+            r = httpx.post(
+                url + "/v1/completions", json={"model": MODEL, "prompt": [[1] * (MAX_LEN + 1)], "max_tokens": 1}
+            )
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
             r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": MAX_LEN})
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
@@ -522,14 +614,31 @@ def test_list_programs_prints_the_set_and_exits(pair_dirs, capsys, tmp_path):
 
     t_dir, d_dir = pair_dirs
     try:
-        main(["--target", str(t_dir), "--drafter", str(d_dir), "--spec", "1:2,2:1", "--slots", "4", "--max-len", "64",
-              "--compile-cache", str(tmp_path / "xla"), "--list-programs"])
+        main(
+            [
+                "--target",
+                str(t_dir),
+                "--drafter",
+                str(d_dir),
+                "--spec",
+                "1:2,2:1",
+                "--slots",
+                "4",
+                "--max-len",
+                "64",
+                "--compile-cache",
+                str(tmp_path / "xla"),
+                "--list-programs",
+            ]
+        )
     finally:
         compile_cache.disable()
     head, *lines = capsys.readouterr().out.strip().splitlines()
     assert head.startswith(f"{len(lines)} programs (4 slots x 64 tokens")
     steps = [line for line in lines if line.strip().startswith("step,")]
     assert len(steps) == 2 * 2 and all("verified positions" in line for line in steps)  # K=2 and K=1, over 1 and 4 rows
-    assert any("prefill chunk of 32 tokens" in line for line in lines) and not list((tmp_path / "xla").rglob("*.jaxexport"))
+    assert any("prefill chunk of 32 tokens" in line for line in lines) and not list(
+        (tmp_path / "xla").rglob("*.jaxexport")
+    )
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("example.org")

@@ -7,16 +7,16 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from engine_models import markov_pair
+from serving_models import build_tokenizer
 
 import eagle_jax
 from eagle_jax import ConfigError, SpecConfig
-from eagle_jax.decoding.sampling import SamplingParams
-from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.decoding import chooser
 from eagle_jax.decoding.chooser import Chooser
-from engine_models import markov_pair
+from eagle_jax.decoding.sampling import SamplingParams
+from eagle_jax.serving import Request, Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving.text import TextStream
-from serving_models import build_tokenizer
 
 SCHEDULE = SpecSchedule.parse("1:3,2:2,3:0")
 
@@ -36,7 +36,9 @@ def eos(pair):
 
 def _scheduler(pair, eos_id, slots=3, rounds=3, schedule=SCHEDULE, start=True):
     target, drafter = pair
-    engine = SlotEngine(target, drafter, slots=slots, max_len=96, specs=schedule.specs, rounds_per_step=rounds, eos_ids=(eos_id,))
+    engine = SlotEngine(
+        target, drafter, slots=slots, max_len=96, specs=schedule.specs, rounds_per_step=rounds, eos_ids=(eos_id,)
+    )
     sched = Scheduler(engine, schedule)
     return sched.start() if start else sched
 
@@ -59,8 +61,14 @@ def test_continuous_batching_equals_generate(pair, eos):
     for p, m, h in zip(prompts, limits, handles):
         # One reference length for all (greedy: the first m tokens are the output for m), so the
         # references compile a program per prompt length bucket, not per limit.
-        ref = eagle_jax.generate(target, drafter, [p], max_new_tokens=max(limits), spec=SpecConfig(num_speculative_tokens=3),
-                                 eos_token_id=eos).tokens[0][:m]
+        ref = eagle_jax.generate(
+            target,
+            drafter,
+            [p],
+            max_new_tokens=max(limits),
+            spec=SpecConfig(num_speculative_tokens=3),
+            eos_token_id=eos,
+        ).tokens[0][:m]
         assert h.tokens == ref
         assert h.finish_reason == ("stop" if ref[-1] == eos else "length")
         reasons.add(h.finish_reason)
@@ -138,7 +146,9 @@ def test_steps_without_drafts_feed_the_drafter_lazily(pair, temperature):
         for i, p in enumerate(prompts):
             engine.insert(i, p, 40, sp, seed=i)
         plain = engine.step(None, temperature == 0, rows=4)
-        st = jax.device_get((engine.state.d_logits, engine.state.d_feat, engine.state.d_cache))  # the next step donates the state
+        st = jax.device_get(
+            (engine.state.d_logits, engine.state.d_feat, engine.state.d_cache)
+        )  # the next step donates the state
         states.append((plain, *st, engine.step(specs[1], temperature == 0, rows=4)))
     (lazy, *lazy_drafter, lazy_next), (full, *full_drafter, full_next) = states
     assert lazy.tokens == full.tokens
@@ -156,7 +166,9 @@ def test_steps_are_short_while_a_prompt_is_prefilled_in_chunks(pair, eos):
     from eagle_jax.serving.scheduler import ROUNDS_WHILE_PREFILLING
 
     target, drafter = pair
-    engine = SlotEngine(target, drafter, slots=2, max_len=128, specs=SCHEDULE.specs, rounds_per_step=3, eos_ids=(), chunk=32)
+    engine = SlotEngine(
+        target, drafter, slots=2, max_len=128, specs=SCHEDULE.specs, rounds_per_step=3, eos_ids=(), chunk=32
+    )
     sched = Scheduler(engine, SCHEDULE)
     rounds_of_first: list[tuple[int, int]] = []  # (rounds the stream's row ran, requests prefilling) per step
     sched.on_step = lambda active, spec, out: rounds_of_first.append((len(out.accepted[0]), len(sched._prefilling)))
@@ -174,7 +186,9 @@ def test_steps_are_short_while_a_prompt_is_prefilled_in_chunks(pair, eos):
     for prompt, h, m in ((short, first, 60), (long, second, 10)):
         assert h.tokens == eagle_jax.generate(target, drafter, [prompt], max_new_tokens=m, spec=spec).tokens[0]
     during = [r for r, prefilling in rounds_of_first if prefilling]
-    assert len(during) >= 2 and set(during) == {ROUNDS_WHILE_PREFILLING}, rounds_of_first  # 100 tokens: chunks over several steps
+    assert len(during) >= 2 and set(during) == {ROUNDS_WHILE_PREFILLING}, (
+        rounds_of_first
+    )  # 100 tokens: chunks over several steps
     assert max(r for r, _ in rounds_of_first) == 3
 
 
@@ -229,7 +243,10 @@ def test_a_steps_time_is_timed_only_on_its_own_programs_later_runs(pair, eos):
     sched = _scheduler(pair, eos, schedule=auto, start=False)
     learnt, steps = [], []
     observe = auto.observe
-    auto.observe = lambda depth, rows, span, greedy, seconds, *rest: (learnt.append(seconds), observe(depth, rows, span, greedy, seconds, *rest))
+    auto.observe = lambda depth, rows, span, greedy, seconds, *rest: (
+        learnt.append(seconds),
+        observe(depth, rows, span, greedy, seconds, *rest),
+    )
     sched.on_step = lambda active, spec, out: steps.append(out.timed)
     sched.start()
     try:
@@ -338,7 +355,9 @@ def test_precompiling_past_the_memory_map_limit_is_a_clear_error(pair, tmp_path,
     real = slots.check_map_limit
     monkeypatch.setattr(slots, "check_map_limit", lambda n: real(n, str(limit)))
     engine = SlotEngine(*pair, slots=16, max_len=96, specs=(None, SpecConfig(num_speculative_tokens=3)))
-    with pytest.raises(ConfigError, match=rf"vm.max_map_count \({in_use + 2000}\).*sysctl -w vm.max_map_count=\d+.*do not precompile"):
+    with pytest.raises(
+        ConfigError, match=rf"vm.max_map_count \({in_use + 2000}\).*sysctl -w vm.max_map_count=\d+.*do not precompile"
+    ):
         engine.precompile()
     assert not engine.compile_events  # refused before compiling anything
     real(1, str(limit))  # a few programs fit
@@ -368,13 +387,22 @@ def test_warm_up_runs_every_program_once_and_frees_the_slots(pair, eos):
     once (a program's first run pays one-time costs the first requests would otherwise pay): every step over
     live rows, and afterwards every slot is free and a request's output is what it would have been."""
     target, drafter = pair
-    engine = SlotEngine(target, drafter, slots=2, max_len=64, specs=(None, SpecConfig(num_speculative_tokens=2)), rounds_per_step=2,
-                        eos_ids=(eos,))
+    engine = SlotEngine(
+        target,
+        drafter,
+        slots=2,
+        max_len=64,
+        specs=(None, SpecConfig(num_speculative_tokens=2)),
+        rounds_per_step=2,
+        eos_ids=(eos,),
+    )
     with pytest.raises(ConfigError, match="compile workers must be >= 1"):
         engine.precompile(workers=0)
     engine.precompile(warm_up=False, workers=2)
     keys = engine.program_set()
-    assert sorted(map(repr, engine.programs.keys())) == sorted(map(repr, keys)) and len(engine.compile_events) == len(keys)
+    assert sorted(map(repr, engine.programs.keys())) == sorted(map(repr, keys)) and len(engine.compile_events) == len(
+        keys
+    )
     runs, emitted = {}, {}
 
     def counting(key, program):
@@ -384,13 +412,16 @@ def test_warm_up_runs_every_program_once_and_frees_the_slots(pair, eos):
             if key[0] == "step":
                 emitted[key] = int(np.asarray(out.n_out).sum())
             return out
+
         return run
 
     engine.programs.programs = {k: counting(k, p) for k, p in engine.programs.programs.items()}
     engine.warm_up(keys)
-    assert set(runs) == set(keys) and not engine.compile_events[len(keys):]
+    assert set(runs) == set(keys) and not engine.compile_events[len(keys) :]
     assert all(emitted[k] > 0 for k in keys if k[0] == "step"), emitted  # each step ran a round over live rows
-    assert bool(np.asarray(engine.state.done).all()) and not np.asarray(engine.state.length).any() and not engine._prompts
+    assert (
+        bool(np.asarray(engine.state.done).all()) and not np.asarray(engine.state.length).any() and not engine._prompts
+    )
     sched = Scheduler(engine, SpecSchedule.fixed(SpecConfig(num_speculative_tokens=2))).start()
     try:
         got = sched.submit(Request((5, 6, 7), 20)).wait(300).tokens
@@ -401,7 +432,9 @@ def test_warm_up_runs_every_program_once_and_frees_the_slots(pair, eos):
 
 def test_spec_schedule():
     s = SpecSchedule.parse("1:5,4:3,9:0")
-    assert [s.choose(n) for n in (1, 3, 4, 8, 9, 16)] == [SpecConfig(num_speculative_tokens=5)] * 2 + [SpecConfig(num_speculative_tokens=3)] * 2 + [None] * 2
+    assert [s.choose(n) for n in (1, 3, 4, 8, 9, 16)] == [SpecConfig(num_speculative_tokens=5)] * 2 + [
+        SpecConfig(num_speculative_tokens=3)
+    ] * 2 + [None] * 2
     assert s.specs == (SpecConfig(num_speculative_tokens=5), SpecConfig(num_speculative_tokens=3), None)
     for bad in ("2:3", "1:x", "0:3", "1:-1"):
         with pytest.raises(ConfigError):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from eagle_jax import Drafter, DrafterConfig, Target, TargetConfig
 from eagle_jax.sharding import batch_spec, kv_cache_spec, make_mesh, param_partition_spec, shard_module, tree_shardings
@@ -48,7 +49,10 @@ def test_rules_per_parameter():
 def test_expert_rules():
     """Routed experts [E, in, out]: experts over "expert" (a mesh without that axis leaves them whole),
     their hidden units over "model"."""
-    gate, down = ("layers", 3, "mlp", "experts", "gate_proj", "kernel"), ("layers", 3, "mlp", "experts", "down_proj", "kernel")
+    gate, down = (
+        ("layers", 3, "mlp", "experts", "gate_proj", "kernel"),
+        ("layers", 3, "mlp", "experts", "down_proj", "kernel"),
+    )
     assert param_partition_spec(gate, (8, 64, 32)) == P("expert", "fsdp", "model")
     assert param_partition_spec(gate, (8, 64, 32), EP_MESH) == P("expert", "fsdp", "model")
     assert param_partition_spec(down, (8, 32, 64), EP_MESH) == P("expert", "model", "fsdp")
@@ -96,7 +100,18 @@ def test_make_mesh_and_shard_module_on_one_device():
         make_mesh(data=2)
     mesh = make_mesh()
     assert mesh.axis_names == ("data", "fsdp", "model")
-    target = Target(TargetConfig("llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8))
+    target = Target(
+        TargetConfig(
+            "llama",
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=8,
+        )
+    )
     shard_module(target, mesh)
     drafter = shard_module(Drafter(DrafterConfig(16, 2, 1, 8, 32, 64, 32, 16)), mesh)
     for module in (target, drafter):

@@ -41,7 +41,10 @@ def test_checkpoints_are_the_eagle_layout_and_alike():
     assert not np.array_equal(tensors["eagle3"]["fc.weight"], tensors["eagle3.1"]["fc.weight"])
 
 
-@pytest.mark.skipif(not SMOLLM2.exists(), reason=f"SmolLM2-135M-Instruct is not cached ({SMOLLM2}): eagle-jax-fetch smollm2-135m-instruct")
+@pytest.mark.skipif(
+    not SMOLLM2.exists(),
+    reason=f"SmolLM2-135M-Instruct is not cached ({SMOLLM2}): eagle-jax-fetch smollm2-135m-instruct",
+)
 def test_greedy_speculation_with_the_real_pair_is_the_targets_output():
     target = eagle_jax.load_target(SMOLLM2, dtype="float32")
     tok = eagle_jax.load_tokenizer(SMOLLM2)
@@ -50,7 +53,13 @@ def test_greedy_speculation_with_the_real_pair_is_the_targets_output():
     plain = eagle_jax.generate(target, None, [list(ids)], max_new_tokens=32, tokenizer=tok)
     for d in DRAFTERS.values():
         drafter = eagle_jax.load_drafter(d, target, dtype="float32")
-        out = eagle_jax.generate(target, drafter, [list(ids)], max_new_tokens=32, tokenizer=tok,
-                                 spec={"method": "eagle3", "num_speculative_tokens": 3})
+        out = eagle_jax.generate(
+            target,
+            drafter,
+            [list(ids)],
+            max_new_tokens=32,
+            tokenizer=tok,
+            spec={"method": "eagle3", "num_speculative_tokens": 3},
+        )
         assert out.tokens[0] == plain.tokens[0]
         assert out.acceptance_length > 1.05, (d.name, out.acceptance_length)  # measured 1.19 (EAGLE-3), K=3

@@ -15,13 +15,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from engine_models import markov_drafter, markov_target
 
 import eagle_jax
 import eagle_jax.decoding.engine as engine
 from eagle_jax import ConfigError, SpecConfig
-
-from engine_models import markov_drafter, markov_target
-
 from eagle_jax.decoding import calls
 
 
@@ -176,4 +174,3 @@ def test_a_round_emits_and_verifies_what_an_eagle_round_does(markov, monkeypatch
     # Every row: one token from the prefill, then accepted + 1 per round.
     for row, acc in zip(res.tokens, res.accepted):
         assert len(row) <= 1 + sum(a + 1 for a in acc if a >= 0)
-

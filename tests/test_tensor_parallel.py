@@ -47,5 +47,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_tensor_parallel_matches_single_device():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env_with_devices(8), timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env_with_devices(8), timeout=900
+    )
     assert proc.returncode == 0 and "TP-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

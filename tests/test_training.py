@@ -25,20 +25,30 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from host_devices import env_with_devices
 from safetensors.numpy import load_file
 
 from eagle_jax import load_drafter
 from eagle_jax.config import default_aux_layer_ids
 from eagle_jax.training.trainer import build_target, export_checkpoint, load_config, train
-from host_devices import env_with_devices
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT = 20  # steps of the sharded / multi-process runs
 
 CONFIG = {
     "seed": 0,
-    "target": {"random": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_layers": 3, "num_heads": 4,
-                          "num_kv_heads": 2, "head_dim": 8, "logit_scale": 8.0}},
+    "target": {
+        "random": {
+            "vocab_size": 256,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_layers": 3,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 8,
+            "logit_scale": 8.0,
+        }
+    },
     "drafter": {"draft_vocab_size": 128, "norm_output": True, "fc_norm": True},
     "data": {"synthetic": {"num_samples": 256, "prompt_length": 4}, "max_length": 32},
     "train": {"steps": 120, "batch_size": 16, "lr": 3e-3, "warmup_steps": 5, "min_lr_ratio": 1.0, "ttt_length": 3},
@@ -80,7 +90,13 @@ def reference(work, cache_dir):
     cfg_path = write_config(work / "config.yaml")
     cfg = load_config(cfg_path, [f"run_dir={work / 'ref'}"])
     summary = train(cfg)
-    return {"cfg_path": cfg_path, "cfg": cfg, "summary": summary, "run_dir": work / "ref", "losses": losses_of(work / "ref")}
+    return {
+        "cfg_path": cfg_path,
+        "cfg": cfg,
+        "summary": summary,
+        "run_dir": work / "ref",
+        "losses": losses_of(work / "ref"),
+    }
 
 
 def test_training_learns_the_targets_continuations(reference):
@@ -121,7 +137,9 @@ def test_gradient_accumulation_matches_the_full_batch(reference, work, cache_dir
 
 def test_bf16_compute_tracks_fp32(reference, work, cache_dir):
     """bf16 forward/backward over fp32 master weights: the same curve to bf16 precision (observed 5e-4 relative)."""
-    cfg = load_config(reference["cfg_path"], [f"run_dir={work / 'bf16'}", "train.compute_dtype=bfloat16", "checkpoint.every=0"])
+    cfg = load_config(
+        reference["cfg_path"], [f"run_dir={work / 'bf16'}", "train.compute_dtype=bfloat16", "checkpoint.every=0"]
+    )
     train(cfg, stop_after=10)
     losses = losses_of(work / "bf16")
     np.testing.assert_allclose(losses, reference["losses"][:10], rtol=5e-3)
@@ -142,8 +160,19 @@ def _compare_weights(got_dir: Path, want: dict[str, np.ndarray]) -> None:
 
 def test_eight_devices_match_one_device(reference, work):
     run = work / "eight"
-    cmd = [sys.executable, "-m", "train.ttt", "--config", str(reference["cfg_path"]), "--set", f"run_dir={run}",
-           "--set", f"train.steps={SHORT}", "--set", "mesh={data: 2, fsdp: 2, model: 2}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "train.ttt",
+        "--config",
+        str(reference["cfg_path"]),
+        "--set",
+        f"run_dir={run}",
+        "--set",
+        f"train.steps={SHORT}",
+        "--set",
+        "mesh={data: 2, fsdp: 2, model: 2}",
+    ]
     p = subprocess.run(cmd, cwd=REPO, env=env_with_devices(8, str(REPO)), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "mesh {'data': 2, 'fsdp': 2, 'model': 2}" in p.stdout
@@ -163,10 +192,31 @@ def test_two_processes_match_one_process(reference, work):
     port = _free_port()
     procs = []
     for pid in range(2):
-        cmd = [sys.executable, "-m", "train.ttt", "--config", str(reference["cfg_path"]), "--set", f"run_dir={run}",
-               "--set", f"train.steps={SHORT}", "--set", "mesh={data: 1, fsdp: 2, model: 1}",
-               "--set", f"distributed={{coordinator: '127.0.0.1:{port}', num_processes: 2, process_id: {pid}}}"]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_with_devices(1, str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "train.ttt",
+            "--config",
+            str(reference["cfg_path"]),
+            "--set",
+            f"run_dir={run}",
+            "--set",
+            f"train.steps={SHORT}",
+            "--set",
+            "mesh={data: 1, fsdp: 2, model: 1}",
+            "--set",
+            f"distributed={{coordinator: '127.0.0.1:{port}', num_processes: 2, process_id: {pid}}}",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env_with_devices(1, str(REPO)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]

@@ -87,13 +87,18 @@ def test_template_without_generation_markers_masks_by_prefix_diffing(tokenizer, 
     path.write_text(json.dumps({"messages": CHAT}) + "\n")
     try:
         # No markers and no end-of-turn token: each assistant span (reply and newline) is found by diffing renderings.
-        tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
-                                   "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+        tokenizer.chat_template = (
+            "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+        )
         samples, stats = load_samples(path, tokenizer, 512, progress=False)
         s = samples[0]
         assert stats.kept == 1 and tokenizer.decode(s.input_ids) == tokenizer.apply_chat_template(CHAT, tokenize=False)
         # The replies' first tokens (" def", " Hello") straddle "assistant: " and the reply: masked, as with markers.
-        assert tokenizer.decode(s.input_ids[s.loss_mask == 1]) == " " + CHAT[2]["content"] + "\n " + CHAT[4]["content"] + "\n"
+        assert (
+            tokenizer.decode(s.input_ids[s.loss_mask == 1])
+            == " " + CHAT[2]["content"] + "\n " + CHAT[4]["content"] + "\n"
+        )
         tokenizer.chat_template = None
         with pytest.raises(DataError, match="has no chat_template"):
             load_samples(path, tokenizer, 512, progress=False)
@@ -209,7 +214,16 @@ def test_greedy_samples_are_the_targets_own_continuations():
     from eagle_jax import Target, TargetConfig
     from eagle_jax.training.data import greedy_samples
 
-    cfg = TargetConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    cfg = TargetConfig(
+        "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
     target = Target(cfg)
     samples = greedy_samples(target, num_samples=5, prompt_length=3, length=10, seed=0, batch_size=4)
     assert len(samples) == 5 and all(len(s) == 10 for s in samples)
@@ -224,8 +238,14 @@ def test_long_context_stitching():
     used at most once and in its order, system messages only at the start."""
     from eagle_jax.training.long_context import stitch
 
-    convs = [[{"role": "system", "content": "sys"}, {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
-             for i in range(40)]
+    convs = [
+        [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": f"q{i}"},
+            {"role": "assistant", "content": f"a{i}"},
+        ]
+        for i in range(40)
+    ]
     lengths = [100 + 10 * (i % 7) for i in range(40)]
     out = stitch(convs, lengths, count=10, min_tokens=300, max_tokens=500, seed=1)
     assert 5 <= len(out) <= 10

@@ -1,4 +1,4 @@
-"""d2t / t2d from loss-masked token frequencies (SPEC 5), and the eagle-jax-vocab-map CLI (eagle_jax.cli.vocab_map)."""
+"""d2t / t2d from loss-masked token frequencies, and the eagle-jax-vocab-map CLI (eagle_jax.cli.vocab_map)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from eagle_jax.training.data import Sample, load_samples
-from workshop.tokenizer_build import train_tokenizer
 from eagle_jax.training.vocab_map import build_vocab_map, coverage, load_vocab_map, save_vocab_map, token_counts
+from workshop.tokenizer_build import train_tokenizer
 
 
 def test_counts_only_loss_masked_positions():
@@ -66,7 +66,9 @@ def test_cli_builds_map_from_assistant_tokens(tmp_path):
 
     train_tokenizer(["hello world, the fox jumps over the lazy dog\n" * 20], vocab_size=300, out_dir=tmp_path / "tok")
     data = tmp_path / "chat.jsonl"
-    rows = [{"messages": [{"role": "user", "content": "zzzz qqqq"}, {"role": "assistant", "content": "hello world"}]}] * 3
+    rows = [
+        {"messages": [{"role": "user", "content": "zzzz qqqq"}, {"role": "assistant", "content": "hello world"}]}
+    ] * 3
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "vm.npz"
     main(["--data", str(data), "--tokenizer", str(tmp_path / "tok"), "--draft-vocab-size", "8", "--out", str(out)])
@@ -85,14 +87,38 @@ def test_cli_reads_tokenizer_and_vocab_size_from_the_target(tmp_path, capsys):
     from eagle_jax import TargetConfig
     from eagle_jax.cli.vocab_map import main
 
-    train_tokenizer(["hello world, the fox jumps over the lazy dog\n" * 20], vocab_size=300, out_dir=tmp_path / "target")
+    train_tokenizer(
+        ["hello world, the fox jumps over the lazy dog\n" * 20], vocab_size=300, out_dir=tmp_path / "target"
+    )
     v = len(AutoTokenizer.from_pretrained(tmp_path / "target")) + 5
-    config = TargetConfig("llama", vocab_size=v, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                          head_dim=8, max_position_embeddings=64)
+    config = TargetConfig(
+        "llama",
+        vocab_size=v,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     (tmp_path / "target" / "config.json").write_text(json.dumps(config.to_hf()))
     data = tmp_path / "chat.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "fox"}, {"role": "assistant", "content": "hello"}]}) + "\n")
-    main(["--data", str(data), "--target", str(tmp_path / "target"), "--draft-vocab-size", "8", "--out", str(tmp_path / "vm.npz")])
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "fox"}, {"role": "assistant", "content": "hello"}]}) + "\n"
+    )
+    main(
+        [
+            "--data",
+            str(data),
+            "--target",
+            str(tmp_path / "target"),
+            "--draft-vocab-size",
+            "8",
+            "--out",
+            str(tmp_path / "vm.npz"),
+        ]
+    )
     assert f"kept 8 of {v} ids" in capsys.readouterr().out
     d2t, t2d = load_vocab_map(tmp_path / "vm.npz", v, 8)
     assert t2d.shape == (v,) and t2d.sum() == 8

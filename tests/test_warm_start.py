@@ -21,11 +21,28 @@ from eagle_jax.training.trainer import DEFAULTS, build_target, merge_config, tra
 
 CONFIG = {
     "seed": 0,
-    "target": {"random": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_layers": 3, "num_heads": 4,
-                          "num_kv_heads": 2, "head_dim": 8, "logit_scale": 8.0}},
+    "target": {
+        "random": {
+            "vocab_size": 256,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_layers": 3,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 8,
+            "logit_scale": 8.0,
+        }
+    },
     "drafter": {"draft_vocab_size": 128, "norm_output": True, "fc_norm": True, "warm_start": ["lm_head", "norm", "fc"]},
     "data": {"synthetic": {"num_samples": 64, "prompt_length": 4}, "max_length": 32},
-    "train": {"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup_steps": 1, "ttt_length": 2, "freeze": ["lm_head", "norm"]},
+    "train": {
+        "steps": 6,
+        "batch_size": 8,
+        "lr": 3e-3,
+        "warmup_steps": 1,
+        "ttt_length": 2,
+        "freeze": ["lm_head", "norm"],
+    },
     "checkpoint": {"every": 3, "keep": 2},
     "log": {"every": 1, "progress": False},
 }
@@ -56,7 +73,9 @@ def test_warm_parts_start_as_the_targets(tmp_path):
     # fc: the fused feature is the last aux state (after its 3.1 norm)
     aux = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 3 * 32)), jnp.float32)
     np.testing.assert_allclose(np.asarray(drafter.fuse(aux)), np.asarray(drafter.fc_norm[2](aux[..., 64:])), atol=1e-6)
-    fresh, _ = build_drafter(config(tmp_path / "cold", **{"drafter": {**CONFIG["drafter"], "warm_start": []}}), target, samples)
+    fresh, _ = build_drafter(
+        config(tmp_path / "cold", **{"drafter": {**CONFIG["drafter"], "warm_start": []}}), target, samples
+    )
     assert not np.allclose(np.asarray(fresh.lm_head.kernel[...]), np.asarray(drafter.lm_head.kernel[...]))
 
 
@@ -83,8 +102,15 @@ def test_the_trainable_mask_leaves_out_exactly_the_frozen_modules():
     drafter, _ = build_drafter(cfg, target, samples)
     _, params, _ = nnx.split(drafter, nnx.Param, ...)
     mask = trainable_mask(params, ["lm_head", "norm"])
-    flat = dict(zip(("/".join(str(getattr(k, "key", k)) for k in path) for path, _ in
-                     jax.tree_util.tree_flatten_with_path(mask)[0]), jax.tree.leaves(mask)))
+    flat = dict(
+        zip(
+            (
+                "/".join(str(getattr(k, "key", k)) for k in path)
+                for path, _ in jax.tree_util.tree_flatten_with_path(mask)[0]
+            ),
+            jax.tree.leaves(mask),
+        )
+    )
     assert not any(v for k, v in flat.items() if k.startswith(("lm_head/", "norm/")))
     assert all(v for k, v in flat.items() if not k.startswith(("lm_head/", "norm/")))
 

@@ -21,7 +21,10 @@ from pathlib import Path
 from eagle_jax.cli import regenerate, ttt
 
 RECIPE = "configs/train/smollm2_135m.yaml"
-KINDS = {"eagle3.1": ["drafter.fc_norm=true", "drafter.norm_output=true"], "eagle3": ["drafter.fc_norm=false", "drafter.norm_output=false"]}
+KINDS = {
+    "eagle3.1": ["drafter.fc_norm=true", "drafter.norm_output=true"],
+    "eagle3": ["drafter.fc_norm=false", "drafter.norm_output=false"],
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,24 +37,65 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train-batch", type=int, default=32, help="packed rows per train step")
     p.add_argument("--max-length", type=int, default=1024, help="tokens per packed row")
     p.add_argument("--steps", type=int, default=None, help="train steps per drafter (default: ~2 epochs)")
-    p.add_argument("--seed", type=int, default=7, help="of the synthesised user turns (other seeds than the bundled data's)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides for both runs")
+    p.add_argument(
+        "--seed", type=int, default=7, help="of the synthesised user turns (other seeds than the bundled data's)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe overrides for both runs",
+    )
     args = p.parse_args(argv)
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     data = work / "magpie.jsonl"
     if not data.exists():  # a finished generation is kept; an unfinished one resumes from its shards
-        regenerate.main(["--target", "smollm2-135m-instruct", "--synthesize", str(args.conversations), "--out", str(data),
-                         "--max-new-tokens", str(args.max_new_tokens), "--batch-size", str(args.gen_batch),
-                         "--shard-size", str(4 * args.gen_batch), "--seed", str(args.seed)])
+        regenerate.main(
+            [
+                "--target",
+                "smollm2-135m-instruct",
+                "--synthesize",
+                str(args.conversations),
+                "--out",
+                str(data),
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--batch-size",
+                str(args.gen_batch),
+                "--shard-size",
+                str(4 * args.gen_batch),
+                "--seed",
+                str(args.seed),
+            ]
+        )
     if args.steps is None:  # ~2 epochs: ~420 tokens a conversation (BENCHMARKS.md), rows ~70% full
         tokens = 420 * sum(1 for _ in data.open())
         args.steps = max(1, round(2 * tokens / (0.7 * args.train_batch * args.max_length)))
     for kind, flags in KINDS.items():
-        ttt.main(["--config", RECIPE, *[a for f in (*flags, f"run_dir={work / kind}", f"data.path=[{data}]", "data.features=null",
-                                                    f"data.max_length={args.max_length}", f"train.batch_size={args.train_batch}",
-                                                    f"train.steps={args.steps}", *args.overrides) for a in ("--set", f)]])
+        ttt.main(
+            [
+                "--config",
+                RECIPE,
+                *[
+                    a
+                    for f in (
+                        *flags,
+                        f"run_dir={work / kind}",
+                        f"data.path=[{data}]",
+                        "data.features=null",
+                        f"data.max_length={args.max_length}",
+                        f"train.batch_size={args.train_batch}",
+                        f"train.steps={args.steps}",
+                        *args.overrides,
+                    )
+                    for a in ("--set", f)
+                ],
+            ]
+        )
         dest = Path(args.out) / f"drafter-{kind}"
         if dest.exists():
             shutil.rmtree(dest)

@@ -33,7 +33,9 @@ MANIFEST = Path("assets/data/manifest.json")
 DRAFT_VOCAB = 2048
 
 
-def regenerate(work: Path, target_dir: Path, n_prompts: int, n_long: int, max_new: int, batch: int, max_length: int) -> Path:
+def regenerate(
+    work: Path, target_dir: Path, n_prompts: int, n_long: int, max_new: int, batch: int, max_length: int
+) -> Path:
     """The target's greedy continuations of train-split code prompts, resumable by record count."""
     out = work / "regen.jsonl"
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -64,24 +66,63 @@ def vocab_map(work: Path, target_dir: Path, data: Path, max_length: int) -> Path
     if not out.exists():
         from eagle_jax.cli.vocab_map import main as build
 
-        build(["--data", str(data), "--tokenizer", str(target_dir), "--target", str(target_dir),
-               "--draft-vocab-size", str(DRAFT_VOCAB), "--out", str(out), "--max-length", str(max_length)])
+        build(
+            [
+                "--data",
+                str(data),
+                "--tokenizer",
+                str(target_dir),
+                "--target",
+                str(target_dir),
+                "--draft-vocab-size",
+                str(DRAFT_VOCAB),
+                "--out",
+                str(out),
+                "--max-length",
+                str(max_length),
+            ]
+        )
     return out
 
 
-def train_drafter(work: Path, export: Path, flags: dict, target_dir: Path, data: Path, vmap: Path, steps: int, batch: int,
-                  max_length: int, remat: bool = False) -> Path:
+def train_drafter(
+    work: Path,
+    export: Path,
+    flags: dict,
+    target_dir: Path,
+    data: Path,
+    vmap: Path,
+    steps: int,
+    batch: int,
+    max_length: int,
+    remat: bool = False,
+) -> Path:
     from eagle_jax.training.trainer import load_config, train
 
     if (export / "model.safetensors").exists():
         return export
     overrides = [
-        f"run_dir={work / export.name}", f"target.path={target_dir}", f"data.path={data}", f"data.max_length={max_length}",
-        "data.batching=bucket", f"drafter.draft_vocab_size={DRAFT_VOCAB}", f"drafter.vocab_map={vmap}",
-        f"drafter.fc_norm={str(flags['fc_norm']).lower()}", f"drafter.norm_output={str(flags['norm_output']).lower()}",
-        f"train.steps={steps}", f"train.batch_size={batch}", "train.lr=2e-3", "train.warmup_ratio=0.05", "train.min_lr_ratio=0.05",
-        "train.ttt_length=6", f"export.dir={export}", "export.dtype=bfloat16", "checkpoint.every=50", "checkpoint.keep=2",
-        "log.every=10", f"train.remat={str(remat).lower()}",
+        f"run_dir={work / export.name}",
+        f"target.path={target_dir}",
+        f"data.path={data}",
+        f"data.max_length={max_length}",
+        "data.batching=bucket",
+        f"drafter.draft_vocab_size={DRAFT_VOCAB}",
+        f"drafter.vocab_map={vmap}",
+        f"drafter.fc_norm={str(flags['fc_norm']).lower()}",
+        f"drafter.norm_output={str(flags['norm_output']).lower()}",
+        f"train.steps={steps}",
+        f"train.batch_size={batch}",
+        "train.lr=2e-3",
+        "train.warmup_ratio=0.05",
+        "train.min_lr_ratio=0.05",
+        "train.ttt_length=6",
+        f"export.dir={export}",
+        "export.dtype=bfloat16",
+        "checkpoint.every=50",
+        "checkpoint.keep=2",
+        "log.every=10",
+        f"train.remat={str(remat).lower()}",
     ]
     train(load_config(None, overrides))
     return export
@@ -99,7 +140,9 @@ def main(argv=None) -> None:
     ap.add_argument("--train-batch", type=int, default=4, help="samples per training step")
     ap.add_argument("--work", default="runs/bundle", help="regenerated data, vocabulary map and training runs")
     ap.add_argument("--export-root", default="assets", help="drafters are exported to <root>/drafter-eagle3{,.1}")
-    ap.add_argument("--remat", action="store_true", help="recompute the TTT steps in the backward pass (less memory, same result)")
+    ap.add_argument(
+        "--remat", action="store_true", help="recompute the TTT steps in the backward pass (less memory, same result)"
+    )
     ap.add_argument("--only", choices=["eagle3", "eagle3.1"], help="train one drafter (run the two in parallel)")
     args = ap.parse_args(argv)
     target_dir = Path(args.target)
@@ -109,8 +152,21 @@ def main(argv=None) -> None:
     variants = {"eagle3": {"fc_norm": False, "norm_output": False}, "eagle3.1": {"fc_norm": True, "norm_output": True}}
     for v, flags in variants.items():
         if args.only in (None, v):
-            print("exported", train_drafter(work, Path(args.export_root) / f"drafter-{v}", flags, target_dir, data, vmap,
-                                           args.steps, args.train_batch, args.max_length, args.remat))
+            print(
+                "exported",
+                train_drafter(
+                    work,
+                    Path(args.export_root) / f"drafter-{v}",
+                    flags,
+                    target_dir,
+                    data,
+                    vmap,
+                    args.steps,
+                    args.train_batch,
+                    args.max_length,
+                    args.remat,
+                ),
+            )
 
 
 if __name__ == "__main__":

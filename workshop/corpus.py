@@ -122,7 +122,9 @@ def package_license(distribution: str) -> str:
     stated += [(meta.get("License") or "").strip().split("\n")[0]]
     stated = [x for x in stated if x]
     if not stated or not any(p in stated[0].lower() for p in _PERMISSIVE):
-        raise ValueError(f"{distribution}: licence {stated[0] if stated else 'unstated'!r} is not one of the permissive {_PERMISSIVE}")
+        raise ValueError(
+            f"{distribution}: licence {stated[0] if stated else 'unstated'!r} is not one of the permissive {_PERMISSIVE}"
+        )
     return stated[0]
 
 
@@ -199,9 +201,7 @@ def build_manifest(
     for e in entries:
         totals[e["split"]]["files"] += 1
         totals[e["split"]]["bytes"] += e["bytes"]
-    fingerprint = hashlib.sha256(
-        "".join(f"{e['path']}\0{e['sha256']}\n" for e in entries).encode("utf-8")
-    ).hexdigest()
+    fingerprint = hashlib.sha256("".join(f"{e['path']}\0{e['sha256']}\n" for e in entries).encode("utf-8")).hexdigest()
     manifest = {
         "format": MANIFEST_FORMAT,
         "source": "python-stdlib" if packages is None else "python-packages",
@@ -315,9 +315,7 @@ def _chunk_candidates(text: str) -> list[tuple[int, int, int, str, int]]:
                 break
         first = body[0]
         has_doc = (
-            isinstance(first, ast.Expr)
-            and isinstance(first.value, ast.Constant)
-            and isinstance(first.value.value, str)
+            isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
         )
         if has_doc:
             if len(body) == 1:

@@ -58,7 +58,9 @@ def lm_loss(target: Target, tokens: jax.Array) -> jax.Array:
 def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
     warmup = min(cfg.warmup, cfg.steps // 10)
     sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, cfg.steps, cfg.lr * cfg.min_lr_ratio)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip), optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip), optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
+    )
 
 
 def sample_windows(stream: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -84,8 +86,10 @@ def pretrain(
     caller's choice) plus the optimiser state, written atomically, and a JSONL log line.
     """
     if cfg.long_steps and (not 0 < cfg.long_steps <= cfg.steps or cfg.long_seq_len > config.max_position_embeddings):
-        raise ValueError(f"long phase ({cfg.long_steps} steps at {cfg.long_seq_len} tokens) must fit in {cfg.steps} "
-                         f"steps and max_position_embeddings {config.max_position_embeddings}")
+        raise ValueError(
+            f"long phase ({cfg.long_steps} steps at {cfg.long_seq_len} tokens) must fit in {cfg.steps} "
+            f"steps and max_position_embeddings {config.max_position_embeddings}"
+        )
     out_dir = Path(out_dir)
     ckpt = out_dir / "ckpt"
     log = out_dir / "pretrain_log.jsonl"
@@ -139,7 +143,9 @@ def pretrain(
         tokens_done += b * t
         if step % 20 == 0 or step == cfg.steps:
             rate = tokens_done / (time.perf_counter() - t0)
-            print(f"step {step}/{cfg.steps} loss {float(loss):.3f} gnorm {float(gnorm):.2f} {rate:.0f} tok/s", flush=True)
+            print(
+                f"step {step}/{cfg.steps} loss {float(loss):.3f} gnorm {float(gnorm):.2f} {rate:.0f} tok/s", flush=True
+            )
         if step % cfg.save_every == 0 or step == cfg.steps:
             ev = float(eval_loss(params, eval_batch))
             record = {"step": step, "seq_len": t, "loss": float(loss), "heldout_loss": ev, "heldout_ppl": math.exp(ev)}
@@ -179,4 +185,3 @@ def _load_opt_state(file: Path, template):
     data = np.load(file)
     leaves = [jnp.asarray(data[f"arr_{i}"]) for i in range(len(data.files))]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
-

@@ -31,9 +31,20 @@ TOKENIZER = Path("assets/tokenizer")
 def target_config(vocab_size: int, bos: int, eos: int) -> TargetConfig:
     """12 layers x 384, GQA 6 q / 2 kv heads, RoPE, 2048 context, tied embeddings."""
     return TargetConfig(
-        architecture="llama", vocab_size=vocab_size, hidden_size=384, intermediate_size=1024, num_layers=12,
-        num_heads=6, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
-        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos,
+        architecture="llama",
+        vocab_size=vocab_size,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_layers=12,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
     )
 
 
@@ -68,13 +79,22 @@ def main(argv=None) -> None:
     ap.add_argument("--long-seq-len", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=PretrainConfig.warmup)
     ap.add_argument("--seed", type=int, default=PretrainConfig.seed)
-    ap.add_argument("--with-packages", action="store_true",
-                    help="train on permissively licensed package source too (corpus.PACKAGES, pinned in assets/data/packages.json, "
-                         "built when missing); the held-out split stays the standard library's. Tried and not used for the "
-                         "bundled target: it raised the standard library's held-out loss")
-    ap.add_argument("--stdlib-repeats", type=int, default=1,
-                    help="with --with-packages: the standard library's stream repeated N times (its share of the windows)")
-    ap.add_argument("--init-from", default=None, help="an HF target directory to continue pretraining from (fresh optimiser)")
+    ap.add_argument(
+        "--with-packages",
+        action="store_true",
+        help="train on permissively licensed package source too (corpus.PACKAGES, pinned in assets/data/packages.json, "
+        "built when missing); the held-out split stays the standard library's. Tried and not used for the "
+        "bundled target: it raised the standard library's held-out loss",
+    )
+    ap.add_argument(
+        "--stdlib-repeats",
+        type=int,
+        default=1,
+        help="with --with-packages: the standard library's stream repeated N times (its share of the windows)",
+    )
+    ap.add_argument(
+        "--init-from", default=None, help="an HF target directory to continue pretraining from (fresh optimiser)"
+    )
     args = ap.parse_args(argv)
     if not DATA.exists() or not (TOKENIZER / "tokenizer.json").exists():
         from workshop.build_data import main as build_data
@@ -84,7 +104,8 @@ def main(argv=None) -> None:
     stream = token_stream("train", TOKENIZER, out / "train_tokens.npy")
     if args.with_packages:
         if not PACKAGES.exists():
-            from workshop.corpus import PACKAGES as DISTRIBUTIONS, build_manifest
+            from workshop.corpus import PACKAGES as DISTRIBUTIONS
+            from workshop.corpus import build_manifest
 
             build_manifest(PACKAGES, packages=DISTRIBUTIONS)
         packages = token_stream("train", TOKENIZER, out / "packages_tokens.npy", PACKAGES)
@@ -96,8 +117,17 @@ def main(argv=None) -> None:
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     config = target_config(len(tok), tok.bos_token_id, tok.eos_token_id)
-    cfg = PretrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, save_every=args.save_every,
-                         long_steps=args.long_steps, long_seq_len=args.long_seq_len, warmup=args.warmup, seed=args.seed)
+    cfg = PretrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        save_every=args.save_every,
+        long_steps=args.long_steps,
+        long_seq_len=args.long_seq_len,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
     target = pretrain(config, stream, heldout, cfg, out, init_from=args.init_from)
     from eagle_jax.checkpoint.hf_target import save_target
 

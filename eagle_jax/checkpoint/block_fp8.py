@@ -43,8 +43,12 @@ class DequantizedFP8:
         self.directory = source.directory
         self.block = block
         keys = set(source.keys())
-        self._scaled = {k[: -len(SCALE_SUFFIX)] for k in keys if k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in keys}
-        self._keys = [k for k in source.keys() if not (k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in self._scaled)]
+        self._scaled = {
+            k[: -len(SCALE_SUFFIX)] for k in keys if k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in keys
+        }
+        self._keys = [
+            k for k in source.keys() if not (k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in self._scaled)
+        ]
 
     def keys(self) -> list[str]:
         return list(self._keys)

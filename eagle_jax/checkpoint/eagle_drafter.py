@@ -1,6 +1,6 @@
 """EAGLE-3 / 3.1 drafter checkpoints (EAGLE authors', vLLM, SGLang, SpecForge and TorchSpec layouts) <-> ``Drafter``.
 
-Canonical layout (SPEC 5): ``fc.weight``, ``fc_norm.{i}.weight`` / ``input_norm.weight``,
+Canonical layout: ``fc.weight``, ``fc_norm.{i}.weight`` / ``input_norm.weight``,
 ``midlayer.*`` for the decoder layer, ``norm.weight``, ``lm_head.weight``, ``d2t`` (offsets, int64) and
 ``t2d`` (bool). Accepted variants: ``layers.0.*`` for ``midlayer.*``, a ``model.`` prefix on every key
 but ``lm_head``, ``draft_id_to_target_id`` for ``d2t``, ``t2d`` absent, both absent when Vd == V, an
@@ -123,7 +123,9 @@ def load_drafter(
     if "d2t" in stored:
         d2t = validate_d2t(source.get(stored["d2t"]), v, f"{source.file_of(stored['d2t'])}")
         if d2t.shape[0] != vd:
-            raise CheckpointError(f"{source.file_of(stored['d2t'])}: 'd2t' has {d2t.shape[0]} entries, draft_vocab_size is {vd}")
+            raise CheckpointError(
+                f"{source.file_of(stored['d2t'])}: 'd2t' has {d2t.shape[0]} entries, draft_vocab_size is {vd}"
+            )
     elif vd == v:
         d2t = np.zeros((vd,), np.int64)
         provided[("d2t",)] = jnp.zeros((vd,), jnp.int32)
@@ -177,7 +179,9 @@ def save_drafter(drafter: Drafter, path: str | Path, dtype=None, *, include_embe
     include_embedding = include_embedding or drafter.config.hidden_size != drafter.config.target_hidden_size
 
     def tensors():
-        for key, arr in export_tensors(drafter, drafter_key, out_dtype, skip=lambda p: p == ("embed_tokens",) and not include_embedding):
+        for key, arr in export_tensors(
+            drafter, drafter_key, out_dtype, skip=lambda p: p == ("embed_tokens",) and not include_embedding
+        ):
             yield key, (arr.astype(np.int64) if key == "d2t" else arr)
 
     write_safetensors(path / "model.safetensors", tensors())

@@ -21,7 +21,9 @@ import numpy as np
 from eagle_jax.checkpoint.tensor_files import CheckpointError, TensorSource
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
 _FUSED = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 _STACKED = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -37,7 +39,9 @@ class StackedExperts:
         self.source = source
         self.directory = source.directory
         self.num_experts = num_experts
-        self._stacked: dict[str, list[str] | tuple[str, slice]] = {}  # stacked key -> per-expert keys | (fused key, rows)
+        self._stacked: dict[
+            str, list[str] | tuple[str, slice]
+        ] = {}  # stacked key -> per-expert keys | (fused key, rows)
         self._keys: list[str] = []
         per_expert: dict[tuple[str, str], dict[int, str]] = {}
         for key in source.keys():

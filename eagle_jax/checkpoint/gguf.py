@@ -63,7 +63,11 @@ _ARCH_LAYER_TENSORS = {
 }
 # Tensor name prefixes of a vision tower (a multimodal file; llama.cpp normally keeps them in an mmproj file).
 _VISION_PREFIXES = ("v.", "mm.", "vision")
-_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 # Llama 3.1+ files store the llama3 rope scaling as per-frequency divisors; it is read back into the config.
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -109,11 +113,15 @@ def _reader_class():
                 try:
                     qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
                 except ValueError:
-                    raise CheckpointError(f"tensor '{name}' has unknown ggml type id {int(raw_type[0])} (field 'type')") from None
+                    raise CheckpointError(
+                        f"tensor '{name}' has unknown ggml type id {int(raw_type[0])} (field 'type')"
+                    ) from None
                 block, type_size = gguf.GGML_QUANT_SIZES[qtype]
                 count = int(np.prod(dims.astype(np.int64)))
                 if count % block:
-                    raise CheckpointError(f"tensor '{name}' of type {qtype.name} has {count} values, not a multiple of its block of {block}")
+                    raise CheckpointError(
+                        f"tensor '{name}' of type {qtype.name} has {count} values, not a multiple of its block of {block}"
+                    )
                 end = start_offs + int(offset[0]) + count // block * type_size
                 if end > size:
                     raise CheckpointError(
@@ -133,7 +141,9 @@ def read_gguf(file: str | os.PathLike):
     except CheckpointError as e:
         raise CheckpointError(f"{file}: {e}") from None
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: the GGUF header (version, metadata or tensor table) is truncated or corrupt: {e}") from e
+        raise CheckpointError(
+            f"{file}: the GGUF header (version, metadata or tensor table) is truncated or corrupt: {e}"
+        ) from e
 
 
 class GGUFMetadata:
@@ -187,14 +197,22 @@ def llama3_rope_from_factors(factors: np.ndarray, theta: float, where: str) -> d
     match, else the file is refused rather than run with a rope it does not describe.
     """
     factors = np.asarray(factors, np.float64)
-    params = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192, "rope_theta": theta}
+    params = {
+        "rope_type": "llama3",
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": theta,
+    }
     dim = 2 * factors.shape[0]
     freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     wavelen = 2 * math.pi / freqs
     orig, low, high, factor = 8192, 1.0, 4.0, params["factor"]
     smooth = (orig / wavelen - low) / (high - low)
-    want = np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    want = np.where(
+        wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, 1 / ((1 - smooth) / factor + smooth))
+    )
     if not np.allclose(factors, want, rtol=1e-4):
         raise CheckpointError(
             f"{where}: tensor '{ROPE_FREQS}' holds rope frequency factors that are not llama3 scaling with factor {factor}, "
@@ -237,7 +255,9 @@ def hf_config(reader, file: Path) -> dict[str, Any]:
     }
     value_length = meta.integer(f"{arch}.attention.value_length", d["head_dim"])
     if value_length != d["head_dim"]:
-        raise CheckpointError(f"{file}: metadata field '{arch}.attention.value_length' = {value_length} differs from key_length {d['head_dim']}")
+        raise CheckpointError(
+            f"{file}: metadata field '{arch}.attention.value_length' = {value_length} differs from key_length {d['head_dim']}"
+        )
     window = meta.get(f"{arch}.attention.sliding_window")
     if window:
         d["sliding_window"] = int(window)
@@ -252,7 +272,9 @@ def hf_config(reader, file: Path) -> dict[str, Any]:
     if scaling not in (None, "none"):
         factor = meta.get(f"{arch}.rope.scaling.factor")
         if factor is None:
-            raise CheckpointError(f"{file}: rope scaling '{scaling}' without metadata field '{arch}.rope.scaling.factor'")
+            raise CheckpointError(
+                f"{file}: rope scaling '{scaling}' without metadata field '{arch}.rope.scaling.factor'"
+            )
         d["rope_scaling"] = {"rope_type": scaling, "factor": float(factor)}
         orig = meta.get(f"{arch}.rope.scaling.original_context_length")
         if orig is not None:
@@ -272,7 +294,9 @@ def _gemma3_config(meta: GGUFMetadata, tensors: dict, d: dict[str, Any], file: P
     attention)."""
     vision = sorted(name for name in tensors if name.startswith(_VISION_PREFIXES))
     if vision:
-        raise CheckpointError(f"{file}: tensor '{vision[0]}' belongs to a vision tower (a multimodal Gemma 3); only the text model is supported")
+        raise CheckpointError(
+            f"{file}: tensor '{vision[0]}' belongs to a vision tower (a multimodal Gemma 3); only the text model is supported"
+        )
     layers = d["num_hidden_layers"]
     out: dict[str, Any] = {
         "layer_types": [SLIDING_LAYER if (i + 1) % 6 else FULL_LAYER for i in range(layers)],
@@ -399,5 +423,14 @@ def load_gguf_target(path: str | os.PathLike, dtype=None):
         source.release()
 
 
-__all__ = ["ARCHITECTURES", "GGUF_MAGIC", "SUPPORTED_TYPES", "check_gguf_header", "gguf_target_config", "hf_tensor_name", "load_gguf_target",
-           "read_gguf", "unpermute_rows"]
+__all__ = [
+    "ARCHITECTURES",
+    "GGUF_MAGIC",
+    "SUPPORTED_TYPES",
+    "check_gguf_header",
+    "gguf_target_config",
+    "hf_tensor_name",
+    "load_gguf_target",
+    "read_gguf",
+    "unpermute_rows",
+]

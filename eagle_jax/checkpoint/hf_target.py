@@ -62,10 +62,14 @@ def load_target(path: str | Path, dtype=None, *, revision: str | None = None) ->
     path = resolve_model(path)
     if is_gguf_file(path):
         if revision is not None:
-            raise CheckpointError(f"revision '{revision}' was given for the GGUF file {path}; revisions apply to Hub repo ids only")
+            raise CheckpointError(
+                f"revision '{revision}' was given for the GGUF file {path}; revisions apply to Hub repo ids only"
+            )
         return load_gguf_target(path, dtype)
     if Path(path).is_file():
-        raise CheckpointError(f"{path}: is a file but not a GGUF (no 'GGUF' magic); give a checkpoint directory, a Hub repo id or a .gguf file")
+        raise CheckpointError(
+            f"{path}: is a file but not a GGUF (no 'GGUF' magic); give a checkpoint directory, a Hub repo id or a .gguf file"
+        )
     path = resolve_checkpoint(path, revision=revision)
     raw, where = read_config_json(path)
     config = TargetConfig.from_hf(raw, where)

@@ -40,7 +40,13 @@ def looks_like_local_path(text: str) -> bool:
 
 def looks_like_repo_id(text: str) -> bool:
     """True for ``name`` / ``org/name`` strings that the Hub accepts as a model repo id."""
-    return len(text) <= 96 and bool(_REPO_ID.match(text)) and ".." not in text and "--" not in text and not looks_like_local_path(text)
+    return (
+        len(text) <= 96
+        and bool(_REPO_ID.match(text))
+        and ".." not in text
+        and "--" not in text
+        and not looks_like_local_path(text)
+    )
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = None) -> Path:
@@ -55,7 +61,9 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = 
     path = Path(path_or_id).expanduser()
     if path.exists():
         if revision is not None:
-            raise CheckpointError(f"revision '{revision}' was given for the local directory {path}; revisions apply to Hub repo ids only")
+            raise CheckpointError(
+                f"revision '{revision}' was given for the local directory {path}; revisions apply to Hub repo ids only"
+            )
         return path
     text = os.fspath(path_or_id)
     if not isinstance(path_or_id, str) or not looks_like_repo_id(text):
@@ -79,14 +87,24 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
             RevisionNotFoundError,
         )
     except ImportError as e:  # a core dependency; only a broken install lacks it
-        raise CheckpointError(f"'{repo_id}' is not a local directory, and huggingface_hub is needed to fetch it from the Hub ({e})") from e
+        raise CheckpointError(
+            f"'{repo_id}' is not a local directory, and huggingface_hub is needed to fetch it from the Hub ({e})"
+        ) from e
 
     at = f"'{repo_id}'" + (f" at revision '{revision}'" if revision else "")
     local = f"no local directory '{repo_id}' exists either"
     try:
-        folder = Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, library_name="eagle_jax"))
+        folder = Path(
+            huggingface_hub.snapshot_download(
+                repo_id, revision=revision, allow_patterns=HUB_PATTERNS, library_name="eagle_jax"
+            )
+        )
         if not any(folder.glob("*.safetensors")):
-            folder = Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=BIN_PATTERNS, library_name="eagle_jax"))
+            folder = Path(
+                huggingface_hub.snapshot_download(
+                    repo_id, revision=revision, allow_patterns=BIN_PATTERNS, library_name="eagle_jax"
+                )
+            )
         return folder
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
         if constants.HF_HUB_OFFLINE:
@@ -100,9 +118,13 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
             f"network connection (or HF_ENDPOINT), or pass a local checkpoint directory ({local}). Cause: {e}"
         ) from e
     except GatedRepoError as e:
-        raise CheckpointError(f"Hub repo {at} is gated: accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN)") from e
+        raise CheckpointError(
+            f"Hub repo {at} is gated: accept its terms on the Hub and log in (`hf auth login` or HF_TOKEN)"
+        ) from e
     except RevisionNotFoundError as e:
-        raise CheckpointError(f"Hub repo '{repo_id}' has no revision '{revision}' (a branch, tag or commit hash)") from e
+        raise CheckpointError(
+            f"Hub repo '{repo_id}' has no revision '{revision}' (a branch, tag or commit hash)"
+        ) from e
     except RepositoryNotFoundError as e:
         raise CheckpointError(
             f"Hub repo '{repo_id}' was not found (or is private: log in with `hf auth login` or set HF_TOKEN), and {local}"

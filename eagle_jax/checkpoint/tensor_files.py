@@ -160,7 +160,11 @@ def torch_to_numpy(t) -> np.ndarray:
     return t.numpy()
 
 
-def write_safetensors(file: str | Path, tensors: Iterator[tuple[str, np.ndarray]] | dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(
+    file: str | Path,
+    tensors: Iterator[tuple[str, np.ndarray]] | dict[str, np.ndarray],
+    metadata: dict[str, str] | None = None,
+) -> None:
     """Writes a safetensors file atomically (temp file + rename: an existing file is never half-overwritten)."""
     file = Path(file)
     items = list(tensors.items() if isinstance(tensors, dict) else tensors)
@@ -170,7 +174,11 @@ def write_safetensors(file: str | Path, tensors: Iterator[tuple[str, np.ndarray]
         arr = np.asarray(arr)
         if arr.dtype not in _ST_NAMES:
             raise CheckpointError(f"{file}: cannot write tensor '{key}' of dtype {arr.dtype}")
-        header[key] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        header[key] = {
+            "dtype": _ST_NAMES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
         offset += arr.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

@@ -27,7 +27,9 @@ def load_tokenizer(path: str | os.PathLike, *, revision: str | None = None) -> A
     if is_gguf_file(source):
         return _gguf_tokenizer(Path(source))
     if Path(source).is_file():
-        raise CheckpointError(f"{source}: is a file but not a GGUF; give a checkpoint directory, a Hub repo id or a .gguf file")
+        raise CheckpointError(
+            f"{source}: is a file but not a GGUF; give a checkpoint directory, a Hub repo id or a .gguf file"
+        )
     from eagle_jax.checkpoint.hub import resolve_checkpoint
 
     directory = resolve_checkpoint(source, revision=revision)

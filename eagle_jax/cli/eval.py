@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+
 from eagle_jax import SpecConfig, generate, load_drafter, load_target, load_tokenizer
 from eagle_jax.training.data import DataError, messages_of, read_jsonl
 
@@ -29,7 +30,9 @@ def eval_prompts(path: str, tokenizer, limit: int | None) -> list[list[int]]:
         messages = messages_of(record, where)
         if messages is not None:
             first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-            ids = tokenizer.apply_chat_template(messages[:first], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+            ids = tokenizer.apply_chat_template(
+                messages[:first], tokenize=True, add_generation_prompt=True, return_dict=True
+            )["input_ids"]
         elif isinstance(record.get("prompt") or record.get("text"), str):
             ids = tokenizer.encode(record.get("prompt") or record["text"], add_special_tokens=False)
         else:
@@ -42,12 +45,22 @@ def eval_prompts(path: str, tokenizer, limit: int | None) -> list[list[int]]:
     return prompts
 
 
-def evaluate(target, drafter, prompts, spec: SpecConfig, *, max_new_tokens: int, temperature: float, batch_size: int, eos) -> dict:
+def evaluate(
+    target, drafter, prompts, spec: SpecConfig, *, max_new_tokens: int, temperature: float, batch_size: int, eos
+) -> dict:
     """AL (tokens per target forward, bonus counted once) pooled over rounds and its per-prompt mean."""
     accepted, per_prompt = [], []
     for start in range(0, len(prompts), batch_size):
-        res = generate(target, drafter, prompts[start : start + batch_size], max_new_tokens=max_new_tokens,
-                       temperature=temperature, spec=spec, eos_token_id=eos, seed=start)
+        res = generate(
+            target,
+            drafter,
+            prompts[start : start + batch_size],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            spec=spec,
+            eos_token_id=eos,
+            seed=start,
+        )
         for row in res.accepted:
             if row:
                 accepted.extend(row)
@@ -66,8 +79,11 @@ def evaluate(target, drafter, prompts, spec: SpecConfig, *, max_new_tokens: int,
 def run(argv: list[str] | None = None) -> dict:
     """The command; returns what it writes to ``--out``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True,
-                   help="HF target checkpoint directory or Hub repo id, a .gguf file, or a named model (eagle-jax-fetch --list)")
+    p.add_argument(
+        "--target",
+        required=True,
+        help="HF target checkpoint directory or Hub repo id, a .gguf file, or a named model (eagle-jax-fetch --list)",
+    )
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory or Hub repo id")
     p.add_argument("--data", required=True)
     p.add_argument("--tokenizer", help="a directory, Hub repo id, .gguf file or named model (default: the target's)")
@@ -89,13 +105,29 @@ def run(argv: list[str] | None = None) -> dict:
         specs.append(SpecConfig(method="tree", tree_top_k=k, tree_depth=d, tree_total_tokens=n))
     results = []
     for spec in specs:
-        r = evaluate(target, drafter, prompts, spec, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                     batch_size=args.batch_size, eos=tok.eos_token_id)
+        r = evaluate(
+            target,
+            drafter,
+            prompts,
+            spec,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            batch_size=args.batch_size,
+            eos=tok.eos_token_id,
+        )
         results.append(r)
         acc = " ".join(f"{a:.2f}" for a in r["position_acceptance"])
-        print(f"{spec.method} {'K=' + str(spec.num_speculative_tokens) if spec.method == 'chain' else args.tree}: "
-              f"AL {r['acceptance_length']:.3f} over {r['rounds']} rounds of {r['prompts']} prompts; per position {acc}")
-    out = {"target": args.target, "drafter": args.drafter, "data": args.data, "temperature": args.temperature, "results": results}
+        print(
+            f"{spec.method} {'K=' + str(spec.num_speculative_tokens) if spec.method == 'chain' else args.tree}: "
+            f"AL {r['acceptance_length']:.3f} over {r['rounds']} rounds of {r['prompts']} prompts; per position {acc}"
+        )
+    out = {
+        "target": args.target,
+        "drafter": args.drafter,
+        "data": args.data,
+        "temperature": args.temperature,
+        "results": results,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     return out

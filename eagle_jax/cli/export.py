@@ -15,7 +15,9 @@ from eagle_jax.training.trainer import export_checkpoint
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/ directory, or one step's directory")
+    p.add_argument(
+        "--checkpoint", required=True, help="run directory, its checkpoints/ directory, or one step's directory"
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the checkpoint's, float32)")
     args = p.parse_args(argv)

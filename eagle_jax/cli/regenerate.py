@@ -1,4 +1,4 @@
-"""Write the assistant turns of a chat dataset with the target model itself (SPEC 7).
+"""Write the assistant turns of a chat dataset with the target model itself.
 
 Usage: ``eagle-jax-regenerate --target DIR|ID|FILE.gguf --data in.jsonl --out out.jsonl --max-new-tokens 1024
 [--drafter DIR] [--temperature 0] [--batch-size 16] [--tokenizer DIR] [--limit N]``, or, with no
@@ -47,14 +47,18 @@ def _read(args: argparse.Namespace) -> list[list[dict[str, str]]]:
 def _why_empty(stats: RegenStats, max_new_tokens: int, context: int) -> str:
     parts = [f"{n} with {why}" for why, n in sorted(stats.skipped.items())]
     if stats.dropped_at_limit:
-        parts.append(f"{stats.dropped_at_limit} cut at the context limit before their first reply (prompt + "
-                     f"--max-new-tokens {max_new_tokens} > the target's {context} positions)")
+        parts.append(
+            f"{stats.dropped_at_limit} cut at the context limit before their first reply (prompt + "
+            f"--max-new-tokens {max_new_tokens} > the target's {context} positions)"
+        )
     return f"of {stats.conversations} conversations, " + ", ".join(parts or ["none was answered"])
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True, help="target: HF checkpoint directory, Hub repo id, .gguf file or model name")
+    p.add_argument(
+        "--target", required=True, help="target: HF checkpoint directory, Hub repo id, .gguf file or model name"
+    )
     p.add_argument("--data", help="input JSONL (chat, ShareGPT or prompt records); not with --synthesize")
     p.add_argument("--out", required=True, help="output JSONL")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="per assistant reply")
@@ -66,16 +70,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None, help="target dtype (default: the checkpoint's)")
     p.add_argument("--limit", type=int, help="only the first N records of --data")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard-size", type=int, default=256,
-                   help="records (or synthesised prompts) per shard; each completed shard is on disk, and a run "
-                        "started again with the same settings resumes after the last one")
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=256,
+        help="records (or synthesised prompts) per shard; each completed shard is on disk, and a run "
+        "started again with the same settings resumes after the last one",
+    )
     p.add_argument("--restart", action="store_true", help="discard an unfinished run's shards instead of resuming it")
     g = p.add_argument_group("prompts without a dataset (Magpie)")
-    g.add_argument("--synthesize", type=int, metavar="N", help="sample N distinct user turns from the target and answer them")
-    g.add_argument("--system", help="a system message put before each synthesised user turn (default: the template's own)")
+    g.add_argument(
+        "--synthesize", type=int, metavar="N", help="sample N distinct user turns from the target and answer them"
+    )
+    g.add_argument(
+        "--system", help="a system message put before each synthesised user turn (default: the template's own)"
+    )
     g.add_argument("--synth-temperature", type=float, default=1.0, help="for the user turns (default 1.0, as Magpie)")
     g.add_argument("--synth-top-p", type=float, default=1.0, help="for the user turns (default 1.0, as Magpie)")
-    g.add_argument("--synth-max-tokens", type=int, default=256, help="per user turn; turns that do not end by then are dropped")
+    g.add_argument(
+        "--synth-max-tokens", type=int, default=256, help="per user turn; turns that do not end by then are dropped"
+    )
     g.add_argument("--synth-min-chars", type=int, default=10, help="shorter user turns are dropped")
     g.add_argument("--synth-max-samples", type=int, help="user turns sampled at most (default 10 * N)")
     args = p.parse_args(argv)
@@ -95,11 +109,18 @@ def main(argv: list[str] | None = None) -> None:
         conversations = _read(args) if args.data is not None else None
         output = ShardedOutput(args.out, _fingerprint(args), restart=args.restart)
         if output.resumed:
-            print(f"resuming {args.out}: {output.shards} shards done ({output.inputs_done} inputs, {output.written} records)")
+            print(
+                f"resuming {args.out}: {output.shards} shards done ({output.inputs_done} inputs, {output.written} records)"
+            )
         target = load_target(args.target, args.dtype)
         drafter = load_drafter(args.drafter, target) if args.drafter else None
-        answer = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, drafter=drafter,
-                      batch_size=args.batch_size)
+        answer = dict(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            drafter=drafter,
+            batch_size=args.batch_size,
+        )
         if conversations is not None:
             _regenerate_shards(output, conversations, target, tok, answer, args)
         else:
@@ -107,8 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
     totals = output.totals
-    regen = RegenStats(**{k: totals.get(k, 0) for k in REGEN_COUNTS},
-                       skipped=Counter({k[len("skipped: "):]: v for k, v in totals.items() if k.startswith("skipped: ")}))
+    regen = RegenStats(
+        **{k: totals.get(k, 0) for k in REGEN_COUNTS},
+        skipped=Counter({k[len("skipped: ") :]: v for k, v in totals.items() if k.startswith("skipped: ")}),
+    )
     output.finish()
     if args.synthesize is not None:
         print(SynthStats(**{k: totals.get(f"synth {k}", 0) for k in SYNTH_COUNTS}).summary())
@@ -124,9 +147,27 @@ SYNTH_COUNTS = ("wanted", "sampled", "kept", "unfinished", "too_short", "duplica
 
 def _fingerprint(args: argparse.Namespace) -> dict:
     """The settings a resumed run must share with the run it continues (everything that changes the output)."""
-    keys = ("target", "data", "tokenizer", "max_new_tokens", "temperature", "top_p", "drafter", "dtype", "limit", "seed",
-            "synthesize", "system", "synth_temperature", "synth_top_p", "synth_max_tokens", "synth_min_chars",
-            "synth_max_samples", "shard_size", "batch_size")
+    keys = (
+        "target",
+        "data",
+        "tokenizer",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "drafter",
+        "dtype",
+        "limit",
+        "seed",
+        "synthesize",
+        "system",
+        "synth_temperature",
+        "synth_top_p",
+        "synth_max_tokens",
+        "synth_min_chars",
+        "synth_max_samples",
+        "shard_size",
+        "batch_size",
+    )
     return {k: getattr(args, k) for k in keys}
 
 
@@ -136,14 +177,19 @@ def _regen_counts(stats: RegenStats) -> dict[str, int]:
     return counts
 
 
-def _regenerate_shards(output: ShardedOutput, conversations: list, target, tok, answer: dict, args: argparse.Namespace) -> None:
+def _regenerate_shards(
+    output: ShardedOutput, conversations: list, target, tok, answer: dict, args: argparse.Namespace
+) -> None:
     from eagle_jax.training.regenerate import regenerate_conversations
 
     for start in range(output.inputs_done, len(conversations), args.shard_size):
         shard = conversations[start : start + args.shard_size]
         out, stats = regenerate_conversations(target, shard, tok, seed=batch_seed(args.seed, output.shards), **answer)
         output.append([{"messages": m} for m in out], len(shard), _regen_counts(stats))
-        print(f"shard {output.shards}: {output.inputs_done}/{len(conversations)} records done, {output.written} written", flush=True)
+        print(
+            f"shard {output.shards}: {output.inputs_done}/{len(conversations)} records done, {output.written} written",
+            flush=True,
+        )
 
 
 def _synthesize_shards(output: ShardedOutput, target, tok, answer: dict, args: argparse.Namespace) -> None:
@@ -155,17 +201,30 @@ def _synthesize_shards(output: ShardedOutput, target, tok, answer: dict, args: a
         n = min(args.shard_size, args.synthesize - kept)
         earlier = [m["content"] for r in output.records() for m in r["messages"] if m["role"] == "user"]
         convs, synth, stats = synthesize_conversations(
-            target, tok, n, system=args.system, query_max_tokens=args.synth_max_tokens, query_temperature=args.synth_temperature,
-            query_top_p=args.synth_top_p, min_chars=args.synth_min_chars, max_samples=min(10 * n, cap - output.totals.get("synth sampled", 0)),
-            seed=batch_seed(args.seed, output.shards), exclude=earlier, **answer,
+            target,
+            tok,
+            n,
+            system=args.system,
+            query_max_tokens=args.synth_max_tokens,
+            query_temperature=args.synth_temperature,
+            query_top_p=args.synth_top_p,
+            min_chars=args.synth_min_chars,
+            max_samples=min(10 * n, cap - output.totals.get("synth sampled", 0)),
+            seed=batch_seed(args.seed, output.shards),
+            exclude=earlier,
+            **answer,
         )
         counts = _regen_counts(stats)
         counts.update({f"synth {k}": getattr(synth, k) for k in SYNTH_COUNTS})
         output.append([{"messages": m} for m in convs], synth.kept, counts)
         kept += synth.kept
-        print(f"shard {output.shards}: {kept}/{args.synthesize} user turns, {output.written} conversations written", flush=True)
+        print(
+            f"shard {output.shards}: {kept}/{args.synthesize} user turns, {output.written} conversations written",
+            flush=True,
+        )
         if not synth.kept:
             break  # the sample cap was reached without a new query
+
 
 if __name__ == "__main__":
     main()

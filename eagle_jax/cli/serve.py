@@ -41,50 +41,109 @@ API_KEY_ENV = "EAGLE_JAX_API_KEY"
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="YAML serving profile; flags override it (default: the bundled pair's)")
-    ap.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or a named model (eagle-jax-fetch --list)")
+    ap.add_argument(
+        "--target",
+        help="HF target checkpoint directory or Hub repo id, a .gguf file, or a named model (eagle-jax-fetch --list)",
+    )
     ap.add_argument("--drafter", help="drafter checkpoint directory or Hub repo id, or 'none'")
-    ap.add_argument("--tokenizer", help="tokenizer directory, Hub repo id, .gguf file or named model (default: the target's)")
-    ap.add_argument("--spec", help="auto (default with a drafter), none, a MIN_ACTIVE:K schedule, or vLLM's JSON speculative config")
+    ap.add_argument(
+        "--tokenizer", help="tokenizer directory, Hub repo id, .gguf file or named model (default: the target's)"
+    )
+    ap.add_argument(
+        "--spec", help="auto (default with a drafter), none, a MIN_ACTIVE:K schedule, or vLLM's JSON speculative config"
+    )
     ap.add_argument("--slots", type=int)
     ap.add_argument("--max-len", type=int)
-    ap.add_argument("--rounds-per-step", type=int, help="rounds a decode step runs at most, one host round trip each step")
-    ap.add_argument("--step-ms", type=float, default=None,
-                    help="a step's rounds cut to about this long at the recent time per round: a request arriving "
-                         "during a step waits for its end (default: 100; 0: always --rounds-per-step)")
+    ap.add_argument(
+        "--rounds-per-step", type=int, help="rounds a decode step runs at most, one host round trip each step"
+    )
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        default=None,
+        help="a step's rounds cut to about this long at the recent time per round: a request arriving "
+        "during a step waits for its end (default: 100; 0: always --rounds-per-step)",
+    )
     ap.add_argument("--dtype")
-    ap.add_argument("--exact", action="store_true", default=None,
-                    help="the target computes in float32 whatever --dtype: a request's greedy output then does not "
-                         "depend on the requests sharing its steps (bf16 otherwise can flip near-ties)")
+    ap.add_argument(
+        "--exact",
+        action="store_true",
+        default=None,
+        help="the target computes in float32 whatever --dtype: a request's greedy output then does not "
+        "depend on the requests sharing its steps (bf16 otherwise can flip near-ties)",
+    )
     ap.add_argument("--max-queue", type=int, default=256)
-    ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
-                    help="compile every program serving may run before listening (one log line each), and run each "
-                         "once, so that no request waits for a compile or a first run (default: on)")
-    ap.add_argument("--compile-workers", type=int, default=None, metavar="N",
-                    help="programs precompiled at once (default: one per core, at most 8; one on a GPU, where XLA times "
-                         "candidate kernels on the device while it compiles)")
-    ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
-                    help="JAX's persistent compilation cache: a restart loads the compiled programs (default: "
-                         "<cache dir>/xla, the cache dir being $EAGLE_JAX_CACHE, $XDG_CACHE_HOME/eagle_jax or ~/.cache/eagle_jax)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
-                    help="prompt tokens prefilled between two decode steps at most; longer prompts go in chunks, so "
-                         "running streams keep going (default: 512; smaller is smoother for running streams, larger "
-                         "keeps more rows busy)")
-    ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                    help="automatic prefix caching: a prompt starts from the longest prefix a cache row holds "
-                         "(another request's, a chat's previous turn) and computes the rest (default: on)")
-    ap.add_argument("--prefix-cache-rows", type=int, default=4, metavar="N",
-                    help="cache rows beside the slots that keep freed slots' prefixes, least recently used out "
-                         "(memory: N x one slot's caches; default: 4)")
-    ap.add_argument("--model-name", help="the name /v1/models lists (default: the target's directory name, .gguf stem or model name)")
+    ap.add_argument(
+        "--precompile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile every program serving may run before listening (one log line each), and run each "
+        "once, so that no request waits for a compile or a first run (default: on)",
+    )
+    ap.add_argument(
+        "--compile-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="programs precompiled at once (default: one per core, at most 8; one on a GPU, where XLA times "
+        "candidate kernels on the device while it compiles)",
+    )
+    ap.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help="JAX's persistent compilation cache: a restart loads the compiled programs (default: "
+        "<cache dir>/xla, the cache dir being $EAGLE_JAX_CACHE, $XDG_CACHE_HOME/eagle_jax or ~/.cache/eagle_jax)",
+    )
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="prompt tokens prefilled between two decode steps at most; longer prompts go in chunks, so "
+        "running streams keep going (default: 512; smaller is smoother for running streams, larger "
+        "keeps more rows busy)",
+    )
+    ap.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="automatic prefix caching: a prompt starts from the longest prefix a cache row holds "
+        "(another request's, a chat's previous turn) and computes the rest (default: on)",
+    )
+    ap.add_argument(
+        "--prefix-cache-rows",
+        type=int,
+        default=4,
+        metavar="N",
+        help="cache rows beside the slots that keep freed slots' prefixes, least recently used out "
+        "(memory: N x one slot's caches; default: 4)",
+    )
+    ap.add_argument(
+        "--model-name",
+        help="the name /v1/models lists (default: the target's directory name, .gguf stem or model name)",
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
-                    help=f"every /v1/* route then needs 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; /health and "
-                         "/metrics stay open)")
-    ap.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
-                    help="request bodies larger than this are refused with a 400 (default: 8 MiB)")
-    ap.add_argument("--list-programs", action="store_true",
-                    help="print the programs the server compiles before it is ready, with their shapes, then exit")
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        metavar="KEY",
+        help=f"every /v1/* route then needs 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; /health and "
+        "/metrics stay open)",
+    )
+    ap.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="request bodies larger than this are refused with a 400 (default: 8 MiB)",
+    )
+    ap.add_argument(
+        "--list-programs",
+        action="store_true",
+        help="print the programs the server compiles before it is ready, with their shapes, then exit",
+    )
     return ap
 
 
@@ -128,12 +187,22 @@ def service_settings(args: argparse.Namespace | list[str]) -> dict:
         logging.getLogger("serve").info("no drafter is served: the profile's speculation schedule %r is ignored", spec)
         spec = None
     return dict(
-        target_dir=target, drafter_dir=drafter, spec=spec, slots=pick(args.slots, "slots", 16), max_len=pick(args.max_len, "max_len"),
-        rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4), step_ms=float(pick(args.step_ms, "step_ms", STEP_MS)),
+        target_dir=target,
+        drafter_dir=drafter,
+        spec=spec,
+        slots=pick(args.slots, "slots", 16),
+        max_len=pick(args.max_len, "max_len"),
+        rounds_per_step=pick(args.rounds_per_step, "rounds_per_step", 4),
+        step_ms=float(pick(args.step_ms, "step_ms", STEP_MS)),
         dtype=pick(args.dtype, "dtype", "float32"),
-        max_queue=args.max_queue, model_name=args.model_name, tokenizer_dir=pick(args.tokenizer, "tokenizer"),
-        exact=bool(pick(args.exact, "exact", False)), precompile=args.precompile, compile_workers=args.compile_workers,
-        prefix_cache=args.prefix_cache, prefix_pool_rows=args.prefix_cache_rows,
+        max_queue=args.max_queue,
+        model_name=args.model_name,
+        tokenizer_dir=pick(args.tokenizer, "tokenizer"),
+        exact=bool(pick(args.exact, "exact", False)),
+        precompile=args.precompile,
+        compile_workers=args.compile_workers,
+        prefix_cache=args.prefix_cache,
+        prefix_pool_rows=args.prefix_cache_rows,
         **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}),
     )
 
@@ -164,8 +233,11 @@ def main(argv: list[str] | None = None) -> None:
         print(program_listing(service.scheduler.engine))
         return
     if args.api_key is None and not is_loopback(args.host):
-        log.warning("listening on %s without an API key: anyone who can reach it can use it (--api-key or $%s)", args.host,
-                    API_KEY_ENV)
+        log.warning(
+            "listening on %s without an API key: anyone who can reach it can use it (--api-key or $%s)",
+            args.host,
+            API_KEY_ENV,
+        )
     log.info("start-up heap frozen (a full collection of it took %.2f s)", freeze_startup_heap())
     service.scheduler.start()
     try:

@@ -36,16 +36,26 @@ def recipe_path(text: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML recipe (configs/train/*.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set train.steps=100 (value parsed as YAML)")
-    p.add_argument("--stop-after", type=int, help="stop after this step (checkpointed), as if killed; for testing resume")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.steps=100 (value parsed as YAML)",
+    )
+    p.add_argument(
+        "--stop-after", type=int, help="stop after this step (checkpointed), as if killed; for testing resume"
+    )
     args = p.parse_args(argv)
     cfg = load_config(recipe_path(args.config), args.overrides)
     summary = train(cfg, stop_after=args.stop_after)
     if summary["records"]:
         last = summary["records"][-1]
-        print(f"step {summary['step']}: loss {last['loss']:.4f}, step-0 accuracy {last['acc_per_position'][0]:.3f}, "
-              f"simulated AL {last['simulated_al']:.2f}")
+        print(
+            f"step {summary['step']}: loss {last['loss']:.4f}, step-0 accuracy {last['acc_per_position'][0]:.3f}, "
+            f"simulated AL {last['simulated_al']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Build a drafter's d2t / t2d vocabulary map from training data (SPEC 5).
+"""Build a drafter's d2t / t2d vocabulary map from training data.
 
 Usage: ``eagle-jax-vocab-map --data train.jsonl [more.jsonl ...] [--target T] [--tokenizer T]
 --draft-vocab-size 32000 --out vocab_map.npz [--vocab-size V] [--max-length 2048]``
@@ -39,13 +39,18 @@ def target_vocab_size(target: str | os.PathLike) -> int:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", nargs="+", required=True, help="JSONL files (chat, ShareGPT or text records)")
-    p.add_argument("--tokenizer", help="the target's tokenizer: a directory, Hub repo id, .gguf file or named model "
-                                       "(default: --target's)")
+    p.add_argument(
+        "--tokenizer",
+        help="the target's tokenizer: a directory, Hub repo id, .gguf file or named model (default: --target's)",
+    )
     p.add_argument("--draft-vocab-size", type=int, required=True)
     p.add_argument("--out", required=True, help="output .npz")
     p.add_argument("--vocab-size", type=int, help="target vocabulary size (default: --target's, else len(tokenizer))")
-    p.add_argument("--target", help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct "
-                                    "(for its vocab_size, and its tokenizer when --tokenizer is not given)")
+    p.add_argument(
+        "--target",
+        help="HF target checkpoint directory or Hub repo id, a .gguf file, or smollm2-135m-instruct "
+        "(for its vocab_size, and its tokenizer when --tokenizer is not given)",
+    )
     p.add_argument("--max-length", type=int, default=2048, help="drop longer samples, as training does")
     args = p.parse_args(argv)
     if not (args.tokenizer or args.target):

@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-# Llama-layout drafters only ever use these (SPEC 3); targets and MLA drafters use all of ROPE_TYPES.
+# Llama-layout drafters only ever use these; targets and MLA drafters use all of ROPE_TYPES.
 DRAFTER_ROPE_TYPES = ("default", "linear", "dynamic")
 
 

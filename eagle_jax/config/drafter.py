@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eagle_jax.config.common import (
-    AuxConvention,
-    ConfigError,
     DRAFTER_ROPE_TYPES,
     ROPE_TYPES,
+    AuxConvention,
+    ConfigError,
     RopeConfig,
     _dtype_name,
     _require,
@@ -49,7 +48,7 @@ def _aux_ids_field(d: dict[str, Any]) -> list[int] | None:
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """An EAGLE-3 / EAGLE-3.1 drafter: one decoder layer over fused target features (SPEC 3-5)."""
+    """An EAGLE-3 / EAGLE-3.1 drafter: one decoder layer over fused target features."""
 
     hidden_size: int
     num_heads: int
@@ -94,7 +93,9 @@ class DrafterConfig:
                     f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = {self.mla.qk_head_dim}"
                 )
         elif names_mla:
-            raise ConfigError(f"{src}: architectures {list(self.architectures)} name an MLA drafter but no MLA fields are set")
+            raise ConfigError(
+                f"{src}: architectures {list(self.architectures)} name an MLA drafter but no MLA fields are set"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"{src}: num_attention_heads={self.num_heads} is not a multiple of "
@@ -152,7 +153,9 @@ class DrafterConfig:
             raise ConfigError(f"{source}: num_hidden_layers={layers}; EAGLE-3 drafters have exactly 1 layer")
         archs = tuple(d.get("architectures") or ())
         mla = None
-        if any(a in MLA_DRAFTER_ARCHITECTURES for a in archs) or (not archs and d.get("model_type") in _MLA_MODEL_TYPES):
+        if any(a in MLA_DRAFTER_ARCHITECTURES for a in archs) or (
+            not archs and d.get("model_type") in _MLA_MODEL_TYPES
+        ):
             try:
                 mla = MLAConfig.from_hf(d, source)
             except ConfigError as e:

@@ -8,6 +8,7 @@ from typing import Any
 
 from eagle_jax.config.common import ConfigError
 
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculation settings; all static (they fix the shapes of the compiled loop).
@@ -87,7 +88,9 @@ class SpecConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"spec: unknown fields {unknown}; known: {sorted(known)} and the EAGLE code's {sorted(cls._EAGLE_TREE_NAMES)}")
+            raise ConfigError(
+                f"spec: unknown fields {unknown}; known: {sorted(known)} and the EAGLE code's {sorted(cls._EAGLE_TREE_NAMES)}"
+            )
         return cls(**d)
 
     @classmethod
@@ -125,14 +128,20 @@ class SpecConfig:
                 "the tree size fixes the compiled program's shapes; give total_token explicitly (EAGLE's default is 60)"
             )
         if eagle.get("depth", 0) < 0:
-            raise ConfigError(f"spec: depth={eagle['depth']} must be >= 0 (EAGLE's depth 0: only the root's top_k children)")
+            raise ConfigError(
+                f"spec: depth={eagle['depth']} must be >= 0 (EAGLE's depth 0: only the root's top_k children)"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(ours) - known)
         if unknown:
             raise ConfigError(
                 f"spec: unknown fields {unknown}; known: {sorted(known)} and the EAGLE code's {sorted(cls._EAGLE_TREE_NAMES)}"
             )
-        fields = {field_name: to_ours(eagle[name]) for name, (field_name, to_ours) in cls._EAGLE_TREE_NAMES.items() if name in eagle}
+        fields = {
+            field_name: to_ours(eagle[name])
+            for name, (field_name, to_ours) in cls._EAGLE_TREE_NAMES.items()
+            if name in eagle
+        }
         try:
             return cls(method="tree", **ours, **fields)
         except ConfigError as e:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle_jax.config.common import (
-    ConfigError,
     ROPE_TYPES,
+    ConfigError,
     RopeConfig,
     _dtype_name,
     _positive,
@@ -79,7 +79,9 @@ class MLAConfig:
         if self.q_lora_rank is not None:
             _positive(self, ("q_lora_rank",), what)
         if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"{what}: field 'qk_rope_head_dim'={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+            raise ConfigError(
+                f"{what}: field 'qk_rope_head_dim'={self.qk_rope_head_dim} must be even (RoPE rotates pairs)"
+            )
 
     @property
     def qk_head_dim(self) -> int:
@@ -136,7 +138,9 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         what = "MoE config"
-        _positive(self, ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group"), what)
+        _positive(
+            self, ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group"), what
+        )
         _positive(self, ("n_shared_experts", "first_k_dense_replace"), what, minimum=0)
         e, g = self.n_routed_experts, self.n_group
         if e % g:
@@ -211,10 +215,15 @@ def gemma3_rope(d: dict[str, Any], source: str) -> tuple[RopeConfig, RopeConfig]
     ``rope_local_base_freq`` for the sliding ones (v4). Defaults as Gemma3TextConfig: 1e6 and 1e4."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and (FULL_LAYER in params or SLIDING_LAYER in params):
+
         def kind(name: str, theta: float) -> RopeConfig:
             sub = params.get(name) or {}
-            return parse_rope({"rope_parameters": sub, "max_position_embeddings": d.get("max_position_embeddings")},
-                              f"{source} (rope_parameters.{name})", ROPE_TYPES, theta)
+            return parse_rope(
+                {"rope_parameters": sub, "max_position_embeddings": d.get("max_position_embeddings")},
+                f"{source} (rope_parameters.{name})",
+                ROPE_TYPES,
+                theta,
+            )
 
         return kind(FULL_LAYER, 1e6), kind(SLIDING_LAYER, 1e4)
     local = d.get("rope_local_base_freq")
@@ -231,7 +240,9 @@ def gemma3_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: field 'use_bidirectional_attention'=true is not supported (decoding is causal)")
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ConfigError(f"{source}: unsupported field 'hidden_activation'='{act}' for Gemma 3 (only gelu_pytorch_tanh)")
+        raise ConfigError(
+            f"{source}: unsupported field 'hidden_activation'='{act}' for Gemma 3 (only gelu_pytorch_tanh)"
+        )
     layers = int(_require(d, "num_hidden_layers", source))
     types = d.get("layer_types")
     if types is None:  # Gemma3TextConfig: every ``sliding_window_pattern``-th layer is global
@@ -287,7 +298,9 @@ class TargetConfig:
     sliding_window: int | None = None  # Mistral: every layer; Gemma 3: the layers ``layer_types`` calls sliding
     # Per-layer attention kinds (HF ``layer_types``, SLIDING_LAYER / FULL_LAYER); None: every layer alike.
     layer_types: tuple[str, ...] | None = None
-    local_rope: RopeConfig | None = None  # RoPE of the sliding layers, when it differs from ``rope`` (Gemma 3: base 10k)
+    local_rope: RopeConfig | None = (
+        None  # RoPE of the sliding layers, when it differs from ``rope`` (Gemma 3: base 10k)
+    )
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 before the cast back (Gemma)
     sandwich_norms: bool = False  # norms on both sublayers' outputs too, before the residual adds (Gemma)
     scale_embeddings: bool = False  # the embedding times sqrt(hidden_size), in the embedding's dtype (Gemma)
@@ -311,7 +324,9 @@ class TargetConfig:
             )
         if self.mla is not None:
             if self.num_kv_heads != self.num_heads:
-                raise ConfigError(f"{source}: with MLA num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads}")
+                raise ConfigError(
+                    f"{source}: with MLA num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads}"
+                )
             if self.head_dim != self.mla.qk_head_dim:
                 raise ConfigError(
                     f"{source}: with MLA head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = {self.mla.qk_head_dim}"
@@ -320,9 +335,13 @@ class TargetConfig:
             if unsupported:
                 raise ConfigError(f"{source}: {unsupported} are not supported with MLA")
         if (self.mla is None) != (self.moe is None) or (self.architecture == "deepseek_v3") != (self.mla is not None):
-            raise ConfigError(f"{source}: architecture deepseek_v3 has both 'mla' and 'moe' set, the other families neither")
+            raise ConfigError(
+                f"{source}: architecture deepseek_v3 has both 'mla' and 'moe' set, the other families neither"
+            )
         if self.hidden_act not in HIDDEN_ACTS:
-            raise ConfigError(f"{source}: unsupported hidden activation '{self.hidden_act}' (supported: {', '.join(HIDDEN_ACTS)})")
+            raise ConfigError(
+                f"{source}: unsupported hidden activation '{self.hidden_act}' (supported: {', '.join(HIDDEN_ACTS)})"
+            )
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             bad = sorted(set(self.layer_types) - {SLIDING_LAYER, FULL_LAYER})
@@ -469,7 +488,9 @@ class TargetConfig:
         """The Gemma3TextConfig fields (v4 dialect: the sliding layers' rope as ``rope_local_base_freq``)."""
         local = self.local_rope or self.rope
         if local.type != "default":
-            raise ConfigError(f"gemma3 target config: a '{local.type}' rope on the sliding layers has no transformers-4 field")
+            raise ConfigError(
+                f"gemma3 target config: a '{local.type}' rope on the sliding layers has no transformers-4 field"
+            )
         return {
             "model_type": "gemma3_text",
             "hidden_activation": self.hidden_act,

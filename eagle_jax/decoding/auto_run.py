@@ -24,7 +24,9 @@ CHOOSE_EVERY = 8  # rounds between two choices (each a host round trip)
 PROFILE_ROUNDS = 4  # rounds of a warm-up profile's depth
 PLAIN_LOOKS = 2  # chunks without drafts in a row after which the call drops the drafter (plain decoding proper)
 
-_RAN: set[int] = set()  # compiled programs that have run once (a first run pays one-time costs, counted as compile time)
+_RAN: set[int] = (
+    set()
+)  # compiled programs that have run once (a first run pays one-time costs, counted as compile time)
 
 
 class AutoRun:
@@ -33,13 +35,27 @@ class AutoRun:
     first call, so a later call at the same batch size and prompt bucket compiles nothing. Iterating yields the
     state after the prefill and after each chunk; ``most_rounds`` caps a chunk (a stream's reader waits for each)."""
 
-    def __init__(self, target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict, most_rounds: int | None = None):
+    def __init__(
+        self, target: Target, drafter: Drafter, prompts, max_new_tokens: int, kw: dict, most_rounds: int | None = None
+    ):
         top = SpecConfig(num_speculative_tokens=chooser.DEEPEST)
-        self.plan, prompt, lens, rs = calls.prepare(target, drafter, prompts, max_new_tokens, kw["sampling"], top, kw["eos_token_id"],
-                                                    kw["tokenizer"], kw["mesh"], kw["exact"])
+        self.plan, prompt, lens, rs = calls.prepare(
+            target,
+            drafter,
+            prompts,
+            max_new_tokens,
+            kw["sampling"],
+            top,
+            kw["eos_token_id"],
+            kw["tokenizer"],
+            kw["mesh"],
+            kw["exact"],
+        )
         self.t_graph, self.t_state, self.d_graph, self.d_state = calls.split_pair(target, drafter, kw["mesh"])
         self._pair = calls.PROGRAMS.pair(self.t_graph, self.d_graph)
-        self.chooser = chooser.for_pair((id(self._pair), id(target), id(drafter), self.plan.exact, kw["mesh"], jax.default_backend()))
+        self.chooser = chooser.for_pair(
+            (id(self._pair), id(target), id(drafter), self.plan.exact, kw["mesh"], jax.default_backend())
+        )
         self._args = (prompt, lens, rs, jax.random.key(kw["seed"]))
         self.most_rounds = most_rounds
         self.compile_s = 0.0
@@ -55,7 +71,9 @@ class AutoRun:
         plan, t_graph, d_graph = self.plan, self.t_graph, self.d_graph
 
         def begin(t_state, d_state, prompt, lens, rs, key):
-            return start(*calls.merged(t_graph, t_state, d_graph, d_state), plan, prompt, lens, rs, key, plan.max_rounds)
+            return start(
+                *calls.merged(t_graph, t_state, d_graph, d_state), plan, prompt, lens, rs, key, plan.max_rounds
+            )
 
         args = (self.t_state, self.d_state, *self._args)
         program = self._compiled("auto_start", plan, args, begin)
@@ -114,9 +132,15 @@ class AutoRun:
         done, n_out = jax.device_get((st.done, st.n_out))
         while not done.all() and rounds < plan.max_rounds:
             active = np.flatnonzero(~done)
-            depth = self.chooser.choose(batch, greedy, [rows[b] for b in active], lambda d: plan.cache_len) if fed else chooser.PLAIN
+            depth = (
+                self.chooser.choose(batch, greedy, [rows[b] for b in active], lambda d: plan.cache_len)
+                if fed
+                else chooser.PLAIN
+            )
             looks = looks + 1 if depth == chooser.PLAIN else 0
-            if fed and looks > PLAIN_LOOKS:  # speculation has not paid for a while: the rest of the call decodes plainly
+            if (
+                fed and looks > PLAIN_LOOKS
+            ):  # speculation has not paid for a while: the rest of the call decodes plainly
                 fed, st = False, dataclasses.replace(st, d_cache=None, d_logits=None, d_feat=None, probe=None)
             measured = self.chooser.costs[greedy].measured(batch, depth, plan.cache_len) is not None
             n = plan.max_rounds if not fed else (CHOOSE_EVERY if measured else PROFILE_ROUNDS)
@@ -129,9 +153,13 @@ class AutoRun:
             if fed:
                 acc = [accepted[b, rounds:now].tolist() for b in active]
                 hits = None if probe is None else [(float(probe[b, 0]), float(probe[b, 1])) for b in active]
-                self.chooser.observe(depth, batch, plan.cache_len, greedy, seconds, ran, [rows[b] for b in active], acc, hits)
+                self.chooser.observe(
+                    depth, batch, plan.cache_len, greedy, seconds, ran, [rows[b] for b in active], acc, hits
+                )
                 if probe is not None and depth == chooser.PLAIN:  # zeros from the host: an eager op would compile
-                    st = dataclasses.replace(st, probe=jax.device_put(np.zeros(st.probe.shape, st.probe.dtype), st.probe.sharding))
+                    st = dataclasses.replace(
+                        st, probe=jax.device_put(np.zeros(st.probe.shape, st.probe.dtype), st.probe.sharding)
+                    )
             self.chunks.append((depth, ran))
             rounds = int(now)
             yield st

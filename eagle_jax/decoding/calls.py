@@ -22,7 +22,30 @@ from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.target import Target
 
 # Powers of two and the midpoints between them: at most 1/3 of a prefill is padding.
-PROMPT_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
+PROMPT_BUCKETS = (
+    16,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
+    12288,
+    16384,
+    24576,
+    32768,
+)
 
 
 @dataclass
@@ -73,8 +96,18 @@ class Programs:
     def pair(self, t_graph, d_graph) -> dict[Any, Any]:
         return self._by_pair.setdefault((t_graph, d_graph), {})
 
-    def get(self, kind: str, t_graph, d_graph, plan: Plan, args: tuple, build, programs: dict | None = None,
-            donate_argnums: tuple[int, ...] = (), states: tuple | None = None) -> tuple[Any, float]:
+    def get(
+        self,
+        kind: str,
+        t_graph,
+        d_graph,
+        plan: Plan,
+        args: tuple,
+        build,
+        programs: dict | None = None,
+        donate_argnums: tuple[int, ...] = (),
+        states: tuple | None = None,
+    ) -> tuple[Any, float]:
         """(the compiled program, seconds spent compiling it now); ``programs``: ``pair(t_graph, d_graph)``;
         ``donate_argnums``: arguments the program consumes (each ``kind`` always donates the same);
         ``states``: ``signature(args[:2])`` (the models' states), when the caller keeps it across lookups."""
@@ -95,7 +128,9 @@ def signature(args: Any) -> tuple:
     """What a compiled program's key needs of its arguments: their tree and each leaf's shape, dtype and
     placement (~0.4 ms for a model's state: a ``spec="auto"`` call computes its models' once)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((getattr(a, "shape", None), getattr(a, "dtype", None), getattr(a, "sharding", None)) for a in leaves)
+    return tree, tuple(
+        (getattr(a, "shape", None), getattr(a, "dtype", None), getattr(a, "sharding", None)) for a in leaves
+    )
 
 
 def _ids(value) -> set[int]:
@@ -117,7 +152,18 @@ def eos_ids(target: Target, tokenizer=None, eos_token_id: int | Sequence[int] | 
     return tuple(sorted(ids))
 
 
-def prepare(target, drafter, prompts, max_new_tokens, sampling: SamplingParams, spec, eos_token_id, tokenizer, mesh=None, exact=False):
+def prepare(
+    target,
+    drafter,
+    prompts,
+    max_new_tokens,
+    sampling: SamplingParams,
+    spec,
+    eos_token_id,
+    tokenizer,
+    mesh=None,
+    exact=False,
+):
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if drafter is not None:
@@ -137,7 +183,9 @@ def prepare(target, drafter, prompts, max_new_tokens, sampling: SamplingParams, 
             raise ConfigError(f"prompt {i} is empty")
         bad = [t for t in p if not 0 <= t < target.config.vocab_size]
         if bad:
-            raise ConfigError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {target.config.vocab_size})")
+            raise ConfigError(
+                f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {target.config.vocab_size})"
+            )
         ids.append(p)
     longest = max(len(p) for p in ids)
     limit = target.config.max_position_embeddings
@@ -165,7 +213,9 @@ def prepare(target, drafter, prompts, max_new_tokens, sampling: SamplingParams, 
     lens = np.array([len(p) for p in ids], np.int32)
     rows = None
     if sampling.penalties.active:  # min_tokens holds back the call's stop tokens
-        rows = RowPenalties.build([dataclasses.replace(sampling, stop_ids=plan.eos_ids).penalties] * plan.batch, ids, target.config.vocab_size)
+        rows = RowPenalties.build(
+            [dataclasses.replace(sampling, stop_ids=plan.eos_ids).penalties] * plan.batch, ids, target.config.vocab_size
+        )
     return plan, jnp.asarray(prompt), jnp.asarray(lens), RowSampling.fill(sampling, plan.batch, rows)
 
 

@@ -105,7 +105,9 @@ class CostTable:
         per_round = seconds / rounds
         seen = self.rounds.get(key, 0.0)
         weight = rounds / min(seen + rounds, COST_ROUNDS)  # the mean of the first rounds, then a running one
-        self.seconds[key] = per_round if not seen else self.seconds[key] + min(weight, 1.0) * (per_round - self.seconds[key])
+        self.seconds[key] = (
+            per_round if not seen else self.seconds[key] + min(weight, 1.0) * (per_round - self.seconds[key])
+        )
         self.rounds[key] = seen + rounds
 
     def measured(self, rows: int, depth: int, span: int) -> float | None:
@@ -148,14 +150,17 @@ class Chooser:
         return (None, *(spec_of(d) for d in self.depths))
 
     def describe(self) -> str:
-        return f"auto (no drafts or a chain of {'/'.join(map(str, self.depths))}, from measured costs and live acceptance)"
+        return (
+            f"auto (no drafts or a chain of {'/'.join(map(str, self.depths))}, from measured costs and live acceptance)"
+        )
 
     def new_row(self, greedy: bool) -> Acceptance:
         """A new prompt's (request's) estimate: its own counts over the pooled estimate."""
         return Acceptance(prior=self.pooled[greedy])
 
-    def expected_rates(self, rows: int, greedy: bool, estimates: Sequence[Acceptance],
-                       span_of: Callable[[int], int]) -> dict[int, float]:
+    def expected_rates(
+        self, rows: int, greedy: bool, estimates: Sequence[Acceptance], span_of: Callable[[int], int]
+    ) -> dict[int, float]:
         """Expected tokens per second at each depth whose cost is known (``PLAIN`` always among them once profiled)."""
         table, rates = self.costs[greedy], {}
         for d in (PLAIN, *self.depths):
@@ -173,16 +178,27 @@ class Chooser:
         rates = self.expected_rates(rows, greedy, estimates, span_of)
         return max(rates, key=rates.get) if rates else PLAIN
 
-    def observe(self, depth: int, rows: int, span: int, greedy: bool, seconds: float | None, rounds: int,
-                estimates: Sequence[Acceptance], accepted: Sequence[Sequence[int]],
-                first_hits: Sequence[tuple[float, float]] | None = None) -> None:
+    def observe(
+        self,
+        depth: int,
+        rows: int,
+        span: int,
+        greedy: bool,
+        seconds: float | None,
+        rounds: int,
+        estimates: Sequence[Acceptance],
+        accepted: Sequence[Sequence[int]],
+        first_hits: Sequence[tuple[float, float]] | None = None,
+    ) -> None:
         """After ``rounds`` rounds at ``depth`` over ``rows`` rows: their time (None: not a cost to learn from, e.g.
         a program's first run), and per active row its estimate, drafts accepted per round and (for ``PLAIN``)
         (summed first-draft acceptance, rounds scored)."""
         if seconds is not None:
             self.costs[greedy].observe(rows, depth, span, seconds, rounds)
         pooled = self.pooled[greedy]
-        if depth == PLAIN:  # every round ages the evidence; those that scored the first draft (all, or a step's first) add to it
+        if (
+            depth == PLAIN
+        ):  # every round ages the evidence; those that scored the first draft (all, or a step's first) add to it
             for est, (hits, scored) in zip(estimates, first_hits or [(0.0, 0.0)] * len(estimates)):
                 est.age(rounds)
                 est.add_first(hits, scored)
@@ -199,9 +215,17 @@ class Chooser:
 
     def snapshot(self) -> dict:
         """What the chooser goes on, for reports: ms per round by mode and (rows, depth, span), pooled acceptance."""
-        return {"costs": {("greedy" if g else "sampling"): {f"{r}x{d}@{s}": round(1e3 * c, 3) for (r, d, s), c in sorted(t.seconds.items())}
-                          for g, t in self.costs.items()},
-                "acceptance": {("greedy" if g else "sampling"): [round(float(x), 3) for x in a.p()] for g, a in self.pooled.items()}}
+        return {
+            "costs": {
+                ("greedy" if g else "sampling"): {
+                    f"{r}x{d}@{s}": round(1e3 * c, 3) for (r, d, s), c in sorted(t.seconds.items())
+                }
+                for g, t in self.costs.items()
+            },
+            "acceptance": {
+                ("greedy" if g else "sampling"): [round(float(x), 3) for x in a.p()] for g, a in self.pooled.items()
+            },
+        }
 
 
 def spec_of(depth: int) -> SpecConfig | None:

@@ -19,7 +19,8 @@ from eagle_jax.config import SpecConfig, aux_layer_ids_for
 from eagle_jax.decoding import penalties
 from eagle_jax.decoding.sampling import RowSampling, accept_chain, draft_probs, sample, split_rows, target_probs
 from eagle_jax.decoding.state import LoopState, counted, emit
-from eagle_jax.decoding.tree import TreeShape, accept as accept_tree, grow, verify_mask
+from eagle_jax.decoding.tree import TreeShape, grow, verify_mask
+from eagle_jax.decoding.tree import accept as accept_tree
 from eagle_jax.modeling.drafter import Drafter
 from eagle_jax.modeling.layers import write_kv
 from eagle_jax.modeling.target import KVCache, Target, window_mask
@@ -66,8 +67,17 @@ class Plan:
     lazy_feed: bool = False
 
     @classmethod
-    def one_shot(cls, batch: int, prompt_len: int, max_new: int, spec: SpecConfig | None, greedy: bool,
-                 eos_ids: tuple[int, ...], mesh: Any = None, exact: bool = False) -> "Plan":
+    def one_shot(
+        cls,
+        batch: int,
+        prompt_len: int,
+        max_new: int,
+        spec: SpecConfig | None,
+        greedy: bool,
+        eos_ids: tuple[int, ...],
+        mesh: Any = None,
+        exact: bool = False,
+    ) -> "Plan":
         """The plan of ``generate``: prompts padded to ``prompt_len``, ``max_new`` tokens per row."""
         return cls(batch, one_shot_cache_len(prompt_len, max_new, spec), max_new, spec, greedy, eos_ids, mesh, exact)
 
@@ -150,8 +160,12 @@ def _draft_chain(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None
             break
         pos = (st.length + i)[:, None]
         normed, feat3, cache = drafter.layer(
-            feat[:, None], drafter.draft_to_target(d)[:, None], pos, causal_cache_mask(pos, plan.cache_len, None, ~st.done), cache,
-            st.length + i
+            feat[:, None],
+            drafter.draft_to_target(d)[:, None],
+            pos,
+            causal_cache_mask(pos, plan.cache_len, None, ~st.done),
+            cache,
+            st.length + i,
         )
         logits, feat = drafter.lm_head(normed[:, 0]), feat3[:, 0]
     draft_ids = jnp.stack(ids, axis=1) if ids else jnp.zeros((b, 0), jnp.int32)
@@ -162,8 +176,16 @@ def _draft_chain(drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None
     return drafter.draft_to_target(draft_ids), draft_ids, q, cache
 
 
-def extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array, n: Array, length: Array, cache,
-                   live: Array | None = None):
+def extend_drafter(
+    drafter: Drafter,
+    plan: Plan,
+    aux: Array,
+    next_tokens: Array,
+    n: Array,
+    length: Array,
+    cache,
+    live: Array | None = None,
+):
     """Feeds the accepted pairs (target feature, next token) at positions length.. into the drafter cache.
 
     Returns the drafter's logits and feature at the last accepted pair (index n).
@@ -171,7 +193,12 @@ def extend_drafter(drafter: Drafter, plan: Plan, aux: Array, next_tokens: Array,
     b, w = next_tokens.shape
     pos = length[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
     normed, feat, cache = drafter.layer(
-        drafter.fuse(aux.astype(drafter.dtype)), next_tokens, pos, causal_cache_mask(pos, plan.cache_len, None, live), cache, length
+        drafter.fuse(aux.astype(drafter.dtype)),
+        next_tokens,
+        pos,
+        causal_cache_mask(pos, plan.cache_len, None, live),
+        cache,
+        length,
     )
     normed_n = jnp.take_along_axis(normed, n[:, None, None], axis=1)[:, 0]
     return drafter.lm_head(normed_n), jnp.take_along_axis(feat, n[:, None, None], axis=1)[:, 0], cache
@@ -193,15 +220,22 @@ class RoundOut:
 def _round_plain(target: Target, plan: Plan, st: LoopState, keys: Array | None) -> RoundOut:
     pos = st.length[:, None]
     hidden, _, t_cache = target_forward(
-        target, None, plan, st.pending[:, None], pos, causal_cache_mask(pos, plan.cache_len, None, ~st.done), st.t_cache,
-        st.length
+        target,
+        None,
+        plan,
+        st.pending[:, None],
+        pos,
+        causal_cache_mask(pos, plan.cache_len, None, ~st.done),
+        st.t_cache,
+        st.length,
     )
     nxt = pick(target.logits(hidden[:, 0]), plan, st.sampling, keys)
     return RoundOut(t_cache, None, jnp.zeros_like(st.length), nxt[:, None])
 
 
-def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int,
-                 last: Array | None = None) -> RoundOut:
+def _round_chain(
+    target: Target, drafter: Drafter, plan: Plan, st: LoopState, keys: Array | None, k: int, last: Array | None = None
+) -> RoundOut:
     """K drafts verified in one target forward of K+1 positions; K = 0 runs one target step and keeps the
     drafter's cache and outputs current, and adds to ``st.probe`` (when the state has one) what its
     first draft would have scored (``probe_acceptance``). ``last``: the run's last round (``plan.lazy_feed``)."""
@@ -211,8 +245,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
     block = jnp.concatenate([st.pending[:, None], drafts], axis=1)
     pos = st.length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     hidden, aux, t_cache = target_forward(
-        target, drafter, plan, block, pos, causal_cache_mask(pos, plan.cache_len, None, ~st.done), st.t_cache,
-        st.length
+        target, drafter, plan, block, pos, causal_cache_mask(pos, plan.cache_len, None, ~st.done), st.t_cache, st.length
     )
     logits = processed(target.logits(hidden), st.sampling, block, penalties.chain_paths(k + 1))
     if plan.greedy:
@@ -230,6 +263,7 @@ def _round_chain(target: Target, drafter: Drafter, plan: Plan, st: LoopState, ke
         d_logits, d_feat, d_cache = extend_drafter(drafter, plan, aux, emitted, n, st.length, d_cache, ~st.done)
     probe = None
     if k == 0 and st.probe is not None:
+
         def observe(probe):
             hit = probe_acceptance(drafter, plan, st, logits[:, 0], bonus)
             return probe + jnp.where(~st.done[:, None], jnp.stack([hit, jnp.ones_like(hit)], axis=1), 0.0)
@@ -248,7 +282,9 @@ def _feed_lazily(drafter: Drafter, plan: Plan, st: LoopState, aux: Array, emitte
     cache = drafter.write_cache(g, emitted, pos, cache, st.length)
 
     def outputs(_):  # the pair just written attends over the cache it is in
-        normed, feat = drafter.read_cache(g, emitted, pos, causal_cache_mask(pos, plan.cache_len, None, ~st.done), cache)
+        normed, feat = drafter.read_cache(
+            g, emitted, pos, causal_cache_mask(pos, plan.cache_len, None, ~st.done), cache
+        )
         return drafter.lm_head(normed[:, 0]), feat[:, 0]
 
     d_logits, d_feat = jax.lax.cond(st.rounds == last, outputs, lambda _: (st.d_logits, st.d_feat), None)
@@ -261,7 +297,9 @@ def probe_acceptance(drafter: Drafter, plan: Plan, st: LoopState, target_logits:
     acceptance probability of chain speculative sampling). What ``spec="auto"`` learns acceptance from
     while it decodes without drafts."""
     if plan.greedy:
-        return (drafter.draft_to_target(jnp.argmax(st.d_logits, axis=-1).astype(jnp.int32)) == emitted).astype(jnp.float32)
+        return (drafter.draft_to_target(jnp.argmax(st.d_logits, axis=-1).astype(jnp.int32)) == emitted).astype(
+            jnp.float32
+        )
     q = draft_probs(st.d_logits, st.sampling)
     p = target_probs(target_logits, st.sampling)
     t2d_index = drafter.draft_to_target(jnp.arange(drafter.config.draft_vocab_size))
@@ -295,13 +333,19 @@ def _round_tree(target: Target, drafter: Drafter, plan: Plan, st: LoopState, key
     t_cache = _gather_path(t_cache, path, st.length)
     path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)
     w = shape.depth + 1
-    emitted = jnp.where(jnp.arange(w)[None, :] == n[:, None], bonus[:, None], jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1))
+    emitted = jnp.where(
+        jnp.arange(w)[None, :] == n[:, None],
+        bonus[:, None],
+        jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1),
+    )
     path_aux = jnp.take_along_axis(aux, path[:, :, None], axis=1)
     d_logits, d_feat, d_cache = extend_drafter(drafter, plan, path_aux, emitted, n, st.length, d_cache, ~st.done)
     return RoundOut(t_cache, d_cache, n, emitted, d_logits, d_feat)
 
 
-def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, last: Array | None = None) -> LoopState:
+def one_round(
+    target: Target, drafter: Drafter | None, plan: Plan, st: LoopState, last: Array | None = None
+) -> LoopState:
     """draft -> verify -> accept -> cache update for every row; finished rows keep their state. ``last``:
     the index of the run's last round (default ``plan.max_rounds`` - 1), where lazily fed rounds compute
     the drafter's outputs."""
@@ -313,7 +357,9 @@ def one_round(target: Target, drafter: Drafter | None, plan: Plan, st: LoopState
     if drafter is None:
         r = _round_plain(target, plan, st, k_round)
     elif plan.spec is None:
-        r = _round_chain(target, drafter, plan, st, k_round, 0, jnp.int32(plan.max_rounds - 1) if last is None else last)
+        r = _round_chain(
+            target, drafter, plan, st, k_round, 0, jnp.int32(plan.max_rounds - 1) if last is None else last
+        )
     elif plan.spec.method == "chain":
         r = _round_chain(target, drafter, plan, st, k_round, plan.spec.num_speculative_tokens)
     else:

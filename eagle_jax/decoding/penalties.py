@@ -56,11 +56,19 @@ class Penalties:
         if bad:
             raise ConfigError(f"logit_bias values must be in [-100, 100], got {bad[:3]}")
         if len(self.stop_ids) > MAX_STOP_IDS and self.min_tokens:
-            raise ConfigError(f"min_tokens holds back at most {MAX_STOP_IDS} stop tokens (EOS and stop_token_ids), got {len(self.stop_ids)}")
+            raise ConfigError(
+                f"min_tokens holds back at most {MAX_STOP_IDS} stop tokens (EOS and stop_token_ids), got {len(self.stop_ids)}"
+            )
 
     @property
     def active(self) -> bool:
-        return (self.presence, self.frequency, self.repetition, self.logit_bias, self.min_tokens) != (0.0, 0.0, 1.0, (), 0)
+        return (self.presence, self.frequency, self.repetition, self.logit_bias, self.min_tokens) != (
+            0.0,
+            0.0,
+            1.0,
+            (),
+            0,
+        )
 
     def check_vocab(self, vocab: int) -> None:
         bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab]
@@ -99,8 +107,17 @@ class RowPenalties:
             seen[i, np.asarray(prompt, np.int64)] = True
         # Host arrays: a program's arguments, moved with its call (eager jnp ops here cost ~2 ms a prefill chunk).
         col = lambda name, dtype: np.asarray([getattr(p, name) for p in penalties], dtype)  # noqa: E731
-        return cls(col("presence", np.float32), col("frequency", np.float32), col("repetition", np.float32), bias_ids,
-                   bias, col("min_tokens", np.int32), stop_ids, np.zeros((b, vocab), np.int32), seen)
+        return cls(
+            col("presence", np.float32),
+            col("frequency", np.float32),
+            col("repetition", np.float32),
+            bias_ids,
+            bias,
+            col("min_tokens", np.int32),
+            stop_ids,
+            np.zeros((b, vocab), np.int32),
+            seen,
+        )
 
     def count(self, tokens: Array, n: Array) -> "RowPenalties":
         """Adds each row's first ``n`` of ``tokens`` [B, W] (what it emitted) to its counts."""
@@ -130,20 +147,31 @@ def apply(logits: Array, pen: RowPenalties, block: Array | None = None, paths: A
         extra = jnp.zeros((b, p), jnp.int32)
         if block is not None:
             on_path = jnp.broadcast_to(paths, (b, p, p)).astype(jnp.float32)
-            counts = counts + jnp.einsum("bij,bjv->biv", on_path, jax.nn.one_hot(block, v, dtype=jnp.float32)).astype(jnp.int32)
+            counts = counts + jnp.einsum("bij,bjv->biv", on_path, jax.nn.one_hot(block, v, dtype=jnp.float32)).astype(
+                jnp.int32
+            )
             extra = jnp.sum(on_path, axis=-1).astype(jnp.int32)
         generated = jnp.sum(pen.counts, axis=-1)[:, None] + extra  # [B, P] tokens out before each position's
         stops = pen.stop_ids
         is_stop = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], jnp.where(stops >= 0, stops, 0)].max(stops >= 0)
         x = jnp.where(is_stop[:, None, :] & (generated < pen.min_tokens[:, None])[:, :, None], -jnp.inf, x)
-        bias = jnp.zeros((b, v), jnp.float32).at[jnp.arange(b)[:, None], jnp.where(pen.bias_ids >= 0, pen.bias_ids, 0)].add(
-            jnp.where(pen.bias_ids >= 0, pen.bias, 0.0))
+        bias = (
+            jnp.zeros((b, v), jnp.float32)
+            .at[jnp.arange(b)[:, None], jnp.where(pen.bias_ids >= 0, pen.bias_ids, 0)]
+            .add(jnp.where(pen.bias_ids >= 0, pen.bias, 0.0))
+        )
         x = x + bias[:, None, :]
         r = pen.repetition[:, None, None]
         x = jnp.where(pen.prompt[:, None, :] | (counts > 0), jnp.where(x > 0, x / r, x * r), x)
         return x - pen.frequency[:, None, None] * counts - pen.presence[:, None, None] * (counts > 0)
 
-    active = (pen.presence != 0) | (pen.frequency != 0) | (pen.repetition != 1) | (pen.min_tokens > 0) | jnp.any(pen.bias_ids >= 0, axis=1)
+    active = (
+        (pen.presence != 0)
+        | (pen.frequency != 0)
+        | (pen.repetition != 1)
+        | (pen.min_tokens > 0)
+        | jnp.any(pen.bias_ids >= 0, axis=1)
+    )
     # Rows without processors (and programs whose rows have none) skip the work: a runtime branch.
     x = jax.lax.cond(jnp.any(active), process, lambda x: x.astype(jnp.float32), x)
     return x[:, 0] if flat else x

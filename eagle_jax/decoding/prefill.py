@@ -37,7 +37,9 @@ class Prefilled:
     d_feat: Array | None
 
 
-def _drafter_prompt(drafter: Drafter, aux: Array, nxt: Array, positions: Array, cache, write_index: Array, at: Array, mask_at: Array):
+def _drafter_prompt(
+    drafter: Drafter, aux: Array, nxt: Array, positions: Array, cache, write_index: Array, at: Array, mask_at: Array
+):
     """The drafter over a block of prompt pairs (aux states [B, T, A] of position t, token t+1 ``nxt``
     [B, T]): every pair's keys and values written into ``cache`` from slot ``write_index`` [B]; the
     layer's outputs only at block indices ``at`` [B, M], attending over the cache under ``mask_at``
@@ -53,7 +55,9 @@ def _drafter_prompt(drafter: Drafter, aux: Array, nxt: Array, positions: Array, 
     return drafter.lm_head(normed), feat, cache
 
 
-def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, keys: Array) -> Prefilled:
+def prefill(
+    target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, keys: Array
+) -> Prefilled:
     """Runs the padded prompts [B, P] through the target (capturing aux states) and the drafter, into
     fresh caches of ``plan.cache_len`` slots; picks each row's first token with its key."""
     b, p = prompt.shape
@@ -72,13 +76,29 @@ def prefill(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, 
     # Pair (feature of position t, token t+1): the prompt shifted left, the first generated token last.
     nxt = jnp.concatenate([prompt[:, 1:], zero[:, None]], axis=1)
     nxt = jnp.where(jnp.arange(p)[None, :] == last[:, None], first[:, None], nxt)
-    d_logits, d_feat, d_cache = _drafter_prompt(drafter, aux, nxt, positions, placed(plan, drafter.init_cache(b, s)), zero, last[:, None],
-                                                causal_cache_mask(last[:, None], s, None))
+    d_logits, d_feat, d_cache = _drafter_prompt(
+        drafter,
+        aux,
+        nxt,
+        positions,
+        placed(plan, drafter.init_cache(b, s)),
+        zero,
+        last[:, None],
+        causal_cache_mask(last[:, None], s, None),
+    )
     return Prefilled(t_cache, d_cache, first, d_logits[:, 0], d_feat[:, 0])
 
 
-def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, lens: Array, rs: RowSampling, key: Array,
-          max_new: int) -> LoopState:
+def start(
+    target: Target,
+    drafter: Drafter | None,
+    plan: Plan,
+    prompt: Array,
+    lens: Array,
+    rs: RowSampling,
+    key: Array,
+    max_new: int,
+) -> LoopState:
     """Prefill, then the loop state of ``generate``: the first token emitted, ``max_new`` tokens per row."""
     b = prompt.shape[0]
     keys = jax.random.split(key, b)  # one stream per row: a row's draws do not depend on the others
@@ -107,8 +127,18 @@ def start(target: Target, drafter: Drafter | None, plan: Plan, prompt: Array, le
     return state
 
 
-def prefill_chunk(target: Target, drafter: Drafter | None, plan: Plan, ids: Array, start: Array, plen: Array,
-                  t_cache: KVCache, d_cache, rs: RowSampling, keys: Array) -> Prefilled:
+def prefill_chunk(
+    target: Target,
+    drafter: Drafter | None,
+    plan: Plan,
+    ids: Array,
+    start: Array,
+    plen: Array,
+    t_cache: KVCache,
+    d_cache,
+    rs: RowSampling,
+    keys: Array,
+) -> Prefilled:
     """One chunk of a prompt after the ``start`` [B] positions the caches already hold: target positions
     ``start..start+C-1`` of ``ids`` [B, C+1] (the prompt's tokens from ``start``, padded; the last column
     only feeds the drafter its next token), attending over the cache's leading ``plan.cache_len`` slots.
@@ -130,6 +160,14 @@ def prefill_chunk(target: Target, drafter: Drafter | None, plan: Plan, ids: Arra
         return Prefilled(t_cache, None, first, None, None)
     ends = (jnp.arange(c)[None, :] == at[:, None]) & (start + c >= plen)[:, None]  # the prompt's last position is here
     nxt = jnp.where(ends, first[:, None], ids[:, 1:])
-    d_logits, d_feat, d_cache = _drafter_prompt(drafter, aux, nxt, pos, d_cache, start, at[:, None],
-                                                causal_cache_mask((start + at)[:, None], plan.cache_len, None))
+    d_logits, d_feat, d_cache = _drafter_prompt(
+        drafter,
+        aux,
+        nxt,
+        pos,
+        d_cache,
+        start,
+        at[:, None],
+        causal_cache_mask((start + at)[:, None], plan.cache_len, None),
+    )
     return Prefilled(t_cache, d_cache, first, d_logits[:, 0], d_feat[:, 0])

@@ -1,4 +1,4 @@
-"""Token selection and the lossless acceptance rules of speculative sampling (SPEC 6).
+"""Token selection and the lossless acceptance rules of speculative sampling.
 
 All functions are batched over a leading row axis and traceable under jit; sampling parameters and
 random keys are per row (``RowSampling``, key arrays [B]), so requests with different settings share
@@ -55,8 +55,14 @@ class SamplingParams:
     @property
     def penalties(self) -> Penalties:
         """The logits processors (``decoding/penalties.py``)."""
-        return Penalties(float(self.presence_penalty), float(self.frequency_penalty), float(self.repetition_penalty), self.logit_bias,
-                         int(self.min_tokens), tuple(self.stop_ids))
+        return Penalties(
+            float(self.presence_penalty),
+            float(self.frequency_penalty),
+            float(self.repetition_penalty),
+            self.logit_bias,
+            int(self.min_tokens),
+            tuple(self.stop_ids),
+        )
 
     @property
     def greedy(self) -> bool:
@@ -145,7 +151,9 @@ def split_rows(keys: Array, n: int) -> Array:
 
 def sample(keys: Array, probs: Array) -> Array:
     """One categorical sample per row of probs [B, ..., V] with the row's key (zero-probability entries never drawn)."""
-    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(jnp.maximum(p, 0.0)), axis=-1))(keys, probs).astype(jnp.int32)
+    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(jnp.maximum(p, 0.0)), axis=-1))(keys, probs).astype(
+        jnp.int32
+    )
 
 
 def uniform(keys: Array, shape: tuple[int, ...] = ()) -> Array:
@@ -156,7 +164,7 @@ def uniform(keys: Array, shape: tuple[int, ...] = ()) -> Array:
 def accept_chain(
     keys: Array, p: Array, q: Array, draft_tokens: Array, draft_ids: Array, t2d_index: Array
 ) -> tuple[Array, Array]:
-    """Chain speculative sampling with draft distributions q (min(1, p/q) + residual, SPEC 6).
+    """Chain speculative sampling with draft distributions q (min(1, p/q) + residual).
 
     p: [B, K+1, V] target probs at the K+1 verified positions; q: [B, K, Vd] the drafter's distributions
     the drafts were sampled from; draft_tokens: [B, K] target ids; draft_ids: [B, K] draft-vocab ids;
@@ -183,7 +191,7 @@ def accept_chain(
 
 
 def accept_siblings(keys: Array, p: Array, candidates: Array, valid: Array) -> tuple[Array, Array]:
-    """Multi-draft rule for one tree node with deterministic (one-hot) drafts (SPEC 6).
+    """Multi-draft rule for one tree node with deterministic (one-hot) drafts.
 
     p: [B, V] target probs at the node; candidates: [B, C] child tokens in order; valid: [B, C].
     Tries children in order: accept child c with prob p(x_c) / (remaining mass); on rejection zero

@@ -83,8 +83,9 @@ def counted(rs: RowSampling, tokens: Array, n: Array) -> RowSampling:
     return rs if rs.penalties is None else dataclasses.replace(rs, penalties=rs.penalties.count(tokens, n))
 
 
-def start_row(st: LoopState, slot, plen, first, done, max_tokens, stop_at_eos, rs: RowSampling, key, drafted,
-               when, held) -> LoopState:
+def start_row(
+    st: LoopState, slot, plen, first, done, max_tokens, stop_at_eos, rs: RowSampling, key, drafted, when, held
+) -> LoopState:
     """``st`` with row ``slot`` starting a request whose prompt (``plen`` tokens) is in the caches:
     ``first`` is its first token (already out: it counts for the penalties and comes off ``max_tokens``),
     ``drafted`` the drafter's outputs after the prompt (anything with ``d_logits`` and ``d_feat`` [1, ...];
@@ -95,7 +96,9 @@ def start_row(st: LoopState, slot, plen, first, done, max_tokens, stop_at_eos, r
 
     def set_row(arr, value):
         if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):  # keys: chosen between as their data
-            return arr.at[slot].set(jax.random.wrap_key_data(jnp.where(when, jax.random.key_data(value), jax.random.key_data(arr[slot]))))
+            return arr.at[slot].set(
+                jax.random.wrap_key_data(jnp.where(when, jax.random.key_data(value), jax.random.key_data(arr[slot])))
+            )
         return arr.at[slot].set(jnp.where(when, jnp.asarray(value).astype(arr.dtype), arr[slot]))
 
     rs = counted(rs, first[None, None], jnp.ones((1,), jnp.int32))

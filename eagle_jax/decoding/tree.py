@@ -41,8 +41,16 @@ class Tree:
     ancestors: Array  # [B, N, N] node i sees node j (ancestor or itself)
 
 
-def grow(drafter, shape: TreeShape, d_logits: Array, d_feat: Array, d_cache, length: Array, cache_len: int,
-         live: Array | None = None):
+def grow(
+    drafter,
+    shape: TreeShape,
+    d_logits: Array,
+    d_feat: Array,
+    d_cache,
+    length: Array,
+    cache_len: int,
+    live: Array | None = None,
+):
     """Drafts a tree from the root's drafter outputs (EAGLE-2): frontier expansion by cumulative log-prob.
 
     Returns (Tree, drafter cache). Expansion e runs the k frontier nodes at position length + e; they are
@@ -57,7 +65,12 @@ def grow(drafter, shape: TreeShape, d_logits: Array, d_feat: Array, d_cache, len
 
     logp = jax.nn.log_softmax(d_logits.astype(jnp.float32), axis=-1)
     score, ids = jax.lax.top_k(logp, k)  # [B, k]
-    cand_score, cand_tok, cand_parent, cand_depth = [score], [ids], [jnp.full((b, k), -1)], [jnp.ones((b, k), jnp.int32)]
+    cand_score, cand_tok, cand_parent, cand_depth = (
+        [score],
+        [ids],
+        [jnp.full((b, k), -1)],
+        [jnp.ones((b, k), jnp.int32)],
+    )
     front_tok, front_score = ids, score
     front_feat = jnp.broadcast_to(d_feat[:, None, :], (b, k, d_feat.shape[-1]))
     front_cand = jnp.broadcast_to(jnp.arange(k), (b, k))
@@ -70,7 +83,9 @@ def grow(drafter, shape: TreeShape, d_logits: Array, d_feat: Array, d_cache, len
         if live is not None:
             mask &= live[:, None, None]
         positions = jnp.broadcast_to((length + e)[:, None], (b, k))
-        normed, feat, d_cache = drafter.layer(front_feat, to_target(front_tok), positions, mask, d_cache, length + e * k)
+        normed, feat, d_cache = drafter.layer(
+            front_feat, to_target(front_tok), positions, mask, d_cache, length + e * k
+        )
         child_logp = jax.nn.log_softmax(drafter.lm_head(normed).astype(jnp.float32), axis=-1)
         c_lp, c_ids = jax.lax.top_k(child_logp, k)  # [B, k, k]
         c_score = front_score[:, :, None] + c_lp
@@ -95,7 +110,9 @@ def grow(drafter, shape: TreeShape, d_logits: Array, d_feat: Array, d_cache, len
     ranked = scores - 1e-6 * depths.astype(jnp.float32)
     _, sel = jax.lax.top_k(ranked, n_nodes - 1)
     sel = jnp.sort(sel, axis=1)  # candidate order: parents precede children
-    node_of_cand = jnp.zeros((b, scores.shape[1]), jnp.int32).at[jnp.arange(b)[:, None], sel].set(jnp.arange(1, n_nodes))
+    node_of_cand = (
+        jnp.zeros((b, scores.shape[1]), jnp.int32).at[jnp.arange(b)[:, None], sel].set(jnp.arange(1, n_nodes))
+    )
     sel_parent = jnp.take_along_axis(parents, sel, axis=1)
     parent = jnp.where(sel_parent < 0, 0, jnp.take_along_axis(node_of_cand, jnp.maximum(sel_parent, 0), axis=1))
     parent = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent], axis=1)

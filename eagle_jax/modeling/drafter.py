@@ -1,4 +1,4 @@
-"""EAGLE-3 / EAGLE-3.1 drafter (SPEC 3-5): one decoder layer over fused target hidden states.
+"""EAGLE-3 / EAGLE-3.1 drafter: one decoder layer over fused target hidden states.
 
 The layer's attention is GQA (the Llama layout of the EAGLE authors) or, with ``config.mla``, DeepSeek
 multi-head latent attention (the Kimi-K2 / DeepSeek-V3 drafters of vLLM's and SGLang's deepseek_eagle3):
@@ -13,7 +13,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import DrafterConfig
-from eagle_jax.modeling.layers import MLP, Attention, Frozen, InitKeys, Linear, RMSNorm, causal_mask, rope_cos_sin, weight_matrix
+from eagle_jax.modeling.layers import (
+    MLP,
+    Attention,
+    Frozen,
+    InitKeys,
+    Linear,
+    RMSNorm,
+    causal_mask,
+    rope_cos_sin,
+    weight_matrix,
+)
 from eagle_jax.modeling.mla import MLAttention
 
 Array = jax.Array
@@ -27,7 +37,9 @@ class Drafter(nnx.Module):
     output from the previous step) are used as they are.
     """
 
-    def __init__(self, config: DrafterConfig, embed: Array | None = None, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(
+        self, config: DrafterConfig, embed: Array | None = None, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None
+    ):
         keys = InitKeys(rngs or nnx.Rngs(0))
         c = config
         self.config = config
@@ -39,7 +51,9 @@ class Drafter(nnx.Module):
         self.embed_tokens = weight_matrix(embed, dtype, Frozen)  # float32-stored on CPU for bf16, as the target's
         self.fc = Linear(c.fc_in_features, h, dtype=dtype, rngs=keys)
         if c.fc_norm:
-            self.fc_norm = nnx.List([RMSNorm(c.target_hidden_size, c.rms_norm_eps, dtype=dtype) for _ in range(c.num_aux_hidden_states)])
+            self.fc_norm = nnx.List(
+                [RMSNorm(c.target_hidden_size, c.rms_norm_eps, dtype=dtype) for _ in range(c.num_aux_hidden_states)]
+            )
         else:
             self.fc_norm = None
         self.input_norm = RMSNorm(c.fc_in_features, c.rms_norm_eps, dtype=dtype) if c.norm_before_fc else None
@@ -47,7 +61,9 @@ class Drafter(nnx.Module):
         self.input_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
         if c.mla is not None:
             # Latent norms with the drafter's rms_norm_eps, as the engines and trainers of MLA drafters build them.
-            self.self_attn = MLAttention(2 * h, h, c.num_heads, c.mla, c.rope, latent_eps=c.rms_norm_eps, dtype=dtype, rngs=keys)
+            self.self_attn = MLAttention(
+                2 * h, h, c.num_heads, c.mla, c.rope, latent_eps=c.rms_norm_eps, dtype=dtype, rngs=keys
+            )
         else:
             self.self_attn = Attention(2 * h, h, c.num_heads, c.num_kv_heads, c.head_dim, dtype=dtype, rngs=keys)
         self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
@@ -57,7 +73,9 @@ class Drafter(nnx.Module):
         keys.commit()
         # d2t holds offsets: target_id = draft_id + d2t[draft_id]. Identity when Vd == V.
         self.d2t = Frozen(jnp.zeros((c.draft_vocab_size,), jnp.int32))
-        self.t2d = Frozen(jnp.ones((c.vocab_size,), bool) if c.draft_vocab_size == c.vocab_size else jnp.zeros((c.vocab_size,), bool))
+        self.t2d = Frozen(
+            jnp.ones((c.vocab_size,), bool) if c.draft_vocab_size == c.vocab_size else jnp.zeros((c.vocab_size,), bool)
+        )
 
     # -- pieces used by the decoding loop and by training
 
@@ -102,13 +120,17 @@ class Drafter(nnx.Module):
         attn, cache = self.self_attn(u, cos, sin, mask, cache, write_index)
         return self.finish(g, attn) + (cache,)
 
-    def write_cache(self, g: Array, input_ids: Array, positions: Array, cache: tuple[Array, Array], write_index: Array) -> tuple[Array, Array]:
+    def write_cache(
+        self, g: Array, input_ids: Array, positions: Array, cache: tuple[Array, Array], write_index: Array
+    ) -> tuple[Array, Array]:
         """The cache after ``layer`` on this block, without the layer's outputs: a pair's keys and values
         need only its own embedding and feature, a small share of the layer's cost."""
         u, cos, sin = self.attention_input(g, input_ids, positions)
         return self.self_attn.write(u, cos, sin, cache, write_index)
 
-    def read_cache(self, g: Array, input_ids: Array, positions: Array, mask: Array, cache: tuple[Array, Array]) -> tuple[Array, Array]:
+    def read_cache(
+        self, g: Array, input_ids: Array, positions: Array, mask: Array, cache: tuple[Array, Array]
+    ) -> tuple[Array, Array]:
         """``layer``'s outputs (normed h2, next feature) for pairs whose keys and values ``cache`` already
         holds (``write_cache``), attending over its leading ``mask.shape[-1]`` slots; nothing written."""
         u, cos, sin = self.attention_input(g, input_ids, positions)
@@ -163,6 +185,8 @@ class Drafter(nnx.Module):
         c = self.config
         dtype = dtype or self.dtype
         if c.mla is not None:
-            return jnp.zeros((batch, 1, max_len, c.mla.kv_lora_rank), dtype), jnp.zeros((batch, 1, max_len, c.mla.qk_rope_head_dim), dtype)
+            return jnp.zeros((batch, 1, max_len, c.mla.kv_lora_rank), dtype), jnp.zeros(
+                (batch, 1, max_len, c.mla.qk_rope_head_dim), dtype
+            )
         shape = (batch, c.num_kv_heads, max_len, c.head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

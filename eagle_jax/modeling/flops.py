@@ -26,5 +26,9 @@ def matmul_params(module: nnx.Module) -> float:
 
 def attention_flops(config: TargetConfig | DrafterConfig, keys: float) -> float:
     """Score and value products of one query over ``keys`` keys: 2 x keys x heads x (qk + v head widths)."""
-    qk, v = (config.mla.qk_head_dim, config.mla.v_head_dim) if config.mla is not None else (config.head_dim, config.head_dim)
+    qk, v = (
+        (config.mla.qk_head_dim, config.mla.v_head_dim)
+        if config.mla is not None
+        else (config.head_dim, config.head_dim)
+    )
     return 2 * keys * config.num_heads * (qk + v)

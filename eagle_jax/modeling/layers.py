@@ -1,6 +1,6 @@
 """Building blocks shared by targets and drafters: RMSNorm, linear layers, RoPE variants, GQA attention, MLP.
 
-Numerics follow the PyTorch reference (SPEC 3) so that half-precision outputs match bit for bit where
+Numerics follow the PyTorch reference so that half-precision outputs match bit for bit where
 possible: RMSNorm in fp32, cast back, THEN times weight; softmax in fp32 then cast back; cos/sin
 built in fp32 and cast to the activation dtype; residual adds in the model dtype.
 """
@@ -322,8 +322,9 @@ def read_spans(slots: int) -> tuple[int, ...]:
     return (*out, slots)
 
 
-def softmax_over_blocks(scores_of: Callable[[Array, Array], Array], values_of: Callable[[Array, Array], Array],
-                        mask: Array, value_dim: int) -> Array:
+def softmax_over_blocks(
+    scores_of: Callable[[Array, Array], Array], values_of: Callable[[Array, Array], Array], mask: Array, value_dim: int
+) -> Array:
     """softmax(scores) @ values over the cache slots ``mask`` [B, T, S] lets some query reach, KV_BLOCK
     slots at a time, the softmax accumulated block by block (online, as flash attention does): a program
     costs what its rows use, not what its cache allocates, and on a CPU it runs ~2x faster than one
@@ -350,7 +351,11 @@ def softmax_over_blocks(scores_of: Callable[[Array, Array], Array], values_of: C
         scale, probs = jnp.exp(m - m_new), jnp.exp(scores - m_new[..., None])
         return m_new, total * scale + probs.sum(-1), acc * scale[..., None] + values_of(probs, start)
 
-    init = (jnp.full(lead, -1e30, jnp.float32), jnp.zeros(lead, jnp.float32), jnp.zeros((*lead, value_dim), jnp.float32))
+    init = (
+        jnp.full(lead, -1e30, jnp.float32),
+        jnp.zeros(lead, jnp.float32),
+        jnp.zeros((*lead, value_dim), jnp.float32),
+    )
     _, total, acc = jax.lax.fori_loop(first, jnp.where(jnp.any(live), last, first), step, init)
     return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
@@ -374,7 +379,12 @@ def attend_cache(q: Array, k: Array, v: Array, mask: Array, score_dim: float | N
 
     def values_of(probs, start):
         vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2).astype(q.dtype)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs.astype(q.dtype).reshape(b, hkv, g * t, block), vb, preferred_element_type=jnp.float32)
+        out = jnp.einsum(
+            "bkqs,bksd->bkqd",
+            probs.astype(q.dtype).reshape(b, hkv, g * t, block),
+            vb,
+            preferred_element_type=jnp.float32,
+        )
         return out.reshape(b, hkv, g, t, d)
 
     out = softmax_over_blocks(scores_of, values_of, mask, d)  # [b, hkv, g, t, d]
@@ -437,7 +447,12 @@ def write_kv(cache: Array, new: Array, start: Array) -> Array:
             return c.at[rows, jnp.arange(h)[None, :, None], cols].set(n)
         return jax.vmap(lambda c_, n_, s: jax.lax.dynamic_update_slice(c_, n_, (0, s, 0)))(c, n, start)
 
-    if scatter and cache.dtype.itemsize == 2 and jnp.issubdtype(cache.dtype, jnp.floating) and jax.default_backend() == "cpu":
+    if (
+        scatter
+        and cache.dtype.itemsize == 2
+        and jnp.issubdtype(cache.dtype, jnp.floating)
+        and jax.default_backend() == "cpu"
+    ):
         bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)  # noqa: E731
         return jax.lax.bitcast_convert_type(write(bits(cache), bits(new)), cache.dtype)
     return write(cache, new)
@@ -498,7 +513,9 @@ class Attention(nnx.Module):
         b, span = q.shape[0], mask.shape[-1]
         return self.o_proj(attend_cache(q, kv[0][:b, :, :span], kv[1][:b, :, :span], mask, self.score_dim))
 
-    def write(self, x: Array, cos: Array, sin: Array, kv: tuple[Array, Array], write_index: Array) -> tuple[Array, Array]:
+    def write(
+        self, x: Array, cos: Array, sin: Array, kv: tuple[Array, Array], write_index: Array
+    ) -> tuple[Array, Array]:
         """Writes the block's keys/values into ``kv`` at slots ``write_index`` [B] without attending
         (what ``__call__`` writes first)."""
         _, k, v = self.heads(x, cos, sin)

@@ -109,9 +109,13 @@ class MLAttention(nnx.Module):
             self.q_a_proj = Linear(d_in, mla.q_lora_rank, bias=bias, dtype=dtype, rngs=rngs)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, latent_eps, dtype=dtype)
             self.q_b_proj = Linear(mla.q_lora_rank, qk, dtype=dtype, rngs=rngs)
-        self.kv_a_proj_with_mqa = Linear(d_in, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(
+            d_in, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias, dtype=dtype, rngs=rngs
+        )
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, latent_eps, dtype=dtype)
-        self.kv_b_proj = Linear(mla.kv_lora_rank, num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), dtype=dtype, rngs=rngs)
+        self.kv_b_proj = Linear(
+            mla.kv_lora_rank, num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), dtype=dtype, rngs=rngs
+        )
         self.o_proj = Linear(num_heads * mla.v_head_dim, d_out, bias=bias, dtype=dtype, rngs=rngs)
 
     def _rope(self, x: Array, cos: Array, sin: Array) -> Array:
@@ -124,7 +128,11 @@ class MLAttention(nnx.Module):
     def _up_kernels(self, dtype) -> tuple[Array, Array]:
         """kv_b_proj split per head: W_UK [R, heads, nope], W_UV [R, heads, v]."""
         m = self.mla
-        w = self.kv_b_proj.kernel[...].astype(dtype).reshape(m.kv_lora_rank, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
+        w = (
+            self.kv_b_proj.kernel[...]
+            .astype(dtype)
+            .reshape(m.kv_lora_rank, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
+        )
         return w[..., : m.qk_nope_head_dim], w[..., m.qk_nope_head_dim :]
 
     def _expand(self, latent: Array, k_rot: Array) -> tuple[Array, Array]:
@@ -132,7 +140,9 @@ class MLAttention(nnx.Module):
         w_uk, w_uv = self._up_kernels(latent.dtype)
         k_nope = jnp.einsum("bsr,rhd->bshd", latent, w_uk)
         v = jnp.einsum("bsr,rhd->bshd", latent, w_uv)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:3], k_rot.shape[-1]))], axis=-1)
+        k = jnp.concatenate(
+            [k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:3], k_rot.shape[-1]))], axis=-1
+        )
         return k, v
 
     def _expanded(self, q_nope: Array, q_rot: Array, latent: Array, k_rot: Array, mask: Array) -> Array:
@@ -189,7 +199,9 @@ class MLAttention(nnx.Module):
 
         def values_of(probs, start):
             lat = jax.lax.dynamic_slice_in_dim(latent, start, block, axis=1).astype(dtype)
-            out = jnp.einsum("bqs,bsr->bqr", probs.astype(dtype).reshape(b, h * t, block), lat, preferred_element_type=jnp.float32)
+            out = jnp.einsum(
+                "bqs,bsr->bqr", probs.astype(dtype).reshape(b, h * t, block), lat, preferred_element_type=jnp.float32
+            )
             return out.reshape(b, h, t, -1)
 
         o_lat = softmax_over_blocks(scores_of, values_of, mask, latent.shape[-1]).astype(dtype)
@@ -201,7 +213,9 @@ class MLAttention(nnx.Module):
         q_nope, q_rot, _, _ = self._project(x, cos, sin)
         return self._over_cache(q_nope, q_rot, kv, mask)
 
-    def write(self, x: Array, cos: Array, sin: Array, kv: tuple[Array, Array], write_index: Array) -> tuple[Array, Array]:
+    def write(
+        self, x: Array, cos: Array, sin: Array, kv: tuple[Array, Array], write_index: Array
+    ) -> tuple[Array, Array]:
         """Writes the block's latents and rope keys into ``kv`` at slots ``write_index`` [B] without
         attending (what ``__call__`` writes first)."""
         _, _, latent, k_rot = self._project(x, cos, sin)

@@ -34,7 +34,9 @@ class Router(nnx.Module):
     def __init__(self, hidden: int, moe: MoEConfig, *, dtype, rngs: KeySource):
         self.moe = moe
         e = moe.n_routed_experts
-        self.weight = nnx.Param((jax.random.normal(rngs.params(), (e, hidden), jnp.float32) / math.sqrt(hidden)).astype(dtype))
+        self.weight = nnx.Param(
+            (jax.random.normal(rngs.params(), (e, hidden), jnp.float32) / math.sqrt(hidden)).astype(dtype)
+        )
         self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
 
     def __call__(self, x: Array) -> tuple[Array, Array]:
@@ -42,7 +44,12 @@ class Router(nnx.Module):
         m = self.moe
         n, e = x.shape[0], m.n_routed_experts
         # Full fp32 precision whatever the backend's default (TF32 on some GPUs): choices are discrete.
-        logits = jnp.einsum("nh,eh->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        logits = jnp.einsum(
+            "nh,eh->ne",
+            x.astype(jnp.float32),
+            self.weight[...].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
         scores = jax.nn.sigmoid(logits)
         choice = scores + self.e_score_correction_bias[...]  # the bias steers the choice, not the weights
         if m.topk_group < m.n_group:
@@ -63,7 +70,9 @@ class ExpertLinear(nnx.Module):
 
     def __init__(self, experts: int, d_in: int, d_out: int, *, dtype, rngs: KeySource):
         std = 1.0 / math.sqrt(d_in)
-        self.kernel = nnx.Param((jax.random.normal(rngs.params(), (experts, d_in, d_out), jnp.float32) * std).astype(dtype))
+        self.kernel = nnx.Param(
+            (jax.random.normal(rngs.params(), (experts, d_in, d_out), jnp.float32) * std).astype(dtype)
+        )
 
     def __call__(self, x: Array, group_sizes: Array) -> Array:
         """x [M, in], rows sorted by expert, ``group_sizes`` [E] rows per expert -> [M, out]."""

@@ -54,13 +54,18 @@ class KVCache:
     ) -> "KVCache":
         k_shape = (batch, kv_heads, length, head_dim)
         v_shape = (batch, kv_heads, length, head_dim if v_head_dim is None else v_head_dim)
-        return cls(tuple(jnp.zeros(k_shape, dtype) for _ in range(layers)), tuple(jnp.zeros(v_shape, dtype) for _ in range(layers)))
+        return cls(
+            tuple(jnp.zeros(k_shape, dtype) for _ in range(layers)),
+            tuple(jnp.zeros(v_shape, dtype) for _ in range(layers)),
+        )
 
     @classmethod
     def for_config(cls, c: TargetConfig, batch: int, length: int, dtype) -> "KVCache":
         """Zeroed caches of a target: keys and values per kv head, or for MLA the latent and the shared rope key."""
         if c.mla is not None:
-            return cls.zeros(c.num_layers, batch, length, 1, c.mla.kv_lora_rank, dtype, v_head_dim=c.mla.qk_rope_head_dim)
+            return cls.zeros(
+                c.num_layers, batch, length, 1, c.mla.kv_lora_rank, dtype, v_head_dim=c.mla.qk_rope_head_dim
+            )
         return cls.zeros(c.num_layers, batch, length, c.num_kv_heads, c.head_dim, dtype)
 
     @property
@@ -205,7 +210,9 @@ class Target(nnx.Module):
                 ropes[rope] = rope_cos_sin(rope, c.rope_dim, positions, h.dtype)
             if window not in masks:
                 if keys is None:
-                    keys = key_positions(positions, mask.shape[-1], None if cache is None else cache.max_len, write_index)
+                    keys = key_positions(
+                        positions, mask.shape[-1], None if cache is None else cache.max_len, write_index
+                    )
                 masks[window] = mask & window_mask(positions, keys, window)
             kv = None if cache is None else (cache.k[i], cache.v[i])
             h, kv = layer(h, *ropes[rope], masks[window], kv, write_index)

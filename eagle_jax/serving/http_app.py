@@ -13,15 +13,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi import Depends, FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from eagle_jax.config import ConfigError
+from eagle_jax.decoding.calls import acceptance_summary
 from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.decoding.scoring import TokenLogprobs
-from eagle_jax.decoding.calls import acceptance_summary
 from eagle_jax.serving import Handle, QueueFull, Request, Scheduler
 from eagle_jax.serving.logprobs import TokenNames, chat_logprobs, completion_logprobs
 from eagle_jax.serving.metrics import Metrics
@@ -66,22 +67,37 @@ def _parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
 
 
 def _sampling(body) -> SamplingParams:
-    return SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
-                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                          repetition_penalty=body.repetition_penalty, logit_bias=tuple(body.logit_bias.items()), min_tokens=body.min_tokens)
+    return SamplingParams(
+        temperature=body.temperature,
+        top_k=max(body.top_k, 0),
+        top_p=body.top_p,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=tuple(body.logit_bias.items()),
+        min_tokens=body.min_tokens,
+    )
 
 
 def _budget(service: Service, prompt: Sequence[int], max_tokens: int | None) -> int:
     """The tokens a request may generate (all the context leaves when max_tokens is not given)."""
     limit = service.max_len
     if len(prompt) >= limit:
-        raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is {limit} tokens", param="prompt", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {len(prompt)} tokens; this model's context is {limit} tokens",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         return limit - len(prompt)
     if len(prompt) + max_tokens > limit:
         raise APIError(
-            400, f"this model's context is {limit} tokens; the prompt has {len(prompt)} and max_tokens asks for {max_tokens} more",
-            param="max_tokens", code="context_length_exceeded",
+            400,
+            f"this model's context is {limit} tokens; the prompt has {len(prompt)} and max_tokens asks for {max_tokens} more",
+            param="max_tokens",
+            code="context_length_exceeded",
         )
     return max_tokens
 
@@ -89,7 +105,9 @@ def _budget(service: Service, prompt: Sequence[int], max_tokens: int | None) -> 
 class _Generation:
     """One prompt's path through the scheduler: submission, token events, text with stop strings and tokens."""
 
-    def __init__(self, service: Service, prompt: list[int], max_tokens: int, body, seed: int | None, group: int | None = None):
+    def __init__(
+        self, service: Service, prompt: list[int], max_tokens: int, body, seed: int | None, group: int | None = None
+    ):
         self.service, self.prompt, self.body = service, prompt, body
         self.events: asyncio.Queue = asyncio.Queue()
         self.received = 0  # tokens generated so far
@@ -102,10 +120,22 @@ class _Generation:
             loop.call_soon_threadsafe(self.events.put_nowait, (tokens, finished))
 
         seed = seed if seed is not None else secrets.randbits(63)
-        request = Request(tuple(prompt), max_tokens, _sampling(body), seed, ignore_eos=body.ignore_eos,
-                          stop_token_ids=tuple(body.stop_token_ids), group=group)
-        self.text = TextStream(service.tokenizer, body.stops, stop_ids=request.stop_ids(service.scheduler.engine.eos_ids),
-                               include_stop=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens)
+        request = Request(
+            tuple(prompt),
+            max_tokens,
+            _sampling(body),
+            seed,
+            ignore_eos=body.ignore_eos,
+            stop_token_ids=tuple(body.stop_token_ids),
+            group=group,
+        )
+        self.text = TextStream(
+            service.tokenizer,
+            body.stops,
+            stop_ids=request.stop_ids(service.scheduler.engine.eos_ids),
+            include_stop=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+        )
         try:
             self.handle = service.scheduler.submit(request, listener)
         except QueueFull as exc:
@@ -154,8 +184,12 @@ class _Generation:
     def usage(self) -> dict[str, int]:
         """So far (the stream's continuous usage) or in all (once the pieces are done)."""
         done = self.text.tokens_at_stop if self.text.stopped else self.received
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": done, "total_tokens": len(self.prompt) + done,
-                "prompt_tokens_details": {"cached_tokens": self.handle.cached_tokens}}
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": done,
+            "total_tokens": len(self.prompt) + done,
+            "prompt_tokens_details": {"cached_tokens": self.handle.cached_tokens},
+        }
 
     async def scores(self, end: int | None = None) -> tuple[list[int], TokenLogprobs]:
         """(prompt + the choice's first ``end`` tokens (all, once the generation ended), the target's scores
@@ -190,15 +224,22 @@ def _start(service: Service, prompts: list[list[int]], max_tokens: int | None, b
 def _total_usage(gens: Sequence[_Generation]) -> dict[str, int]:
     usages = [g.usage() for g in gens]
     total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    return {**total, "prompt_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}}
+    return {
+        **total,
+        "prompt_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)},
+    }
 
 
 def _speculation(service: Service, gens: Sequence[_Generation]) -> dict[str, Any]:
     """Acceptance statistics over the response's generations (an extra field beside OpenAI's)."""
     accepted = [a for g in gens for a in g.handle.accepted]
     al, pos = acceptance_summary(accepted, service.scheduler.engine.max_width - 1)
-    return {"acceptance_length": round(al, 4), "rounds": len(accepted), "accepted_per_round": accepted,
-            "position_acceptance": [round(x, 4) for x in pos]}
+    return {
+        "acceptance_length": round(al, 4),
+        "rounds": len(accepted),
+        "accepted_per_round": accepted,
+        "position_acceptance": [round(x, 4) for x in pos],
+    }
 
 
 # ``fmt(scores, ids, start, end, offset)``: the ``logprobs`` object of entries ``start..end`` of a scored
@@ -218,7 +259,9 @@ async def _logprobs(gens: Sequence[_Generation], body, fmt: LogprobsFormat, echo
     return out
 
 
-async def _merged(gens: Sequence[_Generation], http: HTTPRequest) -> AsyncIterator[tuple[int, tuple[str, int, int] | None]]:
+async def _merged(
+    gens: Sequence[_Generation], http: HTTPRequest
+) -> AsyncIterator[tuple[int, tuple[str, int, int] | None]]:
     """(index, piece) from every generation as they come (``_Generation.pieces``); (index, None) once
     generation ``index`` ended."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -273,11 +316,18 @@ def _chat_ids(service: Service, body, add_special_tokens: bool) -> list[int]:
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     if tok.chat_template is None:
-        raise APIError(400, f"the model {service.model_name!r} has no chat template; use /v1/completions", param="messages")
+        raise APIError(
+            400, f"the model {service.model_name!r} has no chat template; use /v1/completions", param="messages"
+        )
     kwargs = _template_kwargs(tok, body.chat_template_kwargs)
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-                                       continue_final_message=body.continue_final_message, **kwargs)
+        text = tok.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **kwargs,
+        )
     except Exception as exc:  # the template's own checks (e.g. role order) are the client's mistake
         raise APIError(400, f"messages: the chat template rejected them: {exc}", param="messages") from None
     return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -301,8 +351,12 @@ async def _body(http: HTTPRequest) -> bytes:
     limit = http.app.state.max_request_bytes
     raw = await http.body()
     if len(raw) > limit:
-        raise APIError(400, f"the request body has {len(raw)} bytes, more than this server's limit of {limit} "
-                            f"(eagle-jax-serve --max-request-bytes)", code="request_too_large")
+        raise APIError(
+            400,
+            f"the request body has {len(raw)} bytes, more than this server's limit of {limit} "
+            f"(eagle-jax-serve --max-request-bytes)",
+            code="request_too_large",
+        )
     return raw
 
 
@@ -329,11 +383,15 @@ def create_app(service: Service, api_key: str | None = None, max_request_bytes: 
     name = service.model_name
 
     if api_key is not None:
+
         @app.middleware("http")
         async def _check_key(http: HTTPRequest, call_next):
             if http.url.path.startswith("/v1/") and not _authorized(http.headers.get("authorization"), api_key):
-                error = APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")
+                error = APIError(
+                    401,
+                    "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
                 return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             return await call_next(http)
 
@@ -347,7 +405,9 @@ def create_app(service: Service, api_key: str | None = None, max_request_bytes: 
 
     @app.exception_handler(405)
     async def _bad_method(http, _exc):
-        return JSONResponse(APIError(405, f"method {http.method} is not allowed on {http.url.path}").body(), status_code=405)
+        return JSONResponse(
+            APIError(405, f"method {http.method} is not allowed on {http.url.path}").body(), status_code=405
+        )
 
     @app.get("/health")
     async def health(service: Service = Depends(_service)):
@@ -356,7 +416,12 @@ def create_app(service: Service, api_key: str | None = None, max_request_bytes: 
 
     @app.get("/v1/models")
     async def models(service: Service = Depends(_service)):
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "eagle_jax", "max_model_len": service.max_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "eagle_jax", "max_model_len": service.max_len}
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics(service: Service = Depends(_service)):
@@ -364,7 +429,12 @@ def create_app(service: Service, api_key: str | None = None, max_request_bytes: 
 
     def check_model(body) -> None:
         if body.model != name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {name!r}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, service: Service = Depends(_service)):
@@ -374,8 +444,11 @@ def create_app(service: Service, api_key: str | None = None, max_request_bytes: 
         gens = _start(service, prompts, body.max_tokens, body)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         # echo: the prompt as sent (a text prompt) or as its tokens read (token ids), before each choice
-        echoed = [(p if isinstance(p, str) else service.tokenizer.decode(ids)) if body.echo else ""
-                  for p, ids in zip(body.prompt, prompts) for _ in range(body.n)]
+        echoed = [
+            (p if isinstance(p, str) else service.tokenizer.decode(ids)) if body.echo else ""
+            for p, ids in zip(body.prompt, prompts)
+            for _ in range(body.n)
+        ]
 
         def envelope(choices: list[dict]) -> dict:
             return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": choices}
@@ -384,13 +457,19 @@ def create_app(service: Service, api_key: str | None = None, max_request_bytes: 
             return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
         names = TokenNames(service.tokenizer, body.return_tokens_as_token_ids)
-        fmt = lambda scores, ids, start, end, offset: completion_logprobs(scores, ids, start, body.logprobs, names, end, offset)
+        fmt = lambda scores, ids, start, end, offset: completion_logprobs(
+            scores, ids, start, body.logprobs, names, end, offset
+        )
         if body.stream:
             return _sse(service, gens, http, body, envelope, choice, fmt, prefixes=echoed if body.echo else None)
         texts = await _texts(gens, http)
         logprobs = await _logprobs(gens, body, fmt, echo=body.echo)
-        out = envelope([choice(i, echoed[i] + text, g.finish_reason, lp)
-                        for i, (g, text, lp) in enumerate(zip(gens, texts, logprobs))])
+        out = envelope(
+            [
+                choice(i, echoed[i] + text, g.finish_reason, lp)
+                for i, (g, text, lp) in enumerate(zip(gens, texts, logprobs))
+            ]
+        )
         out["usage"], out["speculation"] = _total_usage(gens), _speculation(service, gens)
         return out
 
@@ -405,20 +484,43 @@ def create_app(service: Service, api_key: str | None = None, max_request_bytes: 
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": choices}
 
         def choice(i: int, text: str | None, reason: str | None, logprobs: dict | None = None) -> dict:
-            return {"index": i, "delta": {} if text is None else {"content": text}, "logprobs": logprobs, "finish_reason": reason}
+            return {
+                "index": i,
+                "delta": {} if text is None else {"content": text},
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
 
         names = TokenNames(service.tokenizer, body.return_tokens_as_token_ids)
-        fmt = lambda scores, ids, start, end, _offset: chat_logprobs(scores, ids, start, body.top_logprobs or 0, names, end)
+        fmt = lambda scores, ids, start, end, _offset: chat_logprobs(
+            scores, ids, start, body.top_logprobs or 0, names, end
+        )
         if body.stream:
-            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                     for i in range(len(gens))]
+            first = [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(len(gens))
+            ]
             return _sse(service, gens, http, body, envelope, choice, fmt, first=first)
         texts = await _texts(gens, http)
         logprobs = await _logprobs(gens, body, fmt)
-        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": g.finish_reason}
-                   for i, (g, text, lp) in enumerate(zip(gens, texts, logprobs))]
-        return {"id": cid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
-                "usage": _total_usage(gens), "speculation": _speculation(service, gens)}
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": lp,
+                "finish_reason": g.finish_reason,
+            }
+            for i, (g, text, lp) in enumerate(zip(gens, texts, logprobs))
+        ]
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": name,
+            "choices": choices,
+            "usage": _total_usage(gens),
+            "speculation": _speculation(service, gens),
+        }
 
     @app.post("/tokenize")
     async def tokenize(http: HTTPRequest, service: Service = Depends(_service)):
@@ -438,10 +540,18 @@ def create_app(service: Service, api_key: str | None = None, max_request_bytes: 
         """vLLM's: the tokenizer's special tokens and chat template (lm-evaluation-harness's remote
         tokenizer reads it, then tokenizes through /tokenize and /detokenize)."""
         tok = service.tokenizer
-        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
-                "pad_token": tok.pad_token, "unk_token": tok.unk_token, "chat_template": tok.chat_template,
-                "model_max_length": service.max_len, "vocab_size": len(tok),
-                "add_bos_token": getattr(tok, "add_bos_token", None), "add_eos_token": getattr(tok, "add_eos_token", None)}
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "chat_template": tok.chat_template,
+            "model_max_length": service.max_len,
+            "vocab_size": len(tok),
+            "add_bos_token": getattr(tok, "add_bos_token", None),
+            "add_eos_token": getattr(tok, "add_eos_token", None),
+        }
 
     @app.post("/detokenize")
     async def detokenize(http: HTTPRequest, service: Service = Depends(_service)):
@@ -457,9 +567,17 @@ def create_app(service: Service, api_key: str | None = None, max_request_bytes: 
     return app
 
 
-def _sse(service: Service, gens: list[_Generation], http: HTTPRequest, body, envelope: Callable[[list[dict]], dict],
-         choice: Callable[..., dict], fmt: LogprobsFormat, first: list[dict] | None = None,
-         prefixes: list[str] | None = None) -> StreamingResponse:
+def _sse(
+    service: Service,
+    gens: list[_Generation],
+    http: HTTPRequest,
+    body,
+    envelope: Callable[[list[dict]], dict],
+    choice: Callable[..., dict],
+    fmt: LogprobsFormat,
+    first: list[dict] | None = None,
+    prefixes: list[str] | None = None,
+) -> StreamingResponse:
     """OpenAI's server-sent events: per generation, its ``first`` chunk (chat: the role) or its prefix
     (completions' echo: the prompt), a chunk per released piece and its finish chunk; then the usage chunk
     if asked (``include_usage``), and [DONE]. vLLM's ``continuous_usage_stats`` adds each chunk's

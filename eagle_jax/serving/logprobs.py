@@ -37,13 +37,24 @@ class TokenNames:
     def __call__(self, ids: Sequence[int]) -> list[str]:
         missing = sorted({int(t) for t in ids} - self._cache.keys())
         if missing:
-            names = [f"token_id:{t}" for t in missing] if self.as_ids else self.tokenizer.batch_decode([[t] for t in missing])
+            names = (
+                [f"token_id:{t}" for t in missing]
+                if self.as_ids
+                else self.tokenizer.batch_decode([[t] for t in missing])
+            )
             self._cache.update(zip(missing, names))
         return [self._cache[int(t)] for t in ids]
 
 
-def completion_logprobs(scores: TokenLogprobs, ids: Sequence[int], start: int, top_n: int, names: TokenNames,
-                        end: int | None = None, offset: int = 0) -> dict:
+def completion_logprobs(
+    scores: TokenLogprobs,
+    ids: Sequence[int],
+    start: int,
+    top_n: int,
+    names: TokenNames,
+    end: int | None = None,
+    offset: int = 0,
+) -> dict:
     """Entries ``start..end`` of a scored sequence (from 0 with echo, else from the prompt's length; a
     streamed chunk's tokens), their ``text_offset`` counted from ``offset`` (the choice's text before them)."""
     end = len(ids) if end is None else end
@@ -71,8 +82,9 @@ def completion_logprobs(scores: TokenLogprobs, ids: Sequence[int], start: int, t
     }
 
 
-def chat_logprobs(scores: TokenLogprobs, ids: Sequence[int], start: int, top_n: int, names: TokenNames,
-                  end: int | None = None) -> dict:
+def chat_logprobs(
+    scores: TokenLogprobs, ids: Sequence[int], start: int, top_n: int, names: TokenNames, end: int | None = None
+) -> dict:
     """The generated entries ``start..end`` (from the prompt's length; a streamed chunk's tokens) as chat's
     ``logprobs.content``."""
     end = len(ids) if end is None else end
@@ -84,6 +96,7 @@ def chat_logprobs(scores: TokenLogprobs, ids: Sequence[int], start: int, top_n: 
     for i, name in zip(range(start, end), names(ids[start:end])):
         alt = [int(t) for t in scores.top_ids[i, :top_n]]
         vals = [float(v) for v in scores.top_logprobs[i, :top_n]]
-        content.append({**entry(name, float(scores.logprob[i])),
-                        "top_logprobs": [entry(n, v) for n, v in zip(names(alt), vals)]})
+        content.append(
+            {**entry(name, float(scores.logprob[i])), "top_logprobs": [entry(n, v) for n, v in zip(names(alt), vals)]}
+        )
     return {"content": content}

@@ -15,12 +15,26 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 
 class Metrics:
     def __init__(self, scheduler: Scheduler):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("eagle_requests", "Finished requests by outcome (stop, length, cancelled, error, rejected).", ["outcome"], registry=r)
+        self.requests = Counter(
+            "eagle_requests",
+            "Finished requests by outcome (stop, length, cancelled, error, rejected).",
+            ["outcome"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("eagle_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("eagle_generation_tokens", "Generated tokens.", registry=r)
-        self.ttft = Histogram("eagle_time_to_first_token_seconds", "Arrival to first token.", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("eagle_inter_token_latency_seconds", "Time per output token after the first, per delivery.", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("eagle_request_latency_seconds", "Arrival to last token.", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "eagle_time_to_first_token_seconds", "Arrival to first token.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "eagle_inter_token_latency_seconds",
+            "Time per output token after the first, per delivery.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "eagle_request_latency_seconds", "Arrival to last token.", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.queue = Gauge("eagle_queue_depth", "Requests waiting for a slot.", registry=r)
         self.queue.set_function(lambda: scheduler.queue_depth)
         self.occupied = Gauge("eagle_slots_occupied", "Slots holding a request.", registry=r)
@@ -28,19 +42,42 @@ class Metrics:
         Gauge("eagle_slots", "Slots of the engine.", registry=r).set(scheduler.engine.slots)
         self.depth = Gauge("eagle_speculation_depth", "Drafts per round chosen at the last step (0: none).", registry=r)
         self.rounds = Counter("eagle_spec_rounds", "Rounds run by occupied slots.", registry=r)
-        self.emitted = Counter("eagle_spec_emitted_tokens", "Tokens emitted by those rounds (accepted drafts + 1).", registry=r)
+        self.emitted = Counter(
+            "eagle_spec_emitted_tokens", "Tokens emitted by those rounds (accepted drafts + 1).", registry=r
+        )
         self.al = Gauge("eagle_acceptance_length", "Mean tokens per target forward over all rounds so far.", registry=r)
-        self.position = Counter("eagle_spec_accepted_position", "Rounds whose draft at this position (0-based) was accepted.", ["position"], registry=r)
+        self.position = Counter(
+            "eagle_spec_accepted_position",
+            "Rounds whose draft at this position (0-based) was accepted.",
+            ["position"],
+            registry=r,
+        )
         self.steps = Counter("eagle_steps", "Engine steps.", registry=r)
-        self.steps_by_depth = Counter("eagle_steps_by_depth", "Engine steps by drafts per round (0: none).", ["depth"], registry=r)
-        self.compiles = Counter("eagle_compile_events", "Programs compiled, by kind (chunk, row, copy, score, step).", ["program"], registry=r)
+        self.steps_by_depth = Counter(
+            "eagle_steps_by_depth", "Engine steps by drafts per round (0: none).", ["depth"], registry=r
+        )
+        self.compiles = Counter(
+            "eagle_compile_events",
+            "Programs compiled, by kind (chunk, row, copy, score, step).",
+            ["program"],
+            registry=r,
+        )
         self.compile_seconds = Counter("eagle_compile_seconds", "Seconds spent compiling.", registry=r)
-        Gauge("eagle_programs", "Programs of the engine's precompiled set (eagle-jax-serve --list-programs).",
-              registry=r).set(len(scheduler.engine.program_set()))
-        self.program_seconds = Gauge("eagle_program_compile_seconds", "Seconds each program took to compile (or load from "
-                                     "the compilation cache).", ["program"], registry=r)
-        self.prefix_queries = Counter("eagle_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
-        self.prefix_hits = Counter("eagle_prefix_cache_hits", "Prompt tokens reused from the prefix cache (not computed).", registry=r)
+        Gauge(
+            "eagle_programs", "Programs of the engine's precompiled set (eagle-jax-serve --list-programs).", registry=r
+        ).set(len(scheduler.engine.program_set()))
+        self.program_seconds = Gauge(
+            "eagle_program_compile_seconds",
+            "Seconds each program took to compile (or load from the compilation cache).",
+            ["program"],
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "eagle_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_hits = Counter(
+            "eagle_prefix_cache_hits", "Prompt tokens reused from the prefix cache (not computed).", registry=r
+        )
         self.prefix_rate = Gauge("eagle_prefix_cache_hit_rate", "Prompt tokens reused / looked up, so far.", registry=r)
         self._prefix_on = scheduler.engine.prefix_cache
         self._rounds = self._emitted = self._queried = self._hit = 0  # written by the engine thread only
@@ -68,8 +105,12 @@ class Metrics:
 
     def steps_per_depth(self) -> dict[int, int]:
         """Engine steps so far by drafts per round (what ``eagle_steps_by_depth`` exposes)."""
-        return {int(s.labels["depth"]): int(s.value) for m in self.steps_by_depth.collect() for s in m.samples
-                if s.name == "eagle_steps_by_depth_total"}
+        return {
+            int(s.labels["depth"]): int(s.value)
+            for m in self.steps_by_depth.collect()
+            for s in m.samples
+            if s.name == "eagle_steps_by_depth_total"
+        }
 
     def on_finish(self, h: Handle) -> None:
         self.requests.labels(h.finish_reason or "error").inc()

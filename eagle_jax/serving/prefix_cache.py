@@ -81,5 +81,9 @@ class PrefixIndex:
         entry = self._rows.get(("slot", slot))
         if entry is None or not self.pool_rows:
             return False
-        return not any(row[0] == "pool" and len(e.tokens) >= len(entry.tokens) and np.array_equal(e.tokens[: len(entry.tokens)], entry.tokens)
-                       for row, e in self._rows.items())
+        return not any(
+            row[0] == "pool"
+            and len(e.tokens) >= len(entry.tokens)
+            and np.array_equal(e.tokens[: len(entry.tokens)], entry.tokens)
+            for row, e in self._rows.items()
+        )

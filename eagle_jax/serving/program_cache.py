@@ -36,8 +36,15 @@ def describe(key: tuple) -> str:
     if key[0] == "row":
         return "cache row read (a prefill chunk's input)"
     _, spec, greedy, rows = key
-    depth = "no drafts" if spec is None else (f"chain K={spec.num_speculative_tokens}" if spec.method == "chain" else
-                                              f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}")
+    depth = (
+        "no drafts"
+        if spec is None
+        else (
+            f"chain K={spec.num_speculative_tokens}"
+            if spec.method == "chain"
+            else f"tree {spec.tree_top_k}/{spec.tree_depth}/{spec.tree_total_tokens}"
+        )
+    )
     return f"step, {depth}, {'greedy' if greedy else 'sampling'}, {rows} row{'s' if rows > 1 else ''}"
 
 
@@ -53,7 +60,8 @@ def check_map_limit(programs: int, limit_file: str = "/proc/sys/vm/max_map_count
         raise ConfigError(
             f"precompiling {programs} programs on the CPU needs about {need} memory maps, more than this system's "
             f"vm.max_map_count ({limit}): raise it (sysctl -w vm.max_map_count={1 << (need * 2).bit_length()}), "
-            "serve fewer speculation depths, slots or context (fewer programs), or do not precompile")
+            "serve fewer speculation depths, slots or context (fewer programs), or do not precompile"
+        )
 
 
 def shapes(args: Any) -> Any:
@@ -87,7 +95,14 @@ class ProgramCache:
             program = self.programs.get(key)
         return program if program is not None else self.compile(key, build, shapes(args), donate_argnums)
 
-    def get(self, key: tuple, build: Callable, args: tuple, covers: Sequence[tuple] = (), donate_argnums: tuple[int, ...] = (2,)):
+    def get(
+        self,
+        key: tuple,
+        build: Callable,
+        args: tuple,
+        covers: Sequence[tuple] = (),
+        donate_argnums: tuple[int, ...] = (2,),
+    ):
         """The compiled program for ``key``. If it is not compiled yet but a program in ``covers`` is (a
         larger one that computes the same thing), that one runs now and ``key`` is compiled in the
         background; with none, ``key`` is compiled here.
@@ -109,7 +124,9 @@ class ProgramCache:
 
     def compile(self, key: tuple, build: Callable, abstract: Any, donate_argnums: tuple[int, ...] = (2,)):
         t0 = time.perf_counter()
-        program = compile_program(build, abstract, donate_argnums=donate_argnums, fingerprint=f"{self.fingerprint}|{key!r}")
+        program = compile_program(
+            build, abstract, donate_argnums=donate_argnums, fingerprint=f"{self.fingerprint}|{key!r}"
+        )
         seconds = time.perf_counter() - t0
         with self._lock:
             self.programs[key] = program

@@ -24,8 +24,14 @@ log = logging.getLogger("eagle_jax.serving")
 class APIError(Exception):
     """A client mistake (or a full queue): answered with ``status`` and an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 
@@ -34,23 +40,59 @@ class APIError(Exception):
 
 
 # Fields that do not change what is generated (bookkeeping, routing, caching, logprob formatting).
-NO_EFFECT = frozenset({
-    "user", "metadata", "service_tier", "store", "safety_identifier", "prompt_cache_key", "priority", "request_id",
-    "cache_salt", "kv_transfer_params", "parallel_tool_calls", "prediction",
-})
+NO_EFFECT = frozenset(
+    {
+        "user",
+        "metadata",
+        "service_tier",
+        "store",
+        "safety_identifier",
+        "prompt_cache_key",
+        "priority",
+        "request_id",
+        "cache_salt",
+        "kv_transfer_params",
+        "parallel_tool_calls",
+        "prediction",
+    }
+)
 
 # Fields that would change the output and are not implemented, with the values that leave it unchanged.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "best_of": (None, 1), "suffix": (None, ""),
-    "top_logprobs": (None, 0), "prompt_logprobs": (None,), "return_token_ids": (None, False),
-    "length_penalty": (None, 1), "use_beam_search": (None, False),
-    "allowed_token_ids": (None,), "bad_words": (None, []), "truncate_prompt_tokens": (None,), "logits_processors": (None,),
-    "spaces_between_special_tokens": (None, True), "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "vllm_xargs": (None,), "prompt_embeds": (None,),
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,), "verbosity": (None,),
-    "web_search_options": (None,), "chat_template": (None,), "documents": (None,), "mm_processor_kwargs": (None,),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "return_token_ids": (None, False),
+    "length_penalty": (None, 1),
+    "use_beam_search": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "logits_processors": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "vllm_xargs": (None,),
+    "prompt_embeds": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "chat_template": (None,),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
 }
 
 _logged: set[str] = set()
@@ -93,7 +135,11 @@ class _Screened(BaseModel):
         # OpenAI's clients send null for "not given" (e.g. "temperature": null): the field's default where
         # null is no value of the field (where it is, as max_tokens': no limit, it stays).
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields or _nullable(cls.model_fields[k])}
+            return {
+                k: v
+                for k, v in data.items()
+                if v is not None or k not in cls.model_fields or _nullable(cls.model_fields[k])
+            }
         return data
 
     def screen(self) -> None:

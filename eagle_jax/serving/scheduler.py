@@ -30,8 +30,8 @@ too where every busy request stops there, which only ends their rounds early.
 
 from __future__ import annotations
 
-import dataclasses
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -42,10 +42,10 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 
 from eagle_jax.config import ConfigError, SpecConfig
-from eagle_jax.decoding.sampling import SamplingParams
-from eagle_jax.decoding.calls import acceptance_summary
 from eagle_jax.decoding import chooser
+from eagle_jax.decoding.calls import acceptance_summary
 from eagle_jax.decoding.chooser import Acceptance, Chooser
+from eagle_jax.decoding.sampling import SamplingParams
 from eagle_jax.serving.prefix_cache import PrefixIndex
 from eagle_jax.serving.slots import SlotEngine, StepOutput
 
@@ -123,7 +123,15 @@ class SpecSchedule:
 
     def describe(self) -> str:
         def name(s):
-            return "none" if s is None else (f"K={s.num_speculative_tokens}" if s.method == "chain" else f"tree {s.tree_top_k}/{s.tree_depth}/{s.tree_total_tokens}")
+            return (
+                "none"
+                if s is None
+                else (
+                    f"K={s.num_speculative_tokens}"
+                    if s.method == "chain"
+                    else f"tree {s.tree_top_k}/{s.tree_depth}/{s.tree_total_tokens}"
+                )
+            )
 
         return ", ".join(f">={lo}: {name(s)}" for lo, s in self.rules)
 
@@ -190,8 +198,15 @@ class Handle:
 class Scheduler:
     """Runs a ``SlotEngine`` in a background thread over a bounded FIFO of requests."""
 
-    def __init__(self, engine: SlotEngine, schedule: SpecSchedule | Chooser, *, max_queue: int = 256,
-                 on_step: Callable[[int, SpecConfig | None, StepOutput], None] | None = None, step_ms: float = STEP_MS):
+    def __init__(
+        self,
+        engine: SlotEngine,
+        schedule: SpecSchedule | Chooser,
+        *,
+        max_queue: int = 256,
+        on_step: Callable[[int, SpecConfig | None, StepOutput], None] | None = None,
+        step_ms: float = STEP_MS,
+    ):
         missing = [s for s in schedule.specs if s not in engine.specs]
         if missing:
             raise ConfigError(f"the schedule uses specs {missing} that the engine was not built with ({engine.specs})")
@@ -199,7 +214,9 @@ class Scheduler:
             raise ConfigError(f"step_ms must be >= 0 (0: every step runs rounds_per_step rounds), got {step_ms}")
         self.engine, self.schedule, self.max_queue, self.on_step = engine, schedule, max_queue, on_step
         self.step_ms = step_ms
-        self._round_s: dict[tuple[int, SpecConfig | None, bool], float] = {}  # seconds per round by (rows, spec, greedy), recent
+        self._round_s: dict[
+            tuple[int, SpecConfig | None, bool], float
+        ] = {}  # seconds per round by (rows, spec, greedy), recent
         self._waiting: collections.deque[Handle] = collections.deque()
         self._slots: list[Handle | None] = [None] * engine.slots
         self._lengths = np.zeros((engine.slots,), np.int64)
@@ -219,7 +236,9 @@ class Scheduler:
         request.sampling.penalties.check_vocab(self.engine.target.config.vocab_size)
         stops = request.stop_ids(self.engine.eos_ids)
         # min_tokens holds back whatever would end the request
-        request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, stop_ids=tuple(sorted(stops))))
+        request = dataclasses.replace(
+            request, sampling=dataclasses.replace(request.sampling, stop_ids=tuple(sorted(stops)))
+        )
         handle = Handle(request, listener, stops)
         with self._cv:
             if len(self._waiting) >= self.max_queue:
@@ -313,8 +332,12 @@ class Scheduler:
         if self._prefix is not None:  # what the row holds stays reusable until the slot is taken again
             r = handle.request
             held = self._prefilling.get(slot)
-            self._prefix.set(("slot", slot), r.prompt[:held] if held is not None else
-                             (*r.prompt, *handle.tokens[: max(0, int(self._lengths[slot]) - len(r.prompt))]))
+            self._prefix.set(
+                ("slot", slot),
+                r.prompt[:held]
+                if held is not None
+                else (*r.prompt, *handle.tokens[: max(0, int(self._lengths[slot]) - len(r.prompt))]),
+            )
         self._prefilling.pop(slot, None)
         handle._finish(reason, time.perf_counter())
 
@@ -336,14 +359,19 @@ class Scheduler:
         lengths = [int(self._lengths[s]) for s in active]
         if auto:
             estimates = [self._slots[s].estimate for s in active]
-            spec = chooser.spec_of(self.schedule.choose(rows, greedy, estimates,
-                                                        lambda d: self.engine.span_for(lengths, chooser.spec_of(d))))
+            spec = chooser.spec_of(
+                self.schedule.choose(
+                    rows, greedy, estimates, lambda d: self.engine.span_for(lengths, chooser.spec_of(d))
+                )
+            )
         else:
             spec = self.schedule.choose(len(active))
         span = self.engine.span_for(lengths, spec)
         short = self._owed()
         kind = (rows, spec, greedy)
-        out = self.engine.step(spec, greedy, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if short else self._rounds(kind))
+        out = self.engine.step(
+            spec, greedy, rows, cancel, rounds=ROUNDS_WHILE_PREFILLING if short else self._rounds(kind)
+        )
         self._stale.clear()
         now = time.perf_counter()
         # A short step's time is mostly what every step costs once (dispatch, the drafter's outputs, the probe): as a
@@ -355,10 +383,17 @@ class Scheduler:
             self._time_rounds(kind, out.seconds, max((len(out.accepted[s]) for s in active), default=0))
         if auto:
             probe = out.probe
-            self.schedule.observe(chooser.depth_of(spec), rows, span, greedy, out.seconds if timed else None,
-                                  max((len(out.accepted[s]) for s in active), default=0), estimates,
-                                  [out.accepted[s] for s in active],
-                                  None if probe is None else [(float(probe[s, 0]), float(probe[s, 1])) for s in active])
+            self.schedule.observe(
+                chooser.depth_of(spec),
+                rows,
+                span,
+                greedy,
+                out.seconds if timed else None,
+                max((len(out.accepted[s]) for s in active), default=0),
+                estimates,
+                [out.accepted[s] for s in active],
+                None if probe is None else [(float(probe[s, 0]), float(probe[s, 1])) for s in active],
+            )
         for slot in active:
             h = self._slots[slot]
             tokens, accepted = out.tokens[slot], out.accepted[slot]
@@ -462,8 +497,12 @@ class Scheduler:
         row, reuse = index.match(prompt, prefer=[("slot", s) for s in free])
         busy = [s for s, h in enumerate(self._slots) if h is not None]
         slot = free[0]
-        if row is not None and row[0] == "slot" and row[1] in free and \
-                self.engine.rows_for([*busy, row[1]]) == self.engine.rows_for([*busy, slot]):
+        if (
+            row is not None
+            and row[0] == "slot"
+            and row[1] in free
+            and self.engine.rows_for([*busy, row[1]]) == self.engine.rows_for([*busy, slot])
+        ):
             slot = row[1]
         held = index.tokens(("slot", slot))
         overwritten = held is not None and (row != ("slot", slot) or len(held) > reuse + 1)  # beyond what is reused
@@ -489,8 +528,14 @@ class Scheduler:
             self._prefilling[slot] = end
             if self._prefix is not None and end < len(r.prompt):
                 self._prefix.set(("slot", slot), r.prompt[:end])
-            self._run_prefill([slot], lambda: [self.engine.prefill(
-                slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos)])
+            self._run_prefill(
+                [slot],
+                lambda: [
+                    self.engine.prefill(
+                        slot, r.prompt, start, end, r.max_tokens, r.sampling, r.seed, stop_at_eos=not r.ignore_eos
+                    )
+                ],
+            )
         return budget
 
     def _run_prefill(self, slots: list[int], program: Callable[[], list[tuple[int, bool] | None]]) -> None:

@@ -11,13 +11,12 @@ import threading
 import time
 from pathlib import Path
 
-
 from eagle_jax.checkpoint.hub import looks_like_repo_id
 from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import ConfigError, SpecConfig
 from eagle_jax.decoding.calls import eos_ids
-from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.decoding.chooser import Chooser
+from eagle_jax.serving import Scheduler, SlotEngine, SpecSchedule
 from eagle_jax.serving.http_app import Service, create_app
 from eagle_jax.serving.metrics import Metrics
 from eagle_jax.serving.program_cache import describe
@@ -59,7 +58,9 @@ def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule | Choose
     text = (text or "").strip()
     if not drafter_present:
         if text not in ("", "none"):
-            raise ConfigError(f"--spec {text!r} was given but no drafter is served (--drafter none): leave --spec out or give --spec none")
+            raise ConfigError(
+                f"--spec {text!r} was given but no drafter is served (--drafter none): leave --spec out or give --spec none"
+            )
         return SpecSchedule.fixed(None)
     if text == "none":
         return SpecSchedule.fixed(None)
@@ -108,10 +109,25 @@ def build_service(
     drafter = None if drafter_dir is None else eagle_jax.load_drafter(drafter_dir, target, dtype=dtype)
     tokenizer = eagle_jax.load_tokenizer(tokenizer_dir or target_dir)
     log.info("loaded %s with %s", target_dir, drafter_dir or "no drafter")
-    return make_service(target, drafter, tokenizer, parse_spec(spec, drafter is not None), eos_ids(target, tokenizer),
-                        slots=slots, max_len=max_len, rounds_per_step=rounds_per_step, max_queue=max_queue,
-                        model_name=model_name or served_name(target_dir), precompile=precompile, compile_workers=compile_workers, exact=exact,
-                        prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, prefix_pool_rows=prefix_pool_rows, step_ms=step_ms)
+    return make_service(
+        target,
+        drafter,
+        tokenizer,
+        parse_spec(spec, drafter is not None),
+        eos_ids(target, tokenizer),
+        slots=slots,
+        max_len=max_len,
+        rounds_per_step=rounds_per_step,
+        max_queue=max_queue,
+        model_name=model_name or served_name(target_dir),
+        precompile=precompile,
+        compile_workers=compile_workers,
+        exact=exact,
+        prefill_chunk=prefill_chunk,
+        prefix_cache=prefix_cache,
+        prefix_pool_rows=prefix_pool_rows,
+        step_ms=step_ms,
+    )
 
 
 def served_name(target: str | Path) -> str:
@@ -123,10 +139,26 @@ def served_name(target: str | Path) -> str:
     return path.stem if is_gguf_file(path) else path.name
 
 
-def make_service(target, drafter, tokenizer, schedule: SpecSchedule | Chooser, eos_ids: tuple[int, ...], *, slots: int = 16,
-                 max_len: int | None = None, rounds_per_step: int = 4, max_queue: int = 256, model_name: str = "model",
-                 precompile: bool = True, compile_workers: int | None = None, exact: bool = False, prefill_chunk: int = DEFAULT_CHUNK,
-                 prefix_cache: bool = True, prefix_pool_rows: int = 4, step_ms: float = STEP_MS) -> Service:
+def make_service(
+    target,
+    drafter,
+    tokenizer,
+    schedule: SpecSchedule | Chooser,
+    eos_ids: tuple[int, ...],
+    *,
+    slots: int = 16,
+    max_len: int | None = None,
+    rounds_per_step: int = 4,
+    max_queue: int = 256,
+    model_name: str = "model",
+    precompile: bool = True,
+    compile_workers: int | None = None,
+    exact: bool = False,
+    prefill_chunk: int = DEFAULT_CHUNK,
+    prefix_cache: bool = True,
+    prefix_pool_rows: int = 4,
+    step_ms: float = STEP_MS,
+) -> Service:
     """A ``Service`` over models already loaded (benchmarks build several over one pair). ``precompile``:
     compile every program serving may run first (``SlotEngine.precompile``, ``compile_workers`` at once, default
     ``default_compile_workers()``; else each compiles when first needed, while serving). ``exact``: the target computes in float32 whatever its weights' dtype
@@ -141,23 +173,46 @@ def make_service(target, drafter, tokenizer, schedule: SpecSchedule | Chooser, e
         if "metrics" in holder:
             holder["metrics"].on_compile(key, seconds)
 
-    engine = SlotEngine(target, drafter, slots=slots, max_len=max_len, specs=schedule.specs, rounds_per_step=rounds_per_step,
-                        eos_ids=eos_ids, exact=exact, on_compile=on_compile, chunk=prefill_chunk, prefix_cache=prefix_cache,
-                        pool_rows=prefix_pool_rows if prefix_cache else 0)
+    engine = SlotEngine(
+        target,
+        drafter,
+        slots=slots,
+        max_len=max_len,
+        specs=schedule.specs,
+        rounds_per_step=rounds_per_step,
+        eos_ids=eos_ids,
+        exact=exact,
+        on_compile=on_compile,
+        chunk=prefill_chunk,
+        prefix_cache=prefix_cache,
+        pool_rows=prefix_pool_rows if prefix_cache else 0,
+    )
     holder["engine"] = engine
     scheduler = Scheduler(engine, schedule, max_queue=max_queue, step_ms=step_ms)
     metrics = holder["metrics"] = Metrics(scheduler)
     scheduler.on_step = metrics.on_step
-    log.info("%d slots of %d tokens; speculation %s; prompts prefilled %d tokens per step at most", slots, engine.max_len,
-             schedule.describe(), engine.chunk)
+    log.info(
+        "%d slots of %d tokens; speculation %s; prompts prefilled %d tokens per step at most",
+        slots,
+        engine.max_len,
+        schedule.describe(),
+        engine.chunk,
+    )
     if prefix_cache:
-        log.info("prefix caching: the slots and %d pool rows (%.1f MiB each)", engine.pool_rows, engine.row_bytes / 2**20)
+        log.info(
+            "prefix caching: the slots and %d pool rows (%.1f MiB each)", engine.pool_rows, engine.row_bytes / 2**20
+        )
     if precompile:
         t0 = time.perf_counter()
         workers = default_compile_workers() if compile_workers is None else compile_workers
         engine.precompile(workers=workers)
-        log.info("%d programs ready and run once in %.1f s (%.1f s of compiles or loads from the compilation cache, %d at a time)",
-                 len(engine.program_set()), time.perf_counter() - t0, sum(s for _, s in engine.compile_events), workers)
+        log.info(
+            "%d programs ready and run once in %.1f s (%.1f s of compiles or loads from the compilation cache, %d at a time)",
+            len(engine.program_set()),
+            time.perf_counter() - t0,
+            sum(s for _, s in engine.compile_events),
+            workers,
+        )
     return Service(scheduler, tokenizer, model_name, metrics)
 
 
@@ -176,7 +231,9 @@ def is_loopback(host: str) -> bool:
 def program_listing(engine: SlotEngine) -> str:
     """The engine's precompiled program set, one line per program with its shapes (``--list-programs``)."""
     keys = engine.program_set()
-    lines = [f"{len(keys)} programs ({engine.slots} slots x {engine.max_len} tokens, {engine.pool_rows} prefix-cache pool rows):"]
+    lines = [
+        f"{len(keys)} programs ({engine.slots} slots x {engine.max_len} tokens, {engine.pool_rows} prefix-cache pool rows):"
+    ]
     lines += [f"  {describe(key)}: {engine.program_shapes(key)}" for key in keys]
     return "\n".join(lines)
 
@@ -202,7 +259,9 @@ class Server:
         import uvicorn
 
         self.service = service
-        config = uvicorn.Config(create_app(service, **app_options), host=host, port=port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            create_app(service, **app_options), host=host, port=port, log_level="warning", lifespan="off"
+        )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

@@ -59,12 +59,27 @@ def chunk_program(merge: Merge, plan: Plan, c: int):
             return jax.lax.dynamic_update_slice(a, part, (slot, 0, start, 0))
 
         pre = prefill_chunk(tgt, drf, plan, ids, start[None], plen[None], t_row, d_row, rs, keys[:, 1])
-        st = dataclasses.replace(st, t_cache=jax.tree.map(put, st.t_cache, pre.t_cache),
-                                 d_cache=None if drf is None else jax.tree.map(put, st.d_cache, pre.d_cache))
+        st = dataclasses.replace(
+            st,
+            t_cache=jax.tree.map(put, st.t_cache, pre.t_cache),
+            d_cache=None if drf is None else jax.tree.map(put, st.d_cache, pre.d_cache),
+        )
         first = pre.first[0]
         done = _done(first, max_tokens, stop_at_eos, plan.eos_ids)
-        new = start_row(st, slot, plen, first, done, max_tokens, stop_at_eos, rs, keys[0, 0], None if drf is None else pre,
-                        when=plen <= start + c, held=start + c)
+        new = start_row(
+            st,
+            slot,
+            plen,
+            first,
+            done,
+            max_tokens,
+            stop_at_eos,
+            rs,
+            keys[0, 0],
+            None if drf is None else pre,
+            when=plen <= start + c,
+            held=start + c,
+        )
         return new, first, done
 
     return chunk
@@ -79,8 +94,13 @@ def copy_program():
             return jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1, axis=0), dst, axis=0)
 
         # A destination past the slots has no per-slot state: those updates are dropped.
-        return dataclasses.replace(st, t_cache=jax.tree.map(row, st.t_cache), d_cache=jax.tree.map(row, st.d_cache),
-                                   length=st.length.at[dst].set(held, mode="drop"), done=st.done.at[dst].set(True, mode="drop"))
+        return dataclasses.replace(
+            st,
+            t_cache=jax.tree.map(row, st.t_cache),
+            d_cache=jax.tree.map(row, st.d_cache),
+            length=st.length.at[dst].set(held, mode="drop"),
+            done=st.done.at[dst].set(True, mode="drop"),
+        )
 
     return copy
 
@@ -93,15 +113,21 @@ def step_program(merge: Merge, plan: Plan):
     def step(t_state, d_state, st: LoopState, cancel, rounds):
         tgt, drf = merge(t_state, d_state)
         # A step's outputs start empty; what the last step emitted comes off each row's budget.
-        st = dataclasses.replace(st, limit=st.limit - st.n_out, n_out=jnp.zeros_like(st.n_out), done=st.done | cancel,
-                                 rounds=jnp.int32(0), accepted=jnp.full_like(st.accepted, -1),
-                                 probe=None if st.probe is None else jnp.zeros_like(st.probe))
+        st = dataclasses.replace(
+            st,
+            limit=st.limit - st.n_out,
+            n_out=jnp.zeros_like(st.n_out),
+            done=st.done | cancel,
+            rounds=jnp.int32(0),
+            accepted=jnp.full_like(st.accepted, -1),
+            probe=None if st.probe is None else jnp.zeros_like(st.probe),
+        )
         # The rounds see the leading ``rows`` rows of every per-row array and the whole caches, which
         # they update in place (rows beyond are free slots: neither read nor written).
         sub = dataclasses.replace(st, **{f: jax.tree.map(lambda a: a[:rows], getattr(st, f)) for f in PER_ROW})
         sub = run_rounds(tgt, drf, plan, sub, rounds)
-        return dataclasses.replace(sub, **{
-            f: jax.tree.map(lambda a, b: a.at[:rows].set(b), getattr(st, f), getattr(sub, f)) for f in PER_ROW
-        })
+        return dataclasses.replace(
+            sub, **{f: jax.tree.map(lambda a, b: a.at[:rows].set(b), getattr(st, f), getattr(sub, f)) for f in PER_ROW}
+        )
 
     return step

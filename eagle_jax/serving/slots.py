@@ -127,7 +127,9 @@ class SlotEngine:
         if chunk < CHUNK_SIZES[0]:
             raise ConfigError(f"the prefill chunk must be >= {CHUNK_SIZES[0]} tokens, got {chunk}")
         if pool_rows < 0 or (pool_rows and not prefix_cache):
-            raise ConfigError(f"pool_rows (rows that keep prefixes) must be >= 0 and need prefix_cache, got {pool_rows}")
+            raise ConfigError(
+                f"pool_rows (rows that keep prefixes) must be >= 0 and need prefix_cache, got {pool_rows}"
+            )
         if drafter is not None:
             check_pair(target.config, drafter.config)
         if drafter is None and any(s is not None for s in specs):
@@ -144,7 +146,9 @@ class SlotEngine:
         self.max_width = max(1 if s is None else s.max_emitted for s in self.specs)
         self.scratch = max(scratch_slots(s) for s in self.specs)
         self.cache_len = max_len + self.scratch + 1
-        self.chunk_sizes = tuple(sorted({min(c, self.cache_len) for c in CHUNK_SIZES if c < chunk} | {min(chunk, self.cache_len)}))
+        self.chunk_sizes = tuple(
+            sorted({min(c, self.cache_len) for c in CHUNK_SIZES if c < chunk} | {min(chunk, self.cache_len)})
+        )
         self.chunk, self.prefix_cache, self.pool_rows = chunk, bool(prefix_cache), pool_rows
         self._size_plans: dict[int, list[int]] = {}  # prompt positions -> chunk sizes (``_sizes_for``)
         self._t_graph, self._t_state = nnx.split(target)
@@ -152,8 +156,17 @@ class SlotEngine:
         self._precompiled = False  # ``precompile`` ran: steps use its programs only
         self._ran: set[tuple] = set()  # step programs that have run (``StepOutput.timed``)
         # What every program closes over besides its key and arguments (``compile_cache.compile_program``).
-        fingerprint = repr((target.config, None if drafter is None else drafter.config, self._t_graph, self._d_graph,
-                            self._plan(), self.rounds_per_step, self.chunk_sizes))
+        fingerprint = repr(
+            (
+                target.config,
+                None if drafter is None else drafter.config,
+                self._t_graph,
+                self._d_graph,
+                self._plan(),
+                self.rounds_per_step,
+                self.chunk_sizes,
+            )
+        )
         self.programs = ProgramCache(fingerprint, on_compile)
         self.reset()
 
@@ -185,8 +198,14 @@ class SlotEngine:
             done=jnp.ones((b,), bool),
             accepted=jnp.full((b, self.rounds_per_step), -1, jnp.int32),
             rounds=jnp.int32(0),
-            sampling=jax.tree.map(jnp.array, RowSampling.fill(  # device buffers of its own: the state is donated
-                SamplingParams(), b, RowPenalties.build([SamplingParams().penalties] * b, [[]] * b, self.target.config.vocab_size))),
+            sampling=jax.tree.map(
+                jnp.array,
+                RowSampling.fill(  # device buffers of its own: the state is donated
+                    SamplingParams(),
+                    b,
+                    RowPenalties.build([SamplingParams().penalties] * b, [[]] * b, self.target.config.vocab_size),
+                ),
+            ),
             key=jax.random.split(jax.random.key(0), b),
             probe=None if d is None else jnp.zeros((b, 2), jnp.float32),
             ignore_eos=jnp.zeros((b,), bool),
@@ -245,8 +264,10 @@ class SlotEngine:
             return f"1 sequence x {key[1]} tokens"
         spec, rows = key[1], key[3]
         verify = 1 if spec is None else spec.verify_width
-        return (f"{rows} slot{'s' if rows > 1 else ''} x {verify} verified positions, up to {self.rounds_per_step} rounds "
-                f"of up to {1 if spec is None else spec.max_emitted} tokens, over up to {s} cache slots")
+        return (
+            f"{rows} slot{'s' if rows > 1 else ''} x {verify} verified positions, up to {self.rounds_per_step} rounds "
+            f"of up to {1 if spec is None else spec.max_emitted} tokens, over up to {s} cache slots"
+        )
 
     def precompile(self, scoring: bool = True, warm_up: bool = True, workers: int = 1) -> None:
         """Compiles ``program_set`` (``on_compile`` hears each), so that serving never compiles: every step
@@ -277,8 +298,12 @@ class SlotEngine:
         for key in keys:
             if key[0] == "step":  # live rows under the step, each done after one more token (no prefill: throwaway)
                 live = np.arange(self.slots) < key[3]
-                self.state = dataclasses.replace(self.state, done=jnp.asarray(~live), limit=jnp.full((self.slots,), 2, jnp.int32),
-                                                 n_out=jnp.zeros((self.slots,), jnp.int32))
+                self.state = dataclasses.replace(
+                    self.state,
+                    done=jnp.asarray(~live),
+                    limit=jnp.full((self.slots,), 2, jnp.int32),
+                    n_out=jnp.zeros((self.slots,), jnp.int32),
+                )
                 self.state = self.programs.programs[key](*self._example_args(key))
                 self._ran.add(key)
             elif key[0] == "score":
@@ -297,8 +322,11 @@ class SlotEngine:
         """What compiling ``key``'s program takes: (the function, example arguments, donated arguments)."""
         if key[0] == "score":
             compute = jnp.float32 if self.exact else None
-            return (lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute),
-                    (self._t_state, jax.ShapeDtypeStruct((1, key[1]), jnp.int32)), ())
+            return (
+                lambda t_state, x: token_logprobs(nnx.merge(self._t_graph, t_state), x, compute_dtype=compute),
+                (self._t_state, jax.ShapeDtypeStruct((1, key[1]), jnp.int32)),
+                (),
+            )
         if key[0] == "copy":
             return copy_program(), (self.state, jnp.int32(0), jnp.int32(0), jnp.int32(0)), (0,)
         if key[0] == "row":  # it reads the state, donates nothing
@@ -310,19 +338,38 @@ class SlotEngine:
         if key[0] == "chunk":
             return chunk_program(self._merge, self._plan(), key[1])
         _, spec, greedy, rows = key
-        return step_program(self._merge, self._plan(batch=rows, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy, lazy_feed=True))
+        return step_program(
+            self._merge,
+            self._plan(batch=rows, max_rounds=self.rounds_per_step, spec=spec, greedy=greedy, lazy_feed=True),
+        )
 
     def _example_args(self, key: tuple) -> tuple:
         """Arguments of ``key``'s program for a one-token request in slot 0 (what precompiling traces and
         warming up runs)."""
         if key[0] == "chunk":
             return self._chunk_args(key[1], 0, [0], 0, 1, SamplingParams(), 0, True)
-        return (self._t_state, self._d_state, self.state, jnp.zeros((self.slots,), bool), jnp.int32(self.rounds_per_step))
+        return (
+            self._t_state,
+            self._d_state,
+            self.state,
+            jnp.zeros((self.slots,), bool),
+            jnp.int32(self.rounds_per_step),
+        )
 
     def _plan(self, **kw) -> Plan:
         """A program's plan: one row, the whole cache, no rounds, unless ``kw`` says otherwise."""
-        return Plan(**{"batch": 1, "cache_len": self.cache_len, "max_rounds": 0, "spec": None, "greedy": False,
-                       "eos_ids": self.eos_ids, "exact": self.exact, **kw})
+        return Plan(
+            **{
+                "batch": 1,
+                "cache_len": self.cache_len,
+                "max_rounds": 0,
+                "spec": None,
+                "greedy": False,
+                "eos_ids": self.eos_ids,
+                "exact": self.exact,
+                **kw,
+            }
+        )
 
     def _merge(self, t_state, d_state):
         return merged(self._t_graph, t_state, self._d_graph, d_state)
@@ -345,8 +392,15 @@ class SlotEngine:
                 f"exceeds the context limit of {self.max_len} tokens"
             )
 
-    def insert(self, slot: int, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams, seed: int,
-               stop_at_eos: bool = True) -> tuple[int, bool]:
+    def insert(
+        self,
+        slot: int,
+        prompt: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        seed: int,
+        stop_at_eos: bool = True,
+    ) -> tuple[int, bool]:
         """Prefills all of ``prompt`` into ``slot`` (free; ``prefill``); returns (first token, done already).
         With ``stop_at_eos`` False an EOS first token does not end the request (``ignore_eos``). ``sampling``
         holds the request's logits processors, ``stop_ids`` the tokens ``min_tokens`` holds back."""
@@ -383,8 +437,17 @@ class SlotEngine:
             best = self._size_plans[n] = sorted(best, reverse=True)
         return list(best)
 
-    def prefill(self, slot: int, prompt: Sequence[int], start: int, end: int, max_tokens: int, sampling: SamplingParams,
-                seed: int, stop_at_eos: bool = True) -> tuple[int, bool] | None:
+    def prefill(
+        self,
+        slot: int,
+        prompt: Sequence[int],
+        start: int,
+        end: int,
+        max_tokens: int,
+        sampling: SamplingParams,
+        seed: int,
+        stop_at_eos: bool = True,
+    ) -> tuple[int, bool] | None:
         """Computes prompt positions ``start..end-1`` into ``slot``, whose caches hold the prompt's first
         ``start`` positions (earlier chunks, or a prefix put there by ``copy_row``), in chunks (``chunks``). At
         the prompt's end the request starts and (first token, done) is returned; before it, None, and the
@@ -402,15 +465,37 @@ class SlotEngine:
         first, done = jax.device_get((first, done))
         return int(first), bool(done)
 
-    def _chunk_args(self, c: int, slot: int, prompt: Sequence[int], start: int, max_tokens: int, sampling: SamplingParams,
-                    seed: int, stop_at_eos: bool) -> tuple:
+    def _chunk_args(
+        self,
+        c: int,
+        slot: int,
+        prompt: Sequence[int],
+        start: int,
+        max_tokens: int,
+        sampling: SamplingParams,
+        seed: int,
+        stop_at_eos: bool,
+    ) -> tuple:
         ids = np.zeros((1, c + 1), np.int32)
-        part = prompt[start: start + c + 1]
+        part = prompt[start : start + c + 1]
         ids[0, : len(part)] = part
         rows = RowPenalties.build([sampling.penalties], [list(prompt)], self.target.config.vocab_size)
         t_row, d_row = self._row_program()(self.state, np.int32(slot))
-        return (self._t_state, self._d_state, self.state, t_row, d_row, np.int32(slot), ids, np.int32(start), np.int32(len(prompt)),
-                RowSampling.fill(sampling, 1, rows), jax.random.key(seed), np.int32(max_tokens), np.bool_(stop_at_eos))
+        return (
+            self._t_state,
+            self._d_state,
+            self.state,
+            t_row,
+            d_row,
+            np.int32(slot),
+            ids,
+            np.int32(start),
+            np.int32(len(prompt)),
+            RowSampling.fill(sampling, 1, rows),
+            jax.random.key(seed),
+            np.int32(max_tokens),
+            np.bool_(stop_at_eos),
+        )
 
     def copy_row(self, src: tuple[str, int], dst: tuple[str, int], held: int = 0) -> None:
         """Copies one row of the target's and the drafter's caches, whole: ``("slot", i)`` or ``("pool", j)``
@@ -469,8 +554,14 @@ class SlotEngine:
             rows *= ROW_GROWTH
         return min(rows, self.slots)
 
-    def step(self, spec: SpecConfig | None, greedy: bool, rows: int | None = None, cancel: np.ndarray | None = None,
-             rounds: int | None = None) -> StepOutput:
+    def step(
+        self,
+        spec: SpecConfig | None,
+        greedy: bool,
+        rows: int | None = None,
+        cancel: np.ndarray | None = None,
+        rounds: int | None = None,
+    ) -> StepOutput:
         """Up to ``rounds`` rounds (default and at most ``rounds_per_step``; the same program whatever the
         count) over the first ``rows`` slots (default all); slots in ``cancel`` are stopped first. Rows stop at the engine's EOS unless inserted with ``stop_at_eos``
         False; the caller cuts each row's tokens at its own stop tokens (``stop_token_ids``)."""
@@ -491,7 +582,14 @@ class SlotEngine:
         t0 = time.perf_counter()
         self.state = program(*args)
         out, n_out, done, accepted, length, probe = jax.device_get(
-            (self.state.out, self.state.n_out, self.state.done, self.state.accepted, self.state.length, self.state.probe)
+            (
+                self.state.out,
+                self.state.n_out,
+                self.state.done,
+                self.state.accepted,
+                self.state.length,
+                self.state.probe,
+            )
         )
         seconds = time.perf_counter() - t0
         tokens = [out[b, : n_out[b]].tolist() for b in range(self.slots)]
@@ -501,5 +599,9 @@ class SlotEngine:
     def _covering(self, spec: SpecConfig | None, greedy: bool, rows: int) -> list[tuple]:
         """Compiled step programs that can run this step, cheapest first: any row count at least as large,
         and sampling programs for greedy rows (whose p and q are then one-hot)."""
-        keys = [k for k in self.programs.keys() if k[0] == "step" and k[1] == spec and k[3] >= rows and (k[2] == greedy or not k[2])]
+        keys = [
+            k
+            for k in self.programs.keys()
+            if k[0] == "step" and k[1] == spec and k[3] >= rows and (k[2] == greedy or not k[2])
+        ]
         return sorted(keys, key=lambda k: (k[3], k[2] != greedy))

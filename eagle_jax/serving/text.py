@@ -14,8 +14,15 @@ from typing import Collection, Sequence
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: Sequence[str] = (), *, stop_ids: Collection[int] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        stop: Sequence[str] = (),
+        *,
+        stop_ids: Collection[int] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.stop_ids = frozenset(stop_ids)

@@ -65,7 +65,9 @@ def messages_of(record: dict, where: str) -> list[dict[str, str]] | None:
         out = []
         for m in record["messages"]:
             if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: each message needs 'role' in {CHAT_ROLES} and a string 'content', got {m!r:.120}")
+                raise DataError(
+                    f"{where}: each message needs 'role' in {CHAT_ROLES} and a string 'content', got {m!r:.120}"
+                )
             out.append({"role": m["role"], "content": m["content"]})
         return out
     if "conversations" in record:
@@ -97,8 +99,14 @@ def _eos_ids(tokenizer: Any) -> set[int]:
     return {int(eos)} if isinstance(eos, (int, np.integer)) else {int(e) for e in eos}
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool = False,
-           where: str = "record", turn: int | None = None) -> str:
+def render(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    add_generation_prompt: bool = False,
+    where: str = "record",
+    turn: int | None = None,
+) -> str:
     """The template's text for ``messages``; a template error becomes a DataError naming the record."""
     from jinja2 import TemplateError
 
@@ -126,7 +134,9 @@ def _offsets(tokenizer: Any, text: str, where: str) -> tuple[np.ndarray, np.ndar
     return ids, offsets
 
 
-def assistant_spans(messages: list[dict[str, str]], tokenizer: Any, where: str = "record") -> tuple[str, list[tuple[int, int, int]]]:
+def assistant_spans(
+    messages: list[dict[str, str]], tokenizer: Any, where: str = "record"
+) -> tuple[str, list[tuple[int, int, int]]]:
     """(the whole conversation's text, [(turn index, start, end)] character span of each assistant turn).
 
     The span runs from the end of the prompt the model answers (``messages[:i]`` + generation prompt)
@@ -138,7 +148,9 @@ def assistant_spans(messages: list[dict[str, str]], tokenizer: Any, where: str =
         if m["role"] != "assistant":
             continue
         if i == 0:
-            raise DataError(f"{where}: turn 0 is an assistant turn; the conversation needs a user (or system) turn before it")
+            raise DataError(
+                f"{where}: turn 0 is an assistant turn; the conversation needs a user (or system) turn before it"
+            )
         before = render(tokenizer, messages[:i], add_generation_prompt=True, where=where, turn=i - 1)
         upto = render(tokenizer, messages[: i + 1], where=where, turn=i)
         for text, what in ((before, f"turns 0..{i - 1} with the generation prompt"), (upto, f"turns 0..{i}")):
@@ -150,12 +162,16 @@ def assistant_spans(messages: list[dict[str, str]], tokenizer: Any, where: str =
                     f"{{% endgeneration %}} markers to the template, or split the record into single-turn records"
                 )
         if len(upto) < len(before):
-            raise DataError(f"{where}: turn {i} (assistant): the rendering with this turn is shorter than the prompt before it")
+            raise DataError(
+                f"{where}: turn {i} (assistant): the rendering with this turn is shorter than the prompt before it"
+            )
         spans.append((i, len(before), len(upto)))
     return full, spans
 
 
-def _end_of_turn(ids: np.ndarray, offsets: np.ndarray, text: str, first: int, stop: int, specials: set[int], eos: set[int]) -> int:
+def _end_of_turn(
+    ids: np.ndarray, offsets: np.ndarray, text: str, first: int, stop: int, specials: set[int], eos: set[int]
+) -> int:
     """Index one past the last token of the span tokens ``first..stop-1`` that the model generates.
 
     Rule: the turn ends at the first EOS in the span, or at the first special token of the span's
@@ -179,8 +195,9 @@ def _end_of_turn(ids: np.ndarray, offsets: np.ndarray, text: str, first: int, st
     return cut
 
 
-def chat_ids_and_mask(messages: list[dict[str, str]], tokenizer: Any, where: str = "record", *,
-                      method: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+def chat_ids_and_mask(
+    messages: list[dict[str, str]], tokenizer: Any, where: str = "record", *, method: str = "auto"
+) -> tuple[np.ndarray, np.ndarray]:
     """(ids int32 [L], loss mask uint8 [L]) of a conversation; see the module docstring.
 
     ``method``: "auto" (markers when the template has them, else prefix diffing), "markers" or "prefix".
@@ -189,7 +206,9 @@ def chat_ids_and_mask(messages: list[dict[str, str]], tokenizer: Any, where: str
         raise ValueError(f"method must be 'auto', 'markers' or 'prefix', got {method!r}")
     check_chat_template(tokenizer, where)
     if method == "markers" or (method == "auto" and _GENERATION.search(chat_template_of(tokenizer))):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_assistant_tokens_mask=True, return_dict=True)
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_assistant_tokens_mask=True, return_dict=True
+        )
         return np.asarray(out["input_ids"], np.int32), np.asarray(out["assistant_masks"], np.uint8)
     full, spans = assistant_spans(messages, tokenizer, where)
     ids, offsets = _offsets(tokenizer, full, where)
@@ -206,11 +225,15 @@ def chat_ids_and_mask(messages: list[dict[str, str]], tokenizer: Any, where: str
 def pre_query(tokenizer: Any, system: str | None = None) -> str:
     """The template's text before a user turn's content (its BOS, default or given system prompt, user
     header): what a chat model continues with a user query (Magpie)."""
-    messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": _SENTINEL}]
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": _SENTINEL}
+    ]
     text = render(tokenizer, messages, where="chat template")
     if text.count(_SENTINEL) != 1:
-        raise DataError("chat template: a user turn's content does not appear once, verbatim, in its rendering; "
-                        "the text before a user query cannot be found")
+        raise DataError(
+            "chat template: a user turn's content does not appear once, verbatim, in its rendering; "
+            "the text before a user query cannot be found"
+        )
     return text[: text.index(_SENTINEL)]
 
 

@@ -118,9 +118,15 @@ def load_samples(
     samples: list[Sample] = []
     template_checked = False
     for path in paths:
-        for where, record in tqdm(read_jsonl(path), desc=f"tokenizing {Path(path).name}", unit=" rec", disable=not progress):
+        for where, record in tqdm(
+            read_jsonl(path), desc=f"tokenizing {Path(path).name}", unit=" rec", disable=not progress
+        ):
             stats.records += 1
-            if not template_checked and isinstance(record, dict) and ("messages" in record or "conversations" in record):
+            if (
+                not template_checked
+                and isinstance(record, dict)
+                and ("messages" in record or "conversations" in record)
+            ):
                 check_chat_template(tokenizer, f"tokenizer for {where}")
                 template_checked = True
             s = encode_record(record, tokenizer, where)
@@ -249,7 +255,9 @@ class Batcher:
             if self.buckets[-1] < self.max_length:
                 raise DataError(f"largest bucket {self.buckets[-1]} < max_length {self.max_length}")
         elif self.buckets and tuple(self.buckets) != (self.max_length,):
-            raise DataError(f"buckets {list(self.buckets)} are for batching mode 'bucket'; mode {self.mode!r} pads every row to max_length")
+            raise DataError(
+                f"buckets {list(self.buckets)} are for batching mode 'bucket'; mode {self.mode!r} pads every row to max_length"
+            )
         else:
             self.buckets = (self.max_length,)
         self._lengths = np.array([len(s) for s in self.samples], np.int64)
@@ -285,7 +293,9 @@ class Batcher:
                 for b, length in enumerate(self.buckets):
                     idx = rng.permutation(np.nonzero(self._which == b)[0])
                     n = len(idx) // self.batch_size
-                    batches += [(length, list(idx[k * self.batch_size : (k + 1) * self.batch_size, None])) for k in range(n)]
+                    batches += [
+                        (length, list(idx[k * self.batch_size : (k + 1) * self.batch_size, None])) for k in range(n)
+                    ]
             order = rng.permutation(len(batches))
             self._plans = {epoch: [batches[k] for k in order]}  # keep one epoch: the plan is cheap to redo
         return self._plans[epoch]
@@ -321,7 +331,9 @@ class Batcher:
 # ------------------------------------------------------------------------------------ synthetic data
 
 
-def greedy_samples(target: Any, num_samples: int, prompt_length: int, length: int, *, seed: int = 0, batch_size: int = 64) -> list[Sample]:
+def greedy_samples(
+    target: Any, num_samples: int, prompt_length: int, length: int, *, seed: int = 0, batch_size: int = 64
+) -> list[Sample]:
     """Random prompts continued greedily by ``target`` to ``length`` tokens; loss on the continuation.
 
     A stand-in for regenerated data when there is no tokenizer or corpus (tiny recipes and tests):

@@ -49,7 +49,9 @@ def target_fingerprint(target: Target) -> str:
     enough to tell two checkpoints apart without hashing every weight."""
     h = hashlib.sha256(json.dumps(target.config.to_hf(), sort_keys=True, default=str).encode())
     h.update(str(jnp.dtype(target.dtype)).encode())
-    parts = [target.embed_tokens[...][:64], target.norm.weight[...]] + [layer.input_layernorm.weight[...] for layer in target.layers]
+    parts = [target.embed_tokens[...][:64], target.norm.weight[...]] + [
+        layer.input_layernorm.weight[...] for layer in target.layers
+    ]
     for part in parts:
         h.update(np.ascontiguousarray(np.asarray(part, np.float32)).tobytes())
     return h.hexdigest()[:16]
@@ -127,8 +129,13 @@ def _expected(target: Target, aux_layer_ids: tuple[int, ...], samples: Sequence[
 
 
 def _check_manifest(directory: Path, manifest: dict, expected: dict) -> None:
-    what = {"version": "format version", "target": "target (config or weights)", "aux_layer_ids": "aux layers",
-            "data": "training data (token ids)", "samples": "number of samples"}
+    what = {
+        "version": "format version",
+        "target": "target (config or weights)",
+        "aux_layer_ids": "aux layers",
+        "data": "training data (token ids)",
+        "samples": "number of samples",
+    }
     for key, name in what.items():
         if manifest.get(key) != expected[key]:
             raise FeatureError(
@@ -184,7 +191,11 @@ def _forward_fn(target: Target, aux_layer_ids: tuple[int, ...]) -> Callable:
         t = nnx.merge(graphdef, state)
         mask = document_mask(positions, segments)
         hidden, aux, _ = t.forward(ids, positions, mask, aux_layer_ids=aux_layer_ids)
-        return aux.astype(jnp.float32), hidden.astype(jnp.float32), jnp.argmax(t.logits(hidden), axis=-1).astype(jnp.int32)
+        return (
+            aux.astype(jnp.float32),
+            hidden.astype(jnp.float32),
+            jnp.argmax(t.logits(hidden), axis=-1).astype(jnp.int32),
+        )
 
     return lambda ids, positions, segments: run(state, ids, positions, segments)
 
@@ -212,8 +223,15 @@ def compute_features(
         return _compute_locked(target, samples, tuple(aux_layer_ids), directory, rows, length, progress)
 
 
-def _compute_locked(target: Target, samples: Sequence[Sample], aux_layer_ids: tuple[int, ...], directory: Path,
-                    rows: int, length: int | None, progress: bool) -> FeatureStore:
+def _compute_locked(
+    target: Target,
+    samples: Sequence[Sample],
+    aux_layer_ids: tuple[int, ...],
+    directory: Path,
+    rows: int,
+    length: int | None,
+    progress: bool,
+) -> FeatureStore:
     expected = _expected(target, tuple(aux_layer_ids), samples)
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in samples])]).astype(np.int64)
     manifest_path = directory / "manifest.json"
@@ -243,18 +261,18 @@ def _compute_locked(target: Target, samples: Sequence[Sample], aux_layer_ids: tu
                 start = 0
                 for seg, i in enumerate(row, 1):
                     n = len(samples[i])
-                    ids[r, start:start + n] = samples[i].input_ids
-                    positions[r, start:start + n] = np.arange(n)
-                    segments[r, start:start + n] = seg
+                    ids[r, start : start + n] = samples[i].input_ids
+                    positions[r, start : start + n] = np.arange(n)
+                    segments[r, start : start + n] = seg
                     start += n
             aux, hidden, argmax = (np.asarray(x) for x in forward(ids, positions, segments))
             for r, row in enumerate(packed):
                 start = 0
                 for i in row:
                     lo, hi = offsets[i], offsets[i + 1]
-                    out["aux"][lo:hi] = aux[r, start:start + hi - lo]
-                    out["hidden"][lo:hi] = hidden[r, start:start + hi - lo]
-                    out["argmax"][lo:hi] = argmax[r, start:start + hi - lo]
+                    out["aux"][lo:hi] = aux[r, start : start + hi - lo]
+                    out["hidden"][lo:hi] = hidden[r, start : start + hi - lo]
+                    out["argmax"][lo:hi] = argmax[r, start : start + hi - lo]
                     start += hi - lo
             for m in out.values():
                 m.flush()

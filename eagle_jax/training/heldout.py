@@ -22,8 +22,9 @@ from eagle_jax.training.features import FeatureStore, draft_vocab_logits
 from eagle_jax.training.ttt import simulated_acceptance_length, ttt_loss
 
 
-def target_outputs(mb: dict, target_state: Any, graphdef_t: nnx.GraphDef | None, aux_layer_ids: tuple[int, ...],
-                   from_features: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+def target_outputs(
+    mb: dict, target_state: Any, graphdef_t: nnx.GraphDef | None, aux_layer_ids: tuple[int, ...], from_features: bool
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(target logits, aux states, target argmax or None) for a micro-batch, without gradient: from the batch's
     precomputed features (``target_state`` = the draft-vocabulary head rows) or from the frozen target itself."""
     if from_features:
@@ -34,8 +35,16 @@ def target_outputs(mb: dict, target_state: Any, graphdef_t: nnx.GraphDef | None,
     return jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(aux), t_argmax
 
 
-def make_eval_step(graphdef_d: nnx.GraphDef, graphdef_t: nnx.GraphDef | None, *, aux_layer_ids: tuple[int, ...],
-                   ttt_length: int, decay: float, compute_dtype, from_features: bool) -> Callable:
+def make_eval_step(
+    graphdef_d: nnx.GraphDef,
+    graphdef_t: nnx.GraphDef | None,
+    *,
+    aux_layer_ids: tuple[int, ...],
+    ttt_length: int,
+    decay: float,
+    compute_dtype,
+    from_features: bool,
+) -> Callable:
     """(params, frozen, target_state, batch [rows, T]) -> per-position (loss x count, correct, count) sums."""
 
     def step(params, frozen, target_state, batch):
@@ -43,9 +52,19 @@ def make_eval_step(graphdef_d: nnx.GraphDef, graphdef_t: nnx.GraphDef | None, *,
         drafter = nnx.merge(graphdef_d, params, frozen)
         t_logits, aux, t_argmax = target_outputs(batch, target_state, graphdef_t, aux_layer_ids, from_features)
         # per supervised position ("valid") whatever the training normalisation: the sums are then exact
-        out = ttt_loss(drafter, aux.astype(compute_dtype), batch["input_ids"], t_logits, batch["loss_mask"], ttt_length=ttt_length,
-                       decay=decay, normalize="valid", positions=batch["positions"], segment_ids=batch["segment_ids"],
-                       target_argmax=t_argmax)
+        out = ttt_loss(
+            drafter,
+            aux.astype(compute_dtype),
+            batch["input_ids"],
+            t_logits,
+            batch["loss_mask"],
+            ttt_length=ttt_length,
+            decay=decay,
+            normalize="valid",
+            positions=batch["positions"],
+            segment_ids=batch["segment_ids"],
+            target_argmax=t_argmax,
+        )
         return out.losses * out.counts, out.accuracies * out.counts, out.counts
 
     return jax.jit(step)

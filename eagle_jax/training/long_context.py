@@ -25,8 +25,15 @@ from eagle_jax.training.data import read_jsonl
 from eagle_jax.training.regenerate import conversation_of
 
 
-def stitch(conversations: Sequence[list[dict[str, str]]], lengths: Sequence[int], *, count: int, min_tokens: int,
-           max_tokens: int, seed: int = 0) -> list[dict[str, Any]]:
+def stitch(
+    conversations: Sequence[list[dict[str, str]]],
+    lengths: Sequence[int],
+    *,
+    count: int,
+    min_tokens: int,
+    max_tokens: int,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """Up to ``count`` records ``{"messages": [...]}`` of about ``min_tokens``-``max_tokens`` tokens,
     chaining conversations (token length ``lengths[i]`` each, rendered alone) in a seeded random order
     until a length drawn uniformly in that range is reached; stops when the conversations run out."""
@@ -75,9 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     tok = load_tokenizer(args.tokenizer)
     convs = load_conversations(args.inputs)
     lengths = [len(tok.encode(tok.apply_chat_template(c, tokenize=False), add_special_tokens=False)) for c in convs]
-    records = stitch(convs, lengths, count=args.count, min_tokens=args.min_tokens, max_tokens=args.max_tokens, seed=args.seed)
+    records = stitch(
+        convs, lengths, count=args.count, min_tokens=args.min_tokens, max_tokens=args.max_tokens, seed=args.seed
+    )
     if not records:
-        raise SystemExit(f"no conversation of {args.min_tokens}-{args.max_tokens} tokens could be stitched from {len(convs)}")
+        raise SystemExit(
+            f"no conversation of {args.min_tokens}-{args.max_tokens} tokens could be stitched from {len(convs)}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         for r in records:

@@ -180,11 +180,15 @@ def check_config(cfg: dict) -> None:
             raise TrainConfigError(f"config: {key} has {unknown}; expected any of: {', '.join(allowed)}")
     e = cfg["eval"]
     if e["path"] and bool(e["features"]) != bool(cfg["data"]["features"]):
-        raise TrainConfigError("config: eval.features and data.features go together (held-out samples are read as the training data is)")
+        raise TrainConfigError(
+            "config: eval.features and data.features go together (held-out samples are read as the training data is)"
+        )
     if int(e["every"] or 0) % max(1, int(cfg["log"]["every"])):
         raise TrainConfigError(f"config: eval.every={e['every']} must be a multiple of log.every={cfg['log']['every']}")
     if cfg["drafter"]["warm_start"] and cfg["drafter"]["init"]:
-        raise TrainConfigError("config: drafter.warm_start starts a fresh drafter; drafter.init loads one: set one of them")
+        raise TrainConfigError(
+            "config: drafter.warm_start starts a fresh drafter; drafter.init loads one: set one of them"
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> dict:
@@ -293,7 +297,9 @@ def build_samples(cfg: dict, target: Target, section: str = "data") -> tuple[lis
         return samples, int(pad), stats.summary()
     if d["synthetic"]:
         s = {"num_samples": 512, "prompt_length": 8, **d["synthetic"]}
-        samples = greedy_samples(target, int(s["num_samples"]), int(s["prompt_length"]), int(d["max_length"]), seed=int(cfg["seed"]))
+        samples = greedy_samples(
+            target, int(s["num_samples"]), int(s["prompt_length"]), int(d["max_length"]), seed=int(cfg["seed"])
+        )
         return samples, 0, f"{len(samples)} synthetic samples (random prompts + the target's greedy continuations)"
     raise TrainConfigError("config: set data.path (JSONL) or data.synthetic")
 
@@ -368,7 +374,7 @@ def build_drafter(cfg: dict, target: Target, samples: list[Sample]) -> tuple[Dra
         d2t, t2d = load_vocab_map(d["vocab_map"], v, vd)
         note = f"vocab map from {d['vocab_map']}"
     else:
-        # Built from this run's data (SPEC 5 procedure), never a "first Vd ids" default.
+        # Built from this run's data, never a "first Vd ids" default.
         d2t, t2d = build_vocab_map(counts, vd) if vd < v else (np.zeros(vd, np.int64), np.ones(v, bool))
         note = "identity vocab map" if vd == v else f"vocab map built from the training data ({vd} of {v} ids)"
     drafter.set_vocab_map(d2t)
@@ -407,7 +413,9 @@ def warm_start(drafter: Drafter, target: Target, parts: Iterable[str]) -> None:
             kernel[(n - 1) * h :] = np.eye(h, dtype=np.float32)
             drafter.fc.kernel.set_value(jnp.asarray(kernel, drafter.fc.kernel[...].dtype))
         else:
-            raise TrainConfigError(f"config: drafter.warm_start has {part!r}; expected any of: {', '.join(WARM_STARTS)}")
+            raise TrainConfigError(
+                f"config: drafter.warm_start has {part!r}; expected any of: {', '.join(WARM_STARTS)}"
+            )
 
 
 def trainable_mask(params: Any, freeze: Iterable[str]) -> Any:
@@ -419,7 +427,9 @@ def trainable_mask(params: Any, freeze: Iterable[str]) -> Any:
     tops = {str(getattr(path[0], "key", path[0])) for path, _ in leaves}
     unknown = sorted(freeze - tops)
     if unknown:
-        raise TrainConfigError(f"config: train.freeze has {unknown}; the drafter's modules with parameters are: {', '.join(sorted(tops))}")
+        raise TrainConfigError(
+            f"config: train.freeze has {unknown}; the drafter's modules with parameters are: {', '.join(sorted(tops))}"
+        )
     if freeze == tops:
         raise TrainConfigError("config: train.freeze names every module with parameters: nothing would train")
     return jax.tree_util.tree_map_with_path(lambda path, _: str(getattr(path[0], "key", path[0])) not in freeze, params)
@@ -433,7 +443,9 @@ def make_optimizer(cfg: dict, trainable: Any = None) -> tuple[optax.GradientTran
     warmup = int(t["warmup_steps"]) if t["warmup_steps"] is not None else int(round(float(t["warmup_ratio"]) * steps))
     warmup = max(1, warmup)
     lr = float(t["lr"])
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * float(t["min_lr_ratio"]))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, lr, warmup, max(steps, warmup + 1), lr * float(t["min_lr_ratio"])
+    )
     tx = optax.chain(
         optax.clip_by_global_norm(float(t["clip_norm"])),
         optax.adamw(schedule, b1=float(t["b1"]), b2=float(t["b2"]), weight_decay=float(t["weight_decay"])),

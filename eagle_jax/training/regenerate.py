@@ -1,4 +1,4 @@
-"""Regeneration (SPEC 7): every assistant turn of a conversation written by the target itself.
+"""Regeneration: every assistant turn of a conversation written by the target itself.
 
 A conversation that ends with a user turn (a prompt-only record, the usual starting point) gets a
 reply appended; existing assistant turns are replaced. Turns are generated in order, each conditioned
@@ -124,7 +124,9 @@ def regenerate_conversations(
             if not alive[ci] or len(turns[ci]) <= k:
                 continue
             at = turns[ci][k]
-            ids = tokenizer.apply_chat_template(conv[:at], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+            ids = tokenizer.apply_chat_template(conv[:at], tokenize=True, add_generation_prompt=True, return_dict=True)[
+                "input_ids"
+            ]
             if len(ids) + max_new_tokens > limit:
                 alive[ci] = False
                 stats.truncated += 1
@@ -141,8 +143,17 @@ def regenerate_conversations(
             chunk = jobs[start : start + batch_size]
             prompts = [j[2] for j in chunk]
             prompts += prompts[-1:] * (min(batch_size, len(jobs)) - len(chunk))  # one batch shape: one compiled program
-            res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, eos_token_id=stops, seed=seed + start + 1000 * k, tokenizer=tokenizer)
+            res = generate(
+                target,
+                drafter,
+                prompts,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                eos_token_id=stops,
+                seed=seed + start + 1000 * k,
+                tokenizer=tokenizer,
+            )
             for (ci, at, _), text, toks in zip(chunk, res.text, res.tokens):
                 convs[ci][at] = {"role": "assistant", "content": text}
                 stats.turns += 1

@@ -41,7 +41,9 @@ class ShardedOutput:
             state = json.loads(self.progress_file.read_text())
             settings = state["fingerprint"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DataError(f"{self.progress_file}: not a valid progress file ({e}); delete it, or pass --restart") from e
+            raise DataError(
+                f"{self.progress_file}: not a valid progress file ({e}); delete it, or pass --restart"
+            ) from e
         changed = sorted(k for k in set(settings) | set(self.fingerprint) if settings.get(k) != self.fingerprint.get(k))
         if changed:
             was = ", ".join(f"{k}={settings.get(k)!r} (now {self.fingerprint.get(k)!r})" for k in changed)
@@ -53,7 +55,9 @@ class ShardedOutput:
         self.shards, self.totals = int(state["shards"]), dict(state["totals"])
         lines = self.partial.read_text(encoding="utf-8").splitlines(keepends=True) if self.partial.exists() else []
         if len(lines) < self.written:
-            raise DataError(f"{self.partial}: holds {len(lines)} records, its progress file says {self.written}; pass --restart")
+            raise DataError(
+                f"{self.partial}: holds {len(lines)} records, its progress file says {self.written}; pass --restart"
+            )
         if len(lines) > self.written:  # a shard cut off after appending: redone
             with open(self.partial, "w", encoding="utf-8") as f:
                 f.writelines(lines[: self.written])
@@ -80,8 +84,13 @@ class ShardedOutput:
         self.shards += 1
         for k, v in counts.items():
             self.totals[k] = self.totals.get(k, 0) + int(v)
-        state = {"fingerprint": self.fingerprint, "inputs_done": self.inputs_done, "written": self.written,
-                 "shards": self.shards, "totals": self.totals}
+        state = {
+            "fingerprint": self.fingerprint,
+            "inputs_done": self.inputs_done,
+            "written": self.written,
+            "shards": self.shards,
+            "totals": self.totals,
+        }
         tmp = self.progress_file.with_name(self.progress_file.name + ".tmp")
         tmp.write_text(json.dumps(state, indent=1) + "\n")
         os.replace(tmp, self.progress_file)

@@ -84,10 +84,14 @@ def synthesize_prompts(
     if n < 1:
         raise ConfigError(f"the number of prompts to synthesise must be >= 1, got {n}")
     if temperature <= 0:
-        raise ConfigError("synthesising prompts needs sampling (temperature > 0): greedy decoding writes the same query every time")
+        raise ConfigError(
+            "synthesising prompts needs sampling (temperature > 0): greedy decoding writes the same query every time"
+        )
     head = tokenizer(pre_query(tokenizer, system), add_special_tokens=False)["input_ids"]
     if not head:
-        raise DataError("chat template: the text before a user turn is empty; there is nothing to continue into a query")
+        raise DataError(
+            "chat template: the text before a user turn is empty; there is nothing to continue into a query"
+        )
     stops = sorted(set(eos_ids(target, tokenizer)) | end_of_turn_ids(tokenizer))
     cap = max_samples if max_samples is not None else 10 * n
     stats = SynthStats(wanted=n)
@@ -97,8 +101,17 @@ def synthesize_prompts(
     bar = tqdm(total=n, desc="synthesising prompts", unit=" prompt", disable=not progress)
     batch = 0
     while len(out) < n and stats.sampled < cap:
-        res = generate(target, drafter, [head] * batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
-                       top_p=top_p, eos_token_id=stops, seed=batch_seed(seed, batch), tokenizer=tokenizer)
+        res = generate(
+            target,
+            drafter,
+            [head] * batch_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            eos_token_id=stops,
+            seed=batch_seed(seed, batch),
+            tokenizer=tokenizer,
+        )
         batch += 1
         for toks, text in zip(res.tokens, res.text):
             if len(out) == n or stats.sampled == cap:
@@ -150,13 +163,32 @@ def synthesize_conversations(
     ``synthesize_prompts`` (``query_*`` settings), the replies by ``regenerate_conversations``
     (``max_new_tokens``, ``temperature``, ``top_p``)."""
     prompts, synth = synthesize_prompts(
-        target, tokenizer, n, system=system, max_new_tokens=query_max_tokens, temperature=query_temperature,
-        top_p=query_top_p, min_chars=min_chars, max_samples=max_samples, batch_size=batch_size, drafter=drafter,
-        seed=seed, exclude=exclude, progress=progress,
+        target,
+        tokenizer,
+        n,
+        system=system,
+        max_new_tokens=query_max_tokens,
+        temperature=query_temperature,
+        top_p=query_top_p,
+        min_chars=min_chars,
+        max_samples=max_samples,
+        batch_size=batch_size,
+        drafter=drafter,
+        seed=seed,
+        exclude=exclude,
+        progress=progress,
     )
     first = [{"role": "system", "content": system}] if system is not None else []
     convs, regen = regenerate_conversations(
-        target, [first + [{"role": "user", "content": p}] for p in prompts], tokenizer, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, drafter=drafter, batch_size=batch_size, seed=seed, progress=progress,
+        target,
+        [first + [{"role": "user", "content": p}] for p in prompts],
+        tokenizer,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        drafter=drafter,
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
     )
     return convs, synth, regen

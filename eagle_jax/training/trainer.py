@@ -1,4 +1,4 @@
-"""TTT training of an EAGLE-3 / 3.1 drafter against a frozen target (SPEC 7).
+"""TTT training of an EAGLE-3 / 3.1 drafter against a frozen target.
 
 One jitted step, compiled once: (drafter params, optimiser state, frozen drafter variables, target
 state, batch) -> (params, optimiser state, metrics). The target's aux states and logits are computed
@@ -68,11 +68,12 @@ from eagle_jax.training.recipe import (
 )
 from eagle_jax.training.ttt import simulated_acceptance_length, ttt_loss
 
-
 # ------------------------------------------------------------------------------------- throughput
 
 
-def train_flops_per_token(target: Target, drafter: Drafter, seq_len: int, ttt_length: int, with_target: bool = True) -> float:
+def train_flops_per_token(
+    target: Target, drafter: Drafter, seq_len: int, ttt_length: int, with_target: bool = True
+) -> float:
     """Model FLOPs per token of one train step (matmuls only; norms, softmax, RoPE ignored).
 
     Target: forward only, 2 x the weights a token uses (MoE: its activated experts) (+ lm_head, or the
@@ -164,9 +165,20 @@ def make_train_step(
 
     def loss_fn(params, frozen, aux, t_logits, t_argmax, mb):
         drafter = nnx.merge(graphdef_d, cast(params), frozen)
-        out = ttt_loss(drafter, aux, mb["input_ids"], t_logits, mb["loss_mask"], ttt_length=ttt_length, decay=decay,
-                       normalize=normalize, positions=mb["positions"], segment_ids=mb["segment_ids"], remat=remat,
-                       target_argmax=t_argmax)
+        out = ttt_loss(
+            drafter,
+            aux,
+            mb["input_ids"],
+            t_logits,
+            mb["loss_mask"],
+            ttt_length=ttt_length,
+            decay=decay,
+            normalize=normalize,
+            positions=mb["positions"],
+            segment_ids=mb["segment_ids"],
+            remat=remat,
+            target_argmax=t_argmax,
+        )
         return out.total, out
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -231,7 +243,9 @@ def _checkpoint_manager(run_dir: Path, cfg: dict | None = None, read_only: bool 
     import orbax.checkpoint as ocp
 
     c = (cfg or DEFAULTS)["checkpoint"]
-    options = ocp.CheckpointManagerOptions(max_to_keep=int(c["keep"]) if c["keep"] else None, create=not read_only, read_only=read_only)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=int(c["keep"]) if c["keep"] else None, create=not read_only, read_only=read_only
+    )
     return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
 
 
@@ -345,8 +359,9 @@ class _StepTimer:
         return {length: tok / sec for length, (tok, sec) in sorted(self.by_length.items()) if sec > 0}
 
 
-def _record(steps: list[_Step], step: int, pos: DataPosition, lr: float, flop_fraction: float,
-            compile_s: float | None) -> dict[str, Any]:
+def _record(
+    steps: list[_Step], step: int, pos: DataPosition, lr: float, flop_fraction: float, compile_s: float | None
+) -> dict[str, Any]:
     """One log record from the steps since the last one: means of their metrics, throughput, and each
     step's padded length and tokens/s (None: it compiled)."""
     host = [jax.tree.map(_host, s.metrics) for s in steps]
@@ -401,8 +416,15 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     samples, pad_id, data_note = build_samples(cfg, target)
     drafter, vocab_note = build_drafter(cfg, target, samples)
     log(f"data: {data_note}\n{vocab_note}")
-    batcher = Batcher(samples, batch_size, int(cfg["data"]["max_length"]), mode=cfg["data"]["batching"],
-                      buckets=tuple(cfg["data"]["buckets"]) if cfg["data"]["buckets"] else None, seed=int(cfg["seed"]), pad_id=pad_id)
+    batcher = Batcher(
+        samples,
+        batch_size,
+        int(cfg["data"]["max_length"]),
+        mode=cfg["data"]["batching"],
+        buckets=tuple(cfg["data"]["buckets"]) if cfg["data"]["buckets"] else None,
+        seed=int(cfg["seed"]),
+        pad_id=pad_id,
+    )
 
     graphdef_d, params, frozen = nnx.split(drafter, nnx.Param, ...)
     trainable = trainable_mask(params, t_cfg["freeze"]) if t_cfg["freeze"] else None
@@ -415,8 +437,14 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     replicated = NamedSharding(mesh, PartitionSpec())
     features = None
     if cfg["data"]["features"]:  # the target's outputs computed once (or read back): the target never runs in a step
-        features = compute_features(target, samples, aux_layer_ids, cfg["data"]["features"],
-                                    length=int(cfg["data"]["max_length"]), progress=is_main and cfg["log"]["progress"])
+        features = compute_features(
+            target,
+            samples,
+            aux_layer_ids,
+            cfg["data"]["features"],
+            length=int(cfg["data"]["max_length"]),
+            progress=is_main and cfg["log"]["progress"],
+        )
         used = np.arange(drafter.config.draft_vocab_size) + np.asarray(drafter.d2t[...])
         target_state = put(draft_vocab_head(target, used), replicated)
         log(f"target features from {features.directory} ({int(features.offsets[-1])} tokens)")
@@ -427,9 +455,17 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     batch_sh = NamedSharding(mesh, PartitionSpec(None, *logical_to_spec(BATCH_AXES, (batch_size // accum, 1), mesh)))
 
     step_fn = make_train_step(
-        graphdef_d, graphdef_t, tx, aux_layer_ids=aux_layer_ids, ttt_length=int(t_cfg["ttt_length"]),
-        decay=float(t_cfg["decay"]), normalize=t_cfg["normalize"], compute_dtype=compute_dtype, remat=t_cfg["remat"],
-        from_features=features is not None, trainable=trainable,
+        graphdef_d,
+        graphdef_t,
+        tx,
+        aux_layer_ids=aux_layer_ids,
+        ttt_length=int(t_cfg["ttt_length"]),
+        decay=float(t_cfg["decay"]),
+        normalize=t_cfg["normalize"],
+        compute_dtype=compute_dtype,
+        remat=t_cfg["remat"],
+        from_features=features is not None,
+        trainable=trainable,
     )
     jitted = jax.jit(step_fn, donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, replicated))
     heldout = None
@@ -437,12 +473,32 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
         e_samples, _, e_note = build_samples(cfg, target, "eval")
         e_features = None
         if features is not None:
-            e_features = compute_features(target, e_samples, aux_layer_ids, cfg["eval"]["features"],
-                                          length=int(cfg["data"]["max_length"]), progress=is_main and cfg["log"]["progress"])
-        e_batcher = Batcher(e_samples, 1, int(cfg["data"]["max_length"]), mode=cfg["data"]["batching"],
-                            buckets=tuple(cfg["data"]["buckets"]) if cfg["data"]["buckets"] else None, seed=int(cfg["seed"]), pad_id=pad_id)
-        e_step = make_eval_step(graphdef_d, graphdef_t, aux_layer_ids=aux_layer_ids, ttt_length=int(t_cfg["ttt_length"]),
-                                decay=float(t_cfg["decay"]), compute_dtype=compute_dtype, from_features=features is not None)
+            e_features = compute_features(
+                target,
+                e_samples,
+                aux_layer_ids,
+                cfg["eval"]["features"],
+                length=int(cfg["data"]["max_length"]),
+                progress=is_main and cfg["log"]["progress"],
+            )
+        e_batcher = Batcher(
+            e_samples,
+            1,
+            int(cfg["data"]["max_length"]),
+            mode=cfg["data"]["batching"],
+            buckets=tuple(cfg["data"]["buckets"]) if cfg["data"]["buckets"] else None,
+            seed=int(cfg["seed"]),
+            pad_id=pad_id,
+        )
+        e_step = make_eval_step(
+            graphdef_d,
+            graphdef_t,
+            aux_layer_ids=aux_layer_ids,
+            ttt_length=int(t_cfg["ttt_length"]),
+            decay=float(t_cfg["decay"]),
+            compute_dtype=compute_dtype,
+            from_features=features is not None,
+        )
         heldout = HeldOut(e_batcher, e_features, e_step, lambda host: {k: put(v, replicated) for k, v in host.items()})
         log(f"held-out: {e_note}")
     eval_every = int(cfg["eval"]["every"] or 0)
@@ -455,16 +511,23 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     step, pos = 0, DataPosition()
     if mngr is not None and mngr.latest_step() is not None:
         last = mngr.latest_step()
-        abstract = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
-        r = mngr.restore(last, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract(params, param_sh)),
-            opt_state=ocp.args.StandardRestore(abstract(opt_state, opt_sh)),
-            meta=ocp.args.JsonRestore(),
-        ))
+        abstract = lambda tree, sh: jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh
+        )
+        r = mngr.restore(
+            last,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract(params, param_sh)),
+                opt_state=ocp.args.StandardRestore(abstract(opt_state, opt_sh)),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
         params, opt_state = r.params, r.opt_state
         step, pos = int(r.meta["step"]), DataPosition.from_dict(r.meta["data"])
         if int(r.meta["seed"]) != int(cfg["seed"]):
-            raise TrainConfigError(f"{run_dir}: checkpoint was trained with seed {r.meta['seed']}, config has {cfg['seed']}")
+            raise TrainConfigError(
+                f"{run_dir}: checkpoint was trained with seed {r.meta['seed']}, config has {cfg['seed']}"
+            )
         log(f"resumed from step {step} (epoch {pos.epoch}, batch {pos.index})")
         if is_main and (run_dir / "log.jsonl").exists():
             # Steps logged after the checkpoint are redone: drop their records so the log stays one curve.
@@ -478,10 +541,16 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     peak = measure_matmul_peak(compute_dtype) * jax.device_count()
     keeps = jax.tree.leaves(trainable) if trainable is not None else [True] * len(jax.tree.leaves(params))
     n_params = sum(int(np.prod(x.shape)) for x, keep in zip(jax.tree.leaves(params), keeps) if keep)
-    log(f"mesh {dict(mesh.shape)}; drafter {n_params / 1e6:.2f}M trainable params; "
-        f"~{flops_tok / 1e6:.1f} MFLOP/token; measured matmul peak {peak / 1e9:.1f} GFLOP/s")
+    log(
+        f"mesh {dict(mesh.shape)}; drafter {n_params / 1e6:.2f}M trainable params; "
+        f"~{flops_tok / 1e6:.1f} MFLOP/token; measured matmul peak {peak / 1e9:.1f} GFLOP/s"
+    )
 
-    meta_base = {"seed": int(cfg["seed"]), "drafter_config": drafter.config.to_hf(), "d2t": np.asarray(drafter.d2t[...]).tolist()}
+    meta_base = {
+        "seed": int(cfg["seed"]),
+        "drafter_config": drafter.config.to_hf(),
+        "d2t": np.asarray(drafter.d2t[...]).tolist(),
+    }
     log_path = run_dir / "log.jsonl"
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -489,11 +558,15 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
     log_every = max(1, int(cfg["log"]["every"]))
     records: list[dict] = []
     timer = _StepTimer()
-    bar = tqdm(total=total_steps, initial=step, desc="ttt", unit="step", disable=not (is_main and cfg["log"]["progress"]))
+    bar = tqdm(
+        total=total_steps, initial=step, desc="ttt", unit="step", disable=not (is_main and cfg["log"]["progress"])
+    )
     if heldout is not None and step == 0:  # the curve starts at the drafter training starts from (warm start or init)
         rec = {"step": 0, "loss_tokens": 0, **heldout.evaluate(params, frozen, target_state)}
-        log(f"step 0: held-out accuracy per position {rec['heldout_acc_per_position']}, "
-            f"simulated AL {rec['heldout_simulated_al']:.3f}")
+        log(
+            f"step 0: held-out accuracy per position {rec['heldout_acc_per_position']}, "
+            f"simulated AL {rec['heldout_simulated_al']:.3f}"
+        )
         records.append(rec)
         if is_main:
             with log_path.open("a") as f:
@@ -504,8 +577,12 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
         if features is not None:
             host_batch.update(features.collate(batcher.plan(pos.epoch)[pos.index][1], length))
         batch = {k: put(v.reshape(accum, batch_size // accum, *v.shape[1:]), batch_sh) for k, v in host_batch.items()}
-        params, opt_state, _ = timer.run(lambda: jitted(params, opt_state, frozen, target_state, batch), length,
-                                         host_batch["input_ids"].size, int(host_batch["loss_mask"].sum()))
+        params, opt_state, _ = timer.run(
+            lambda: jitted(params, opt_state, frozen, target_state, batch),
+            length,
+            host_batch["input_ids"].size,
+            int(host_batch["loss_mask"].sum()),
+        )
         step += 1
         pos = batcher.next_position(pos)
         bar.update(1)
@@ -514,20 +591,32 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
             if heldout is not None and ((eval_every and step % eval_every == 0) or step == total_steps):
                 rec.update(heldout.evaluate(params, frozen, target_state))
                 timer.untimed()
-                log(f"step {step}: held-out accuracy per position {rec['heldout_acc_per_position']}, "
-                    f"simulated AL {rec['heldout_simulated_al']:.3f}")
+                log(
+                    f"step {step}: held-out accuracy per position {rec['heldout_acc_per_position']}, "
+                    f"simulated AL {rec['heldout_simulated_al']:.3f}"
+                )
             records.append(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", acc0=f"{rec['acc_per_position'][0]:.3f}",
-                            al=f"{rec['simulated_al']:.2f}", tok_s=f"{rec['tokens_per_s'] or 0:.0f}")
+            bar.set_postfix(
+                loss=f"{rec['loss']:.4f}",
+                acc0=f"{rec['acc_per_position'][0]:.3f}",
+                al=f"{rec['simulated_al']:.2f}",
+                tok_s=f"{rec['tokens_per_s'] or 0:.0f}",
+            )
             if is_main:
                 with log_path.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
         if mngr is not None and (step % every == 0 or step == total_steps or step == stop_after):
             timer.flush()
             meta = {**meta_base, "step": step, "data": pos.to_dict()}
-            mngr.save(step, args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta)
-            ), force=True)
+            mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(params),
+                    opt_state=ocp.args.StandardSave(opt_state),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
             timer.untimed()
         if stop_after is not None and step >= stop_after:
             break
@@ -537,8 +626,13 @@ def train(cfg: dict, *, stop_after: int | None = None) -> dict[str, Any]:
         mngr.close()
     by_length = timer.tokens_per_s_by_length()
     log("tokens/s by padded length: " + (", ".join(f"{n}: {v:.0f}" for n, v in by_length.items()) or "none timed"))
-    summary = {"step": step, "records": records, "run_dir": str(run_dir), "compile_s": timer.compile_s,
-               "tokens_per_s_by_length": by_length}
+    summary = {
+        "step": step,
+        "records": records,
+        "run_dir": str(run_dir),
+        "compile_s": timer.compile_s,
+        "tokens_per_s_by_length": by_length,
+    }
     if step >= total_steps:
         out = Path(cfg["export"]["dir"] or run_dir / "export")
         export_drafter(graphdef_d, params, _gather(frozen), out, cfg["export"]["dtype"])

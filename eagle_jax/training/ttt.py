@@ -1,4 +1,4 @@
-"""Training-time test (TTT): the drafter unrolled over its own features, and its loss (SPEC 7).
+"""Training-time test (TTT): the drafter unrolled over its own features, and its loss.
 
 Data layout. ``input_ids`` [B, T] are the tokens of the training sequence; the frozen target gives, at
 every position t, its aux states (feature_t) and logits (its distribution for token t+1). The pair at
@@ -27,7 +27,7 @@ document alone in its own row. Without them: one sequence per row at positions 0
 pass recomputes a step instead of keeping its activations (attention probabilities, [B,T,Vd] logits)
 for all steps at once: memory for long sequences, same loss and gradients, ~1 more forward of compute.
 
-Loss of step i (SPEC 7): p = softmax(target_logits restricted to the draft vocabulary) in fp32,
+Loss of step i: p = softmax(target_logits restricted to the draft vocabulary) in fp32,
 mask = loss_mask * [target's argmax is a draft token], l_i = -sum(mask * p . log_softmax(draft_logits)),
 total = sum_i decay^i * l_i. Normalisation (``normalize``):
 
@@ -90,7 +90,14 @@ def _finish(drafter: Drafter, g: Array, attn_out: Array) -> tuple[Array, Array]:
 
 
 def _extended_attention(
-    q: Array, k0: Array, v0: Array, diag_k: Array, diag_v: Array, n_diag: Array | int, scale: float, mask: Array | None = None
+    q: Array,
+    k0: Array,
+    v0: Array,
+    diag_k: Array,
+    diag_v: Array,
+    n_diag: Array | int,
+    scale: float,
+    mask: Array | None = None,
 ) -> Array:
     """Query j attends over step-0 keys 0..j and the diagonal keys (index j) of the later steps.
 
@@ -201,7 +208,7 @@ def ttt_loss(
     remat: bool = False,
     target_argmax: Array | None = None,
 ) -> TTTOutput:
-    """TTT loss of SPEC 7 (see the module docstring for the alignment).
+    """The TTT loss (see the module docstring for the alignment).
 
     aux [B,T,N*Ht] and target_logits [B,T,V] from the frozen target on ``input_ids`` [B,T];
     or, with ``target_argmax`` [B,T] (the target's argmax over its whole vocabulary), target_logits
@@ -231,7 +238,9 @@ def ttt_loss(
         used = jnp.arange(vd) + drafter.d2t[...]
         target_argmax, tl = jnp.argmax(tl, axis=-1), jnp.take(tl, used, axis=-1)
     elif tl.shape[-1] != vd:
-        raise ValueError(f"ttt_loss: with target_argmax, target_logits must hold the {vd} draft-vocabulary columns, got {tl.shape[-1]}")
+        raise ValueError(
+            f"ttt_loss: with target_argmax, target_logits must hold the {vd} draft-vocabulary columns, got {tl.shape[-1]}"
+        )
     p_all = jax.nn.softmax(tl, axis=-1)  # [B,T,Vd]
     p_arg = jnp.argmax(p_all, axis=-1)
     lmask_all = loss_mask.astype(jnp.float32)

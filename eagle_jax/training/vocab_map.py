@@ -1,4 +1,4 @@
-"""The draft vocabulary (SPEC 5): d2t / t2d from loss-masked token frequencies of the training data.
+"""The draft vocabulary: d2t / t2d from loss-masked token frequencies of the training data.
 
 Count how often each target token id appears at loss-masked positions, keep the ``draft_vocab_size``
 most frequent (ties broken by the smaller id, so the result is deterministic), sort them ascending

@@ -198,7 +198,7 @@ def write_data(args, path: Path) -> bool:
     return bool(args.questions)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", action="append", required=True, help="LABEL[@CHECKOUT]=FLAGS (repeatable)")
     ap.add_argument("--target", default=None, help=TARGET_HELP + " (passed to every server)")
@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=1800.0)
     ap.add_argument("--port", type=int, default=8310, help="the first server's port; the others follow")
     ap.add_argument("--out", default="bench/results/guidellm_servers.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     servers = [parse_server(s, args.port + i) for i, s in enumerate(args.server)]
     work = Path(tempfile.mkdtemp(prefix="guidellm-servers-"))

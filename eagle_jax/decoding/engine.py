@@ -369,7 +369,7 @@ def one_round(
     bonus = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
     out, n_out, done = emit(st, emitted, n + 1, plan.eos_ids)
 
-    def keep(new, old):
+    def where_active(new, old):  # active rows take the new value, finished rows keep theirs
         if new is None:
             return None
         return jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
@@ -378,9 +378,9 @@ def one_round(
         t_cache=r.t_cache,  # finished rows wrote only past their frozen length
         d_cache=r.d_cache,
         length=jnp.where(active, st.length + n + 1, st.length),
-        pending=keep(bonus, st.pending),
-        d_logits=keep(r.d_logits, st.d_logits),
-        d_feat=keep(r.d_feat, st.d_feat),
+        pending=where_active(bonus, st.pending),
+        d_logits=where_active(r.d_logits, st.d_logits),
+        d_feat=where_active(r.d_feat, st.d_feat),
         out=out,
         n_out=n_out,
         limit=st.limit,

@@ -59,8 +59,8 @@ DEFAULT_CHUNK = 512
 DEFAULT_MAX_LEN = 4096  # a slot's tokens when no max_len is given (the target's context if shorter)
 ROW_GROWTH = 4  # steps are compiled for 1, 4, 16, ... leading slots (``SlotEngine.rows_for``)
 SCORE_MIN = 128  # the shortest scoring program; then four times longer each, up to the context
-# Scoring programs longer than this are not run at warm-up: their first run's one-time cost (~1-3 s) is a
-# small share of their own run, and warming the context-long one took 29 s of SmolLM2's 200 s start.
+# Scoring programs longer than this are not run at warm-up: their first run's one-time cost is a small share
+# of their own run (BENCHMARKS.md, "A server's start").
 SCORE_WARMED = 512
 CHUNK_DONATED = (2, 3, 4)  # a prefill chunk's state and its row (``row_program``'s copy, its own): written in place
 

@@ -323,7 +323,11 @@ def read_spans(slots: int) -> tuple[int, ...]:
 
 
 def softmax_over_blocks(
-    scores_of: Callable[[Array, Array], Array], values_of: Callable[[Array, Array], Array], mask: Array, value_dim: int
+    scores_of: Callable[[Array, Array], Array],
+    values_of: Callable[[Array, Array], Array],
+    mask: Array,
+    value_dim: int,
+    slot_axis: int = -1,
 ) -> Array:
     """softmax(scores) @ values over the cache slots ``mask`` [B, T, S] lets some query reach, KV_BLOCK
     slots at a time, the softmax accumulated block by block (online, as flash attention does): a program
@@ -334,22 +338,24 @@ def softmax_over_blocks(
     ``scores_of(start, block_mask)``: float32 scores [..., T, KV_BLOCK] of the slots start.. with
     ``block_mask`` [B, T, KV_BLOCK] applied (masked: float32 min); ``values_of(probs, start)``: probs
     [..., T, KV_BLOCK] times those slots' values, [..., T, value_dim] in float32. Returns
-    [..., T, value_dim] float32; rows that reach nothing get zeros."""
+    [..., T, value_dim] float32; rows that reach nothing get zeros. ``slot_axis=-2``: the scores and
+    probs are [..., KV_BLOCK, Q] instead (the keys-first layout, ``_keys_lead``), the output [..., Q, value_dim]."""
     s = mask.shape[-1]
     block = min(KV_BLOCK, s)
     live = jnp.any(mask, axis=(0, 1))
     first = jnp.argmax(live) // block  # leading blocks out of every window are skipped too
     last = (s - jnp.argmax(live[::-1]) + block - 1) // block
-    lead = jax.eval_shape(lambda: scores_of(jnp.int32(0), mask[..., :block])).shape[:-1]
+    shape = jax.eval_shape(lambda: scores_of(jnp.int32(0), mask[..., :block])).shape
+    lead = shape[:slot_axis] + shape[slot_axis:][1:]
 
     def step(j, carry):
         m, total, acc = carry
         start = jnp.minimum(j * block, s - block)  # the last block overlaps the one before: its repeats masked
         fresh = (start + jnp.arange(block)) >= j * block
         scores = scores_of(start, jax.lax.dynamic_slice_in_dim(mask, start, block, axis=2) & fresh)
-        m_new = jnp.maximum(m, scores.max(-1))
-        scale, probs = jnp.exp(m - m_new), jnp.exp(scores - m_new[..., None])
-        return m_new, total * scale + probs.sum(-1), acc * scale[..., None] + values_of(probs, start)
+        m_new = jnp.maximum(m, scores.max(slot_axis))
+        scale, probs = jnp.exp(m - m_new), jnp.exp(scores - jnp.expand_dims(m_new, slot_axis))
+        return m_new, total * scale + probs.sum(slot_axis), acc * scale[..., None] + values_of(probs, start)
 
     init = (
         jnp.full(lead, -1e30, jnp.float32),
@@ -371,6 +377,8 @@ def attend_cache(q: Array, k: Array, v: Array, mask: Array, score_dim: float | N
     g = hq // hkv
     qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
     block = min(KV_BLOCK, k.shape[2])
+    if _keys_lead(b, t):
+        return _attend_cache_keys_lead(qh, k, v, mask, g, root, block).astype(q.dtype)
 
     def scores_of(start, block_mask):
         kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2).astype(q.dtype)
@@ -389,6 +397,27 @@ def attend_cache(q: Array, k: Array, v: Array, mask: Array, score_dim: float | N
 
     out = softmax_over_blocks(scores_of, values_of, mask, d)  # [b, hkv, g, t, d]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d).astype(q.dtype)
+
+
+def _attend_cache_keys_lead(qh: Array, k: Array, v: Array, mask: Array, g: int, root: float, block: int) -> Array:
+    """``attend_cache`` with each block's scores laid out [B, Hkv, KV_BLOCK, g*T], the cache block as the
+    dot's left operand (``_keys_lead``): the same numbers up to summation order. qh: [B, Hkv, g*T, D];
+    returns [B, T, Hkv * g * D] float32."""
+    b, hkv, gt, d = qh.shape
+    t = gt // g
+
+    def scores_of(start, block_mask):
+        kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2).astype(qh.dtype)
+        scores = (jnp.einsum("bksd,bkqd->bksq", kb, qh) / root).astype(jnp.float32).reshape(b, hkv, block, g, t)
+        scores = jnp.where(jnp.swapaxes(block_mask, 1, 2)[:, None, :, None, :], scores, jnp.finfo(jnp.float32).min)
+        return scores.reshape(b, hkv, block, gt)
+
+    def values_of(probs, start):
+        vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2).astype(qh.dtype)
+        return jnp.einsum("bksq,bksd->bkqd", probs.astype(qh.dtype), vb, preferred_element_type=jnp.float32)
+
+    out = softmax_over_blocks(scores_of, values_of, mask, d, slot_axis=-2)  # [b, hkv, g*t, d]
+    return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g * d)
 
 
 def causal_mask(batch: int, length: int) -> Array:

@@ -387,3 +387,37 @@ def test_a_stopped_run_resumes_after_its_last_shard_with_the_same_result(pair, t
         assert out.read_text() == (tmp_path / "whole.jsonl").read_text() and len(read_out(out)) >= 3
         assert not list(tmp_path.glob("resumed.jsonl.*"))
         out.unlink()
+
+
+def test_continuation_continues_raw_text_and_training_reads_it(pair, tmp_path, capsys):
+    """--continuation: each prompt continued as raw text (no template) by the target's greedy decoding; the records
+    load as training samples whose learned tokens are the continuation's."""
+    from eagle_jax.cli.regenerate import main
+
+    path, tok, target = pair
+    prompts = ["def add(a, b):", "Hello there, how", "Fine"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    args = ["--target", str(path), "--data", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl")]
+    main([*args, "--continuation", "--max-new-tokens", "6", "--batch-size", "2"])
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in records] == prompts
+    for r in records:
+        ids = tok(r["prompt"])["input_ids"]
+        assert r["text"] == tok.decode(greedy(target, ids, 6, tok.eos_token_id), skip_special_tokens=True)
+    assert "3 assistant turns generated in 3/3" in capsys.readouterr().out
+    samples, _ = load_samples(tmp_path / "out.jsonl", tok, max_length=64)
+    assert len(samples) == 3 and all(s.loss_mask.sum() > 0 for s in samples)
+
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "no prompt"}) + "\n")
+    with pytest.raises(SystemExit, match="bad.jsonl:1: continuation needs"):
+        main(
+            [
+                "--target",
+                str(path),
+                "--data",
+                str(tmp_path / "bad.jsonl"),
+                "--out",
+                str(tmp_path / "o2.jsonl"),
+                "--continuation",
+            ]
+        )

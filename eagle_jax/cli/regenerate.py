@@ -13,6 +13,10 @@ answers them. Output records are ``{"messages": [...]}``, ready for ``eagle-jax-
 no record fails, saying why. Work is done in shards of ``--shard-size`` records (or prompts), each kept
 on disk when it completes (``eagle_jax.training.shards``): a stopped run started again with the same
 settings resumes after its last completed shard, with the same result.
+
+``--continuation`` is for base models (no chat template): ``{"prompt": "..."}`` records are continued as raw
+text, and the output records are ``{"prompt": ..., "text": <the target's continuation>}``, which training
+reads with the prompt as context and learns the continuation.
 """
 
 from __future__ import annotations
@@ -22,9 +26,21 @@ from collections import Counter
 
 from eagle_jax.training.chat import DataError, check_chat_template
 from eagle_jax.training.data import read_jsonl
-from eagle_jax.training.regenerate import RegenStats, conversation_of, unanswerable
+from eagle_jax.training.regenerate import RegenStats, conversation_of, prompt_of, unanswerable
 from eagle_jax.training.shards import ShardedOutput
 from eagle_jax.training.synthesize import SynthStats, batch_seed
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of --data for --continuation (at most --limit), read before any model is loaded."""
+    prompts = []
+    for where, record in read_jsonl(args.data):
+        prompts.append(prompt_of(record, where))
+        if args.limit and len(prompts) >= args.limit:
+            break
+    if not prompts:
+        raise SystemExit(f"error: nothing to continue in {args.data}: the file has no records")
+    return prompts
 
 
 def _read(args: argparse.Namespace) -> list[list[dict[str, str]]]:
@@ -77,6 +93,11 @@ def main(argv: list[str] | None = None) -> None:
         help="records (or synthesised prompts) per shard; each completed shard is on disk, and a run "
         "started again with the same settings resumes after the last one",
     )
+    p.add_argument(
+        "--continuation",
+        action="store_true",
+        help="continue the {'prompt': str} records of --data as raw text (base models, no chat template)",
+    )
     p.add_argument("--restart", action="store_true", help="discard an unfinished run's shards instead of resuming it")
     g = p.add_argument_group("prompts without a dataset (Magpie)")
     g.add_argument(
@@ -99,14 +120,19 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--shard-size must be >= 1")
     if args.system is not None and args.synthesize is None:
         p.error("--system is for --synthesize")
+    if args.continuation and args.data is None:
+        p.error("--continuation continues the prompts of --data")
 
     from eagle_jax import load_drafter, load_target  # after parsing: --help stays fast
     from eagle_jax.checkpoint.tokenizer import load_tokenizer
 
     try:
         tok = load_tokenizer(args.tokenizer or args.target)
-        check_chat_template(tok, args.tokenizer or args.target)
-        conversations = _read(args) if args.data is not None else None
+        if args.continuation:
+            prompts, conversations = _read_prompts(args), None
+        else:
+            check_chat_template(tok, args.tokenizer or args.target)
+            prompts, conversations = None, _read(args) if args.data is not None else None
         output = ShardedOutput(args.out, _fingerprint(args), restart=args.restart)
         if output.resumed:
             print(
@@ -121,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
             drafter=drafter,
             batch_size=args.batch_size,
         )
-        if conversations is not None:
+        if prompts is not None:
+            _continuation_shards(output, prompts, target, tok, answer, args)
+        elif conversations is not None:
             _regenerate_shards(output, conversations, target, tok, answer, args)
         else:
             _synthesize_shards(output, target, tok, answer, args)
@@ -168,7 +196,10 @@ def _fingerprint(args: argparse.Namespace) -> dict:
         "shard_size",
         "batch_size",
     )
-    return {k: getattr(args, k) for k in keys}
+    out = {k: getattr(args, k) for k in keys}
+    if args.continuation:  # only where set: runs made before the flag existed still resume
+        out["continuation"] = True
+    return out
 
 
 def _regen_counts(stats: RegenStats) -> dict[str, int]:
@@ -188,6 +219,21 @@ def _regenerate_shards(
         output.append([{"messages": m} for m in out], len(shard), _regen_counts(stats))
         print(
             f"shard {output.shards}: {output.inputs_done}/{len(conversations)} records done, {output.written} written",
+            flush=True,
+        )
+
+
+def _continuation_shards(
+    output: ShardedOutput, prompts: list[str], target, tok, answer: dict, args: argparse.Namespace
+) -> None:
+    from eagle_jax.training.regenerate import continue_prompts
+
+    for start in range(output.inputs_done, len(prompts), args.shard_size):
+        shard = prompts[start : start + args.shard_size]
+        out, stats = continue_prompts(target, shard, tok, seed=batch_seed(args.seed, output.shards), **answer)
+        output.append(out, len(shard), _regen_counts(stats))
+        print(
+            f"shard {output.shards}: {output.inputs_done}/{len(prompts)} prompts done, {output.written} written",
             flush=True,
         )
 

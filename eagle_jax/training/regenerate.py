@@ -162,3 +162,72 @@ def regenerate_conversations(
             bar.update(len(chunk))
     bar.close()
     return [c for c in convs if c is not None], stats
+
+
+def prompt_of(record: Any, where: str) -> str:
+    """The text a ``{"prompt": str}`` record asks the target to continue."""
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise DataError(f"{where}: continuation needs {{'prompt': str}} records with some text, got {keys}")
+    return record["prompt"]
+
+
+def continue_prompts(
+    target: Target,
+    prompts: list[str],
+    tokenizer: Any,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    drafter: Drafter | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[dict[str, str]], RegenStats]:
+    """``{"prompt": p, "text": continuation}`` for each prompt: the target's own continuation of the raw text
+    (no chat template: base models), up to ``max_new_tokens`` or its end-of-sequence token. Training reads
+    these records with the prompt as context and learns the continuation (``training.data.encode_text``).
+
+    A prompt whose tokens plus ``max_new_tokens`` exceed the target's context is left out and counted
+    (``dropped_at_limit``)."""
+    from eagle_jax.decoding.calls import eos_ids
+    from eagle_jax.generate import generate
+
+    stats = RegenStats(conversations=len(prompts))
+    stops = sorted(set(eos_ids(target, tokenizer)))
+    limit = target.config.max_position_embeddings
+    jobs = []  # (prompt index, prompt ids)
+    for i, text in enumerate(prompts):
+        ids = list(tokenizer(text)["input_ids"])
+        if len(ids) + max_new_tokens > limit:
+            stats.truncated += 1
+            stats.dropped_at_limit += 1
+            continue
+        jobs.append((i, ids))
+    jobs.sort(key=lambda j: len(j[1]))  # similar lengths share a prompt bucket
+    texts: dict[int, str] = {}
+    bar = tqdm(total=len(jobs), desc="continuing", unit=" prompt", disable=not progress)
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start : start + batch_size]
+        ids = [j[1] for j in chunk]
+        ids += ids[-1:] * (min(batch_size, len(jobs)) - len(chunk))  # one batch shape: one compiled program
+        res = generate(
+            target,
+            drafter,
+            ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            eos_token_id=stops,
+            seed=seed + start,
+            tokenizer=tokenizer,
+        )
+        for (i, _), text, toks in zip(chunk, res.text, res.tokens):
+            texts[i] = text
+            stats.turns += 1
+            stats.generated_tokens += len(toks)
+            stats.unfinished += not (toks and toks[-1] in stops)
+        bar.update(len(chunk))
+    bar.close()
+    return [{"prompt": prompts[i], "text": texts[i]} for i in sorted(texts)], stats

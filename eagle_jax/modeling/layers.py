@@ -566,8 +566,8 @@ class Attention(nnx.Module):
         write_index: Array | None = None,
     ) -> tuple[Array, tuple[Array, Array] | None]:
         """x: [B, T, d_in]. Without a cache, attends over the block itself; with ``kv`` = (k, v) caches
-        [B, Hkv, S, D] (head-major), writes this block's keys/values at slots ``write_index`` [B] first, then attends over
-        the first S' cache slots under ``mask`` [B, T, S'] (S' <= S; the cache may have more rows than x,
+        [B, Hkv, S, D] (head-major), writes this block's keys/values at slots ``write_index`` [B] first, then attends
+        over the first S' cache slots under ``mask`` [B, T, S'] (S' <= S; the cache may have more rows than x,
         whose leading rows are then used) — or, when ``mask`` is [B, T, T] with T < S (a prefill from
         an empty cache), over the block itself, which costs T x T instead of T x S."""
         t = x.shape[1]

@@ -54,7 +54,7 @@ CHUNK_SIZES = (8, 32, 128)  # prefill chunk programs below the engine's ``chunk`
 # prompt is cut into the chunks of least positions + CHUNK_OVERHEAD each (BENCHMARKS.md, "A server's start").
 CHUNK_OVERHEAD = 48
 # Prompt tokens one step's prefill computes at most while streams decode: smaller keeps running streams
-# smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill").
+# smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill (bench.prefill)").
 DEFAULT_CHUNK = 512
 DEFAULT_MAX_LEN = 4096  # a slot's tokens when no max_len is given (the target's context if shorter)
 ROW_GROWTH = 4  # steps are compiled for 1, 4, 16, ... leading slots (``SlotEngine.rows_for``)

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
         print(
-            f"call {i}: {p['name']} {r.num_generated} tokens, wall {wall:.2f} s (compile {r.compile_s:.2f}), chunks {r.stats['chunks']}",
+            f"call {i}: {p['name']} {r.num_generated} tokens, wall {wall:.2f} s (compile {r.compile_s:.2f}), chunks "
+            f"{r.stats['chunks']}",
             flush=True,
         )
 
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
         ],
     )
     print(
-        f"over the sequence: auto {summary['auto_vs_best']:.2f}x the best fixed ({best}), {summary['auto_vs_plain']:.2f}x plain "
+        f"over the sequence: auto {summary['auto_vs_best']:.2f}x the best fixed ({best}), "
+        f"{summary['auto_vs_plain']:.2f}x plain "
         f"(the best fixed {summary['best_vs_plain']:.2f}x plain); calls that compiled after their bucket's first: "
         f"{summary['compiled_after_first_call_at_bucket']}; greedy equal to plain: {summary['greedy_equal_to_plain']}"
     )

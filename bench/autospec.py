@@ -19,9 +19,9 @@ untimed, with the heap of the models and programs frozen first (``gc.freeze``): 
 takes 0.25-0.45 s here, and struck about one call in ten, whichever configuration it was running (one such
 pause is 10% of a configuration's time over an order at batch 1), so it would decide which configuration
 looks best in hindsight. Each call runs auto, plain decoding and each fixed chain on the same prompts, side by
-side (their order rotated call by call), so the machine's drift touches all alike. Fixed configurations do not depend on the order; auto
-does. Per order: tokens/s of auto, plain and each fixed chain over the whole sequence; auto against
-the best fixed configuration in hindsight (goal >= 0.95) and against plain (goal >= 1.0); the first
+side (their order rotated call by call), so the machine's drift touches all alike. Fixed configurations do not
+depend on the order; auto does. Per order: tokens/s of auto, plain and each fixed chain over the whole sequence; auto
+against the best fixed configuration in hindsight (goal >= 0.95) and against plain (goal >= 1.0); the first
 call's time per token against plain decoding's on the same call (goal <= 1.3). Greedy outputs are checked
 equal to plain decoding's. Sampled, auto against the best is also read over the calls every configuration ran to
 one length (``vs_best_same_length``): a batch runs until its last row is done, so a call whose samples ended a row
@@ -189,7 +189,8 @@ def summarise(rows: list[dict], names: list[str], twin: str | None = None) -> di
     """Rates over every call of every repeat of one order (a row's ``repeat``: which sequence it belongs
     to; one sequence when absent). Repeats of a sampled sequence draw other tokens, so each
     configuration's rate is a mean over draws, and the best in hindsight is not merely the luckiest.
-    ``names``: the fixed configurations; a ``control`` in the rows (a second run of ``twin``) is rated apart, never the best."""
+    ``names``: the fixed configurations; a ``control`` in the rows (a second run of ``twin``) is rated apart, never
+    the best."""
     names = [n for n in names if n != CONTROL]
     rate = {n: _rate(rows, n) for n in ["auto", *names, *([CONTROL] if CONTROL in rows[0] else [])]}
     best = max(names, key=rate.get)
@@ -301,8 +302,8 @@ def main(argv=None) -> dict:
             for p in prompts
         ]
         print(
-            f"{dtype}: {len(prompts)} prompts ({', '.join(sorted({p['set'] for p in prompts}))}); AL at K={max(args.ks)}: "
-            f"min {min(al):.2f}, median {np.median(al):.2f}, max {max(al):.2f}",
+            f"{dtype}: {len(prompts)} prompts ({', '.join(sorted({p['set'] for p in prompts}))}); AL at "
+            f"K={max(args.ks)}: min {min(al):.2f}, median {np.median(al):.2f}, max {max(al):.2f}",
             flush=True,
         )
         fixed = {"plain": (None, None), **{f"K={k}": (drafter, SpecConfig(num_speculative_tokens=k)) for k in args.ks}}
@@ -380,8 +381,9 @@ def summary_line(dtype: str, temp: float, batch: int, order: str, s: dict) -> st
     )
     return (
         f"{dtype} T={temp:g} B={batch:2d} {order:13s}: auto {s['tok_s']['auto']:7.1f} tok/s, "
-        f"{s['vs_best']:.2f}x best fixed ({s['best_fixed']} {s['tok_s'][s['best_fixed']]:.1f}), {held_out}{even}{control}"
-        f"{s['vs_plain']:.2f}x plain; first call {s['first_call_vs_plain']:.2f}x plain's time; "
+        f"{s['vs_best']:.2f}x best fixed ({s['best_fixed']} {s['tok_s'][s['best_fixed']]:.1f}), "
+        f"{held_out}{even}{control}{s['vs_plain']:.2f}x plain; "
+        f"first call {s['first_call_vs_plain']:.2f}x plain's time; "
         f"depths {' '.join(f'{d:.1f}' for d in s['depths'])}" + ("" if s["equal_to_plain"] else "  OUTPUT DIFFERS")
     )
 

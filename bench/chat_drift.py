@@ -427,7 +427,10 @@ def main(argv=None) -> dict:
         "--batch-tokens",
         type=int,
         default=8192,
-        help="long study: prompt tokens per generate call at most (a lone longer prompt runs alone); 8k-token rows x4 exceed 24 GB",
+        help=(
+            "long study: prompt tokens per generate call at most (a lone longer prompt runs alone); 8k-token rows x4 "
+            "exceed 24 GB"
+        ),
     )
     ap.add_argument("--seed", type=int, default=0, help="end articles, background order and sampling keys")
     ap.add_argument("--dtype", default="float32")
@@ -464,10 +467,9 @@ def main(argv=None) -> dict:
         r = results["robustness"]
         tables.append(
             (
-                f"AL per prompt rendering: {len(r['questions'])} questions from {', '.join(ROBUSTNESS_SETS)} (chain K={args.k}, "
-                f"{args.max_new} new tokens; long system prompt {r['long_system_tokens']} tokens; mean prompt tokens "
-                + ", ".join(f"{v} {t:.0f}" for v, t in r["prompt_tokens"].items())
-                + ")",
+                f"AL per prompt rendering: {len(r['questions'])} questions from {', '.join(ROBUSTNESS_SETS)} (chain "
+                f"K={args.k}, {args.max_new} new tokens; long system prompt {r['long_system_tokens']} tokens; mean "
+                "prompt tokens " + ", ".join(f"{v} {t:.0f}" for v, t in r["prompt_tokens"].items()) + ")",
                 header,
                 rows,
             )
@@ -481,7 +483,8 @@ def main(argv=None) -> dict:
             if s["label"] == "EAGLE-3.1":
                 verdict = "met" if s["worst_over_best"] >= GOAL else "NOT met"
                 print(
-                    f"goal {s['drafter']} T={s['temperature']:g}: worst/best {s['worst_over_best']:.2f} >= {GOAL}: {verdict}"
+                    f"goal {s['drafter']} T={s['temperature']:g}: worst/best {s['worst_over_best']:.2f} >= {GOAL}: "
+                    f"{verdict}"
                 )
     write_json(args.out, results)
     if args.plot and results.get("long", {}).get("runs"):

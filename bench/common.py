@@ -14,7 +14,10 @@ from eagle_jax.checkpoint.tokenizer import is_gguf_file
 from eagle_jax.config import DrafterConfig, SpecConfig, TargetConfig, default_aux_layer_ids
 
 BUNDLED_TARGET = Path("assets/target")
-TARGET_HELP = "target: a checkpoint directory, a .gguf file, or a named model (smollm2-135m-instruct, gemma-3-270m; fetched on first use)"
+TARGET_HELP = (
+    "target: a checkpoint directory, a .gguf file, or a named model (smollm2-135m-instruct, gemma-3-270m; fetched on "
+    "first use)"
+)
 BUNDLED_DRAFTER = Path("assets/drafter-eagle3.1")
 
 
@@ -89,7 +92,8 @@ def load_pair_or_random(
         )
         if not chat:
             raise SystemExit(
-                f"--questions: no question fits {target.config.max_position_embeddings} positions with {max_new} new tokens"
+                f"--questions: no question fits {target.config.max_position_embeddings} positions with {max_new} new "
+                "tokens"
             )
         prompts = [p["ids"] for p in chat]
         source["prompts"] = chat_source(questions, n_questions, chat)

@@ -267,7 +267,8 @@ def main(argv=None) -> dict:
                     "accepted"
                 ]
                 print(
-                    f"  T={temp:g} context {L} | {dname}: AL {acceptance_stats(accepted_by[temp, dname, L], args.k)['al_pooled']:.2f}",
+                    f"  T={temp:g} context {L} | {dname}: AL "
+                    f"{acceptance_stats(accepted_by[temp, dname, L], args.k)['al_pooled']:.2f}",
                     flush=True,
                 )
     pos_rows = position_study(
@@ -332,7 +333,8 @@ def main(argv=None) -> dict:
         )
     print()
     print(
-        f"Acceptance per draft position, chain K={args.k}: pooled over rounds, percentile-bootstrap 95% CI over prompts ({args.n_boot} resamples)"
+        f"Acceptance per draft position, chain K={args.k}: pooled over rounds, percentile-bootstrap 95% CI over "
+        f"prompts ({args.n_boot} resamples)"
     )
     print_table(
         ["drafter", "T", "context", "prompts", "AL pooled (95% CI)"] + [f"pos {i + 1}" for i in range(args.k)], pos_rows
@@ -341,14 +343,14 @@ def main(argv=None) -> dict:
         nb = results["norms"]
         print()
         print(
-            f"Target residual-stream RMS entering each layer (* = aux layer read by the drafters) and the drafters' fc(aux), "
-            f"median over tokens of {nb['prompts']} prompts of {nb['context']} tokens, by position band"
+            "Target residual-stream RMS entering each layer (* = aux layer read by the drafters) and the drafters' "
+            f"fc(aux), median over tokens of {nb['prompts']} prompts of {nb['context']} tokens, by position band"
         )
         print_table(["layer"] + nb["bands"], norm_rows)
         print()
         print(
-            f"Drafter feature RMS per draft step (median over {nb['prompts']} prompts; g = fc(target aux) at the last prompt token; "
-            "raw = pre-norm h2, fed = what step i+1 receives)"
+            f"Drafter feature RMS per draft step (median over {nb['prompts']} prompts; g = fc(target aux) at the last "
+            "prompt token; raw = pre-norm h2, fed = what step i+1 receives)"
         )
         print_table(["drafter", "context", "kind", "g"] + [f"step {i + 1}" for i in range(args.k)], feat_rows)
     write_json(args.out, results)

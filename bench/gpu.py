@@ -1,10 +1,11 @@
 """The checks an accelerator is needed for, sized to run in a few minutes: the CUDA parity cases, then plain
 decoding against chain speculation through ``eagle_jax.generate`` on the bundled pair.
 
-    python -m bench.gpu                                   # parity cases + speed, float32, results in bench/results/gpu.json
+    python -m bench.gpu                # parity cases + speed, float32, results in bench/results/gpu.json
     python -m bench.gpu --no-parity --dtypes float32 bfloat16 --ks 3 5 7
     python -m bench.gpu --no-parity --no-speed --precompile-workers 1 16   # a server's compiles, one vs 16 at a time
-    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.gpu   # a program in 6-12 s on an H200, not 35+ (BENCHMARKS.md)
+    # a program in 6-12 s on an H200, not 35+ (BENCHMARKS.md):
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.gpu
 
 Speed: greedy, held-out code prompts (their last ``--prompt-len`` tokens), ``--max-new`` new tokens, no stop
 token. Batch 1 decodes ``--batch1-prompts`` prompts one after another (one favourable prompt proves
@@ -15,9 +16,10 @@ output token for token. Times include prefill, as a caller meets them. Rows prin
 a run cut short keeps what it measured.
 
 Parity: ``pytest parity_tests -k cuda`` with the suite's CPU compile shortcuts off (``EAGLE_JAX_TEST_XLA_OPT``) and
-JAX's preallocation of GPU memory off (the workers share one GPU); its errors (``parity_tests/.last_parity_errors.json``)
-are kept in the results. The cases skip, with the reason, where torch or JAX sees no GPU. A machine whose Python is not the one the
-held-out manifest was built with reads a copy of those files named by ``EAGLE_JAX_CORPUS_ROOT``.
+JAX's preallocation of GPU memory off (the workers share one GPU); its errors
+(``parity_tests/.last_parity_errors.json``) are kept in the results. The cases skip, with the reason, where torch or
+JAX sees no GPU. A machine whose Python is not the one the held-out manifest was built with reads a copy of those
+files named by ``EAGLE_JAX_CORPUS_ROOT``.
 """
 
 from __future__ import annotations
@@ -155,7 +157,9 @@ def measure_speed(
                 "tok_s": round(rate, 1),
                 "speedup": round(rate / plain, 3),
                 "acceptance_length": None if name == "plain" else round(als[name], 2),
-                "rows_equal_to_plain": f"{sum(a == b for a, b in zip(outputs[name], outputs['plain']))}/{len(outputs['plain'])}",
+                "rows_equal_to_plain": (
+                    f"{sum(a == b for a, b in zip(outputs[name], outputs['plain']))}/{len(outputs['plain'])}"
+                ),
                 "passes_tok_s": [round(x, 1) for x in rates[name]],
                 "first_pass_s": round(first_pass_s[name], 1),
             }
@@ -199,7 +203,8 @@ def main(argv=None) -> dict:
         "prompt_len": args.prompt_len,
     }
     print(
-        f"device: {results['device_kind']} ({results['device']}), jax {jax.__version__}, XLA_FLAGS={results['xla_flags']!r}",
+        f"device: {results['device_kind']} ({results['device']}), jax {jax.__version__}, "
+        f"XLA_FLAGS={results['xla_flags']!r}",
         flush=True,
     )
     if not args.no_parity:

@@ -246,8 +246,8 @@ def main(argv=None) -> dict:
     load_before = os.getloadavg()
     if load_before[0] > 0.5 * (os.cpu_count() or 1):
         print(
-            f"WARNING: load average {load_before[0]:.1f} on {os.cpu_count()} cores: other processes compete for the CPU, "
-            "timings (torch's OpenMP threads especially) will be noisy"
+            f"WARNING: load average {load_before[0]:.1f} on {os.cpu_count()} cores: other processes compete for the "
+            "CPU, timings (torch's OpenMP threads especially) will be noisy"
         )
     transformers.logging.set_verbosity_error()
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -477,7 +477,8 @@ def main(argv=None) -> dict:
     if is_random:
         print("(random models: acceptance meaningless)")
     print(
-        f"batch 1, {len(ids)} prompts, up to {args.max_new} new tokens, {args.dtype} on CPU, torch threads {torch.get_num_threads()}"
+        f"batch 1, {len(ids)} prompts, up to {args.max_new} new tokens, {args.dtype} on CPU, torch threads "
+        f"{torch.get_num_threads()}"
     )
     print_table(
         [

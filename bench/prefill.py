@@ -182,8 +182,8 @@ def main(argv=None) -> None:
         results["chunked"][name] = g
         print(
             f"{name:30s}: median gap {g['median_gap_s'] * 1e3:.0f} ms, longest during the 1800-token prefill "
-            f"{g['max_gap_during_s'] * 1e3:.0f} ms ({g['ratio']:.1f}x), then through its first step {g['joint_gap_s'] * 1e3:.0f} ms; "
-            f"its TTFT {g['long_ttft_s'] * 1e3:.0f} ms",
+            f"{g['max_gap_during_s'] * 1e3:.0f} ms ({g['ratio']:.1f}x), then through its first step "
+            f"{g['joint_gap_s'] * 1e3:.0f} ms; its TTFT {g['long_ttft_s'] * 1e3:.0f} ms",
             flush=True,
         )
     write_json(args.out, results)

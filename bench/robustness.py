@@ -185,8 +185,8 @@ def main(argv=None) -> dict:
                 ]
             )
     print(
-        f"prompt tokens (mean): {lengths}; chain K={args.k}, {args.max_new} new tokens, {len(code)} held-out code prefixes"
-        + ("  [RANDOM MODELS: meaningless]" if is_random else "")
+        f"prompt tokens (mean): {lengths}; chain K={args.k}, {args.max_new} new tokens, {len(code)} held-out code "
+        "prefixes" + ("  [RANDOM MODELS: meaningless]" if is_random else "")
     )
     print_table(["drafter", "T", *(f"{c} (/plain)" for c in CONDITIONS), "spread"], rows)
     write_json(args.out, results)

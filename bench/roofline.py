@@ -481,8 +481,8 @@ def measure_peaks(dtype="float32", matmul_n: int | None = None, read_mb: int = 2
 
 def format_peaks(peaks: dict) -> str:
     return (
-        f"measured peaks ({peaks['backend']}): matmul {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s ({peaks['matmul_dtype']}), "
-        f"read {peaks['read_bytes_per_s'] / 1e9:.1f} GB/s"
+        f"measured peaks ({peaks['backend']}): matmul {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s "
+        f"({peaks['matmul_dtype']}), read {peaks['read_bytes_per_s'] / 1e9:.1f} GB/s"
     )
 
 

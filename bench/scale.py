@@ -285,8 +285,9 @@ def main(argv=None) -> dict:
         specs.append(SpecConfig(method="tree", tree_top_k=k, tree_depth=d, tree_total_tokens=n))
     tc, dc = configs(args.model)
     print(
-        f"{args.model}: target {tc.num_layers}x{tc.hidden_size}, vocab {tc.vocab_size}; drafter {dc.hidden_size}, draft vocab "
-        f"{dc.draft_vocab_size}; {args.dtype}; backend {jax.default_backend()}; prompt {args.prompt_len} -> bucket "
+        f"{args.model}: target {tc.num_layers}x{tc.hidden_size}, vocab {tc.vocab_size}; drafter {dc.hidden_size}, "
+        f"draft vocab {dc.draft_vocab_size}; {args.dtype}; backend {jax.default_backend()}; prompt {args.prompt_len} "
+        "-> bucket "
         f"{bucket(args.prompt_len)}, {args.max_new} new tokens"
     )
     unit, unit_name = (GIB, "GiB") if args.model != "tiny" else (2**20, "MiB")

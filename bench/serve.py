@@ -5,14 +5,15 @@ real chat pair as its users run it.
     python -m bench.serve [--concurrency 1 4 16 64] [--ks 3 5 7] [--requests 8] [--max-new 256] [--temperatures 0 1]
     python -m bench.serve --target smollm2-135m-instruct \\
         --drafters assets/smollm2/drafter-eagle3.1 assets/smollm2/drafter-eagle3 \\
-        --questions ../shared/data/eval/mt_bench.jsonl ../shared/data/eval/alpaca.jsonl ../shared/data/eval/gsm8k.jsonl \\
+        --questions ../shared/data/eval/mt_bench.jsonl ../shared/data/eval/alpaca.jsonl \\
+            ../shared/data/eval/gsm8k.jsonl \\
         --concurrency 1 4 16 --ks --requests 16 --max-new 128 --temperatures 0 1 --out bench/results/serve_smollm2.json
 
 Every server is built as ``eagle-jax-serve`` builds it (``eagle_jax.cli.serve.service_settings``: slots,
 context, rounds per step, dtype), the bundled profile's without ``--target``, ``eagle-jax-serve --target
-T --drafter D`` with it; ``--slots`` / ``--rounds-per-step`` / ``--step-ms`` / ``--prefill-chunk`` / ``--no-prefix-cache``
-are passed on as its flags. Systems are named by drafter kind (``--drafters``: the EAGLE-3.1 one first,
-optionally an EAGLE-3 one): the target alone (``none``); the first drafter at each fixed chain depth K
+T --drafter D`` with it; ``--slots`` / ``--rounds-per-step`` / ``--step-ms`` / ``--prefill-chunk`` /
+``--no-prefix-cache`` are passed on as its flags. Systems are named by drafter kind (``--drafters``: the EAGLE-3.1 one
+first, optionally an EAGLE-3 one): the target alone (``none``); the first drafter at each fixed chain depth K
 (``--ks``); without ``--target`` each drafter with the depth schedule of ``configs/serve/bundled.yaml``
 ("schedule") and the first with ``--spec auto``, with ``--target`` each drafter with the server's default
 spec ("auto": depth per step from measured costs and live acceptance).
@@ -24,10 +25,10 @@ files in turn) as a user message through ``/v1/chat/completions``, so the server
 chat template. Per-user tokens/s = a user's generated tokens / its own wall time, mean over users;
 total = all tokens / the run's wall time; TTFT and inter-token latency percentiles from the stream
 (guidellm's metrics, measured the same way), and TTFT's median past each user's first request (arrivals
-at a busy server one at a time, not the opening burst of C prompts at once). The servers precompile their programs before they report
-ready, as ``eagle-jax-serve`` does; the first pass at each concurrency on a fresh server is reported as
-"cold", then passes run until one compiles nothing new, and the next is measured ("warm"). Every server
-measures auto's step costs anew, as on a fresh machine. One server
+at a busy server one at a time, not the opening burst of C prompts at once). The servers precompile their programs
+before they report ready, as ``eagle-jax-serve`` does; the first pass at each concurrency on a fresh server is reported
+as "cold", then passes run until one compiles nothing new, and the next is measured ("warm"). Every server measures
+auto's step costs anew, as on a fresh machine. One server
 runs at a time, each system's levels back to back; with ``--repeats N`` every system's server runs at once
 and each level is measured N times per system, the systems taking turns pass by pass (each repeat starting
 one system later), so that the machine's drift over minutes touches every system alike: measured one after
@@ -291,13 +292,15 @@ def _report_row(
         r["server_vs_generate"] = r["per_user_tok_s"] / r["generate_per_user_tok_s"]
     cold = r["cold"]
     spread = (
-        f" (passes {min(p['per_user_tok_s'] for p in r['passes']):.1f}-{max(p['per_user_tok_s'] for p in r['passes']):.1f})"
+        " (passes "
+        f"{min(p['per_user_tok_s'] for p in r['passes']):.1f}-{max(p['per_user_tok_s'] for p in r['passes']):.1f})"
         if "passes" in r
         else ""
     )
     print(
-        f"{name:20s} C={c:2d} T={temperature:g}: per-user {r['per_user_tok_s']:7.1f} tok/s{spread} (cold {cold['per_user_tok_s']:7.1f}), "
-        f"total {r['total_tok_s']:7.1f}, TTFT p50/p99 {r['ttft_p50'] * 1e3:6.0f}/{r['ttft_p99'] * 1e3:6.0f} ms "
+        f"{name:20s} C={c:2d} T={temperature:g}: per-user {r['per_user_tok_s']:7.1f} tok/s{spread} (cold "
+        f"{cold['per_user_tok_s']:7.1f}), total {r['total_tok_s']:7.1f}, TTFT p50/p99 "
+        f"{r['ttft_p50'] * 1e3:6.0f}/{r['ttft_p99'] * 1e3:6.0f} ms "
         + (
             f"(past the opening burst p50 {r['ttft_steady_p50'] * 1e3:.0f}), "
             if r.get("ttft_steady_p50") is not None
@@ -419,7 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     if not prompts:
         raise SystemExit("no prompts")
     print(
-        f"{len(prompts)} prompts ({prompt_source['kind']}), {min(len(p['ids']) for p in prompts)}-{max(len(p['ids']) for p in prompts)} "
+        f"{len(prompts)} prompts ({prompt_source['kind']}), "
+        f"{min(len(p['ids']) for p in prompts)}-{max(len(p['ids']) for p in prompts)} "
         f"tokens through {endpoint.path}; {args.max_new} new tokens; {settings['slots']} slots; "
         f"{settings['rounds_per_step']} rounds per step, cut to {settings['step_ms']:g} ms; EOS {eos}"
     )
@@ -565,10 +569,11 @@ def report(results: dict, concurrency: list[int], temperatures: list[float], plo
             line = [name]
             for c in levels:
                 best = max(others, key=lambda n: systems[n]["by_concurrency"][c]["per_user_tok_s"])
-                line.append(
-                    f"{systems[name]['by_concurrency'][c]['per_user_tok_s'] / systems[best]['by_concurrency'][c]['per_user_tok_s']:.3f}"
-                    f" ({best.split(' ', 1)[-1]})"
+                ratio = (
+                    systems[name]["by_concurrency"][c]["per_user_tok_s"]
+                    / systems[best]["by_concurrency"][c]["per_user_tok_s"]
                 )
+                line.append(f"{ratio:.3f} ({best.split(' ', 1)[-1]})")
             vs.append(line)
         print_table(["per-user tok/s over the best fixed system's"] + [f"C={c}" for c in levels], vs)
     lat = []

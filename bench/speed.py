@@ -20,8 +20,8 @@ ran at (the row's time minus its prefill, timed in the same run with max-new 1),
 GB/s, their fractions of the matmul peak and read bandwidth measured at start, which bound applies
 and the fraction of the roofline reached; the same for each batch's prefill. The round split times,
 inside jitted loops (no host dispatch, like the real loop): one drafter step (1 token), one target
-verification of the round's width, and one whole round; overhead = round / (K x drafter step + verify) (goal <= 1.15). Random
-weights make acceptance meaningless: use a trained pair for acceptance numbers.
+verification of the round's width, and one whole round; overhead = round / (K x drafter step + verify) (goal <=
+1.15). Random weights make acceptance meaningless: use a trained pair for acceptance numbers.
 """
 
 from __future__ import annotations
@@ -228,7 +228,10 @@ def main(argv=None) -> dict:
         "--prompt-len",
         type=int,
         default=100,
-        help="code / --prompts prompts keep their last N tokens (--questions prompts stay whole); the round split's context",
+        help=(
+            "code / --prompts prompts keep their last N tokens (--questions prompts stay whole); the round split's "
+            "context"
+        ),
     )
     source_args = ap.add_mutually_exclusive_group()
     source_args.add_argument(
@@ -285,7 +288,8 @@ def main(argv=None) -> dict:
             "matmul_dtype": "bfloat16",
         }
         print(
-            f"bf16 matmul peak {peaks_by_mode['bfloat16']['matmul_flops'] / 1e9:.1f} GFLOP/s (used for the bfloat16 rows)"
+            f"bf16 matmul peak {peaks_by_mode['bfloat16']['matmul_flops'] / 1e9:.1f} GFLOP/s (used for the bfloat16 "
+            "rows)"
         )
     rows, roof_rows, pre_rows = [], [], []
     results = {"models": source, "peaks": peaks_by_mode, "runs": [], "prefill": [], "round_split": []}
@@ -345,7 +349,8 @@ def main(argv=None) -> dict:
     if rows:
         print_table(["batch", "mode", "speculation", "AL", "tok/s", "speedup", "compile s"], rows)
         print(
-            "\nDecoding loop against the roofline (per generated token, prefill excluded; model counts, bench/roofline.py):"
+            "\nDecoding loop against the roofline (per generated token, prefill excluded; model counts, "
+            "bench/roofline.py):"
         )
         print_table(["batch", "mode", "speculation", "AL", "decode tok/s", *rl.ROOFLINE_HEADER], roof_rows)
         print("\nPrefill (per prompt position, padded bucket):")

@@ -121,8 +121,9 @@ def main(argv=None) -> None:
             runs[phase] = json.loads(out.read_text())
             r = runs[phase]
             print(
-                f"{phase}: ready in {r['ready_s']:.1f} s ({r['compiled_at_start']} of {r['programs']} programs compiled), "
-                f"first sweep {r['sweeps'][0]['per_user_tok_s']:.1f} tok/s per user, second {r['sweeps'][1]['per_user_tok_s']:.1f}, "
+                f"{phase}: ready in {r['ready_s']:.1f} s ({r['compiled_at_start']} of {r['programs']} programs "
+                f"compiled), first sweep {r['sweeps'][0]['per_user_tok_s']:.1f} tok/s per user, second "
+                f"{r['sweeps'][1]['per_user_tok_s']:.1f}, "
                 f"{r['compiled_while_serving']} compiles while serving",
                 flush=True,
             )

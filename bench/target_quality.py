@@ -227,15 +227,16 @@ def main(argv=None) -> dict:
     if is_random:
         print("(random target: figures meaningless)")
     print(
-        f"Held-out next-token loss by position (float32, {args.n_windows} single-file windows of {args.window} tokens, 95% t-interval over windows)"
+        f"Held-out next-token loss by position (float32, {args.n_windows} single-file windows of {args.window} tokens, "
+        "95% t-interval over windows)"
     )
     print_table(
         ["position band", "windows", "loss nats/token", "ppl", f"minus {band_labels()[0]} (paired)"], loss_table
     )
     print()
     print(
-        f"Greedy repetition loops ({args.max_new} new tokens, loop = last {LOOP_WINDOW} tokens periodic with period <= {LOOP_MAX_PERIOD}, "
-        f"within {args.loop_horizon}; bootstrap 95% CI over prompts)"
+        f"Greedy repetition loops ({args.max_new} new tokens, loop = last {LOOP_WINDOW} tokens periodic with period <= "
+        f"{LOOP_MAX_PERIOD}, within {args.loop_horizon}; bootstrap 95% CI over prompts)"
     )
     print_table(
         ["context", "prompts", "looped (95% CI)", "median onset", "stopped at eos", "mean new tokens"], loop_table

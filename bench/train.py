@@ -237,12 +237,14 @@ def main(argv=None) -> dict:
     tok_s = tokens / step_s
     mfu = flops_tok * tok_s / peaks["matmul_flops"]
     print(
-        f"\n{source['target']} + {source['drafter']}: batch {batch} x {seq_len} tokens, TTT length {t_cfg['ttt_length']}, "
-        f"compute {args.compute_dtype}; drafter {n_params / 1e6:.2f} M trainable; {flops_tok / 1e6:.1f} MFLOP/token "
+        f"\n{source['target']} + {source['drafter']}: batch {batch} x {seq_len} tokens, TTT length "
+        f"{t_cfg['ttt_length']}, compute {args.compute_dtype}; drafter {n_params / 1e6:.2f} M trainable; "
+        f"{flops_tok / 1e6:.1f} MFLOP/token "
         f"({t_flops_tok / 1e6:.1f} target forward); first step (compile) {compile_s:.1f} s"
     )
     print(
-        f"throughput {tok_s:.0f} tokens/s, model {flops_tok * tok_s / 1e9:.1f} GFLOP/s = {100 * mfu:.1f}% of the measured matmul peak\n"
+        f"throughput {tok_s:.0f} tokens/s, model {flops_tok * tok_s / 1e9:.1f} GFLOP/s = {100 * mfu:.1f}% of the "
+        "measured matmul peak\n"
     )
     print_table(["part", "ms", "of step", "GFLOP", "GFLOP/s", "% peak", "GB/s", "% BW"], rows)
     results = {

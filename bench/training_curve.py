@@ -1,6 +1,7 @@
 """Held-out simulated AL and loss against trained tokens, from training runs' logs (``eval.path`` records).
 
-    python -m bench.training_curve runs/smollm2-eagle3.1 runs/smollm2-eagle3 --out bench/figures/smollm2_training_curve.png
+    python -m bench.training_curve runs/smollm2-eagle3.1 runs/smollm2-eagle3 \\
+        --out bench/figures/smollm2_training_curve.png
 
 Tokens are the supervised (loss) tokens seen so far, summed over the log's records; a run continued in another
 directory (``drafter.init``) is drawn after the runs before it when given as ``A+B`` (B's tokens start where A's end).

@@ -1,6 +1,6 @@
 """Where a TTT step from precomputed target features spends its time, and its throughput per configuration.
 
-    python -m bench.ttt_profile                                    # the SmolLM2-135M drafter's sizes, a few configurations
+    python -m bench.ttt_profile                       # the SmolLM2-135M drafter's sizes, a few configurations
     python -m bench.ttt_profile --configs 1x2048:5:4096 2x1024:3:4096
 
 A configuration is ROWSxLENGTH:TTT:VD (packed rows of LENGTH tokens, TTT length, draft vocabulary). Each part is its

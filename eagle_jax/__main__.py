@@ -1,7 +1,8 @@
 """The main job: complete a code prompt with the bundled target + EAGLE-3.1 drafter, with and without
 speculation, and print the text, the acceptance length and tokens/s of both.
 
-    python -m eagle_jax [--target T --drafter DIR|ORG/NAME] [--prompt TEXT | --chat MESSAGE] [--max-new-tokens N] [--k K | --tree]
+    python -m eagle_jax [--target T --drafter DIR|ORG/NAME] [--prompt TEXT | --chat MESSAGE] [--max-new-tokens N]
+                        [--k K | --tree]
 
 (also installed as ``eagle-jax``). T: an HF checkpoint directory or Hub repo id, a .gguf file, or a
 named model (``smollm2-135m-instruct``, ``gemma-3-270m``); ``--drafter none`` decodes plainly only.
@@ -110,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     random_model = args.target is None and not bundled.available()
     if random_model:
         print(
-            f"WARNING: the bundled models are not installed ({bundled.ASSETS}): running on a tiny RANDOM target with an\n"
-            f"untrained drafter instead. Acceptance length and speedup below mean nothing; they only show the\n"
+            f"WARNING: the bundled models are not installed ({bundled.ASSETS}): running on a tiny RANDOM target with "
+            f"an\nuntrained drafter instead. Acceptance length and speedup below mean nothing; they only show the\n"
             f"pipeline runs. Use an editable install of the repository, or pass --target and --drafter."
         )
         tmp = tempfile.TemporaryDirectory()

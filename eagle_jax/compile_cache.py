@@ -30,7 +30,8 @@ _exported_dir: Path | None = None  # where ``compile_program`` keeps traced prog
 
 
 def default_dir() -> Path:
-    """``<the project's cache directory>/xla`` (``$EAGLE_JAX_CACHE``, ``$XDG_CACHE_HOME/eagle_jax`` or ``~/.cache/eagle_jax``)."""
+    """``<the project's cache directory>/xla`` (``$EAGLE_JAX_CACHE``, ``$XDG_CACHE_HOME/eagle_jax`` or
+    ``~/.cache/eagle_jax``)."""
     return cache_dir() / "xla"
 
 

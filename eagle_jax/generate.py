@@ -59,7 +59,7 @@ def generate(
     K+1 positions (and plain decoding at another batch size) can resolve a tie differently.
     ``exact=True`` computes the target in float32 from its stored weights, plain and speculative
     alike: the output is then the same for every batch size, drafter and speculation setting (cost:
-    fp32 activations and caches; see BENCHMARKS.md).
+    fp32 activations and caches; BENCHMARKS.md, "Exactness in bfloat16, and the cost of exact mode").
 
     ``spec``: a SpecConfig or dict, or "auto" (the default, None, with a drafter): the call runs in
     chunks of a few rounds, each at the depth (no drafts or a chain of ``chooser.DEPTHS`` drafts) with the

@@ -62,8 +62,8 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def random_k_blocks(rows: int, cols: int, qtype: str, seed: int) -> np.ndarray:
-    """[rows, bytes per row] of random ``qtype`` blocks whose scales give weights of O(0.01-0.1), as in a trained model (Q6_K's int8
-    sub-scales reach 127, the others 63 or less, hence its smaller block scale)."""
+    """[rows, bytes per row] of random ``qtype`` blocks whose scales give weights of O(0.01-0.1), as in a trained
+    model (Q6_K's int8 sub-scales reach 127, the others 63 or less, hence its smaller block scale)."""
     block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)

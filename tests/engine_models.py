@@ -1,7 +1,7 @@
 """Tiny target/drafter pairs for the engine tests, some built by hand so that drafts are often accepted.
 
-``markov_target`` / ``markov_drafter``: a target that is (almost) a bigram Markov model of the current token, and a drafter
-that predicts that bigram from the current input token, so chain drafts are accepted for long runs and
+``markov_target`` / ``markov_drafter``: a target that is (almost) a bigram Markov model of the current token, and a
+drafter that predicts that bigram from the current input token, so chain drafts are accepted for long runs and
 rejected where the two successor maps differ on purpose (mixed accept/reject rounds).
 
 Target: one-hot-like embeddings ``e_v = onehot(v) + onehot(H-1)`` (the last dimension is a constant

@@ -1,5 +1,5 @@
-"""``attend``'s and ``attend_cache``'s two forms agree: the keys-first one (few queries over several rows' caches, on a CPU) and the
-query-first one, on decode, verification and prefill shapes, with masks that leave slots out.
+"""``attend``'s and ``attend_cache``'s two forms agree: the keys-first one (few queries over several rows' caches, on
+a CPU) and the query-first one, on decode, verification and prefill shapes, with masks that leave slots out.
 
 Both are the same sums in another order: fp32 agreement to 1e-6 relative (observed ~3e-7)."""
 

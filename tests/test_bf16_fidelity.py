@@ -130,13 +130,15 @@ def test_bf16_greedy_divergences_are_near_ties(capsys, record_property):
     record_property("bf16_divergence_details", divergences)
     with capsys.disabled():
         print(
-            f"\n[bf16 fidelity] {len(divergences)}/{N_PROMPTS} rows of speculative (K={K}) vs plain greedy diverge in bf16 "
-            f"({MAX_NEW} new tokens, float32: 0); positions with fp32 top-2 gap <= {C:g}*2^-8*max|logit|: {near_tie_rate:.1%}"
+            f"\n[bf16 fidelity] {len(divergences)}/{N_PROMPTS} rows of speculative (K={K}) vs plain greedy diverge in "
+            f"bf16 ({MAX_NEW} new tokens, float32: 0); positions with fp32 top-2 gap <= {C:g}*2^-8*max|logit|: "
+            f"{near_tie_rate:.1%}"
         )
         for d in divergences:
             print(
-                f"  row {d['row']} pos {d['pos']}: plain {d['plain_tok']} / spec {d['spec_tok']}, fp32 top-2 gap {d['top2_gap']:.4f}, "
-                f"deficits {d['plain_deficit']:.4f} / {d['spec_deficit']:.4f} = {d['in_units']:.2f} x 2^-8*max|logit| "
+                f"  row {d['row']} pos {d['pos']}: plain {d['plain_tok']} / spec {d['spec_tok']}, fp32 top-2 gap "
+                f"{d['top2_gap']:.4f}, deficits {d['plain_deficit']:.4f} / {d['spec_deficit']:.4f} = "
+                f"{d['in_units']:.2f} x 2^-8*max|logit| "
                 f"(unit {d['unit']:.4f}); bf16 forward top-2 gap {d['bf16_top2_gap']:.4f}"
             )
     assert not too_far, f"bf16 divergences that are not near-ties (deficit > {C:g} * 2^-8 * max|logit|): {too_far}"

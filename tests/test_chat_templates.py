@@ -12,10 +12,11 @@ from workshop.tokenizer_build import train_tokenizer
 
 # SmolLM2-135M-Instruct: ChatML with a default system prompt when the first message is not a system one.
 SMOLLM2 = (
-    r"{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a "
-    r"helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + "
-    r"'\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    r"{% endif %}"
+    r"{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou "
+    r"are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + "
+    r"message['role'] + "
+    r"'\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ "
+    r"'<|im_start|>assistant\n' }}{% endif %}"
 )
 
 # Llama-3.1 Instruct (meta-llama/Llama-3.1-8B-Instruct), tool parts included.
@@ -128,7 +129,7 @@ LLAMA31 = r"""{{- bos_token }}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 (verbatim upstream template)
 
 # Qwen2.5 Instruct (Qwen/Qwen2.5-7B-Instruct), tool parts included.
 QWEN25 = r"""{%- if tools %}
@@ -185,7 +186,7 @@ QWEN25 = r"""{%- if tools %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 (verbatim upstream template)
 
 # Drops the reasoning of every assistant turn but the last (as reasoning models' templates do).
 REWRITES_HISTORY = r"""{%- for m in messages %}

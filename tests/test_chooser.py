@@ -1,5 +1,6 @@
 """The default speculation (``spec="auto"``, ``decoding/chooser.py``): its choice on synthetic costs and acceptance,
-and what a user of ``generate`` sees of it: plain decoding's output whatever runs, nothing compiled after a first call."""
+and what a user of ``generate`` sees of it: plain decoding's output whatever runs, nothing compiled after a first
+call."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def true_rate(p: float, depth: int) -> float:
 
 
 def serve(ch: Chooser, p: float, chunks: int, rng, rows: int = 1, estimates=None, every: int = 8) -> list[int]:
-    """``chunks`` choices of ``every`` rounds each on rows whose drafts are accepted with chance ``p``: the depths run."""
+    """``chunks`` choices of ``every`` rounds each on rows whose drafts are accepted with chance ``p``: the depths
+    run."""
     estimates = estimates or [ch.new_row(True) for _ in range(rows)]
     ran = []
     for _ in range(chunks):
@@ -110,7 +112,8 @@ PROMPTS = [list(np.random.default_rng(7).integers(0, 32, n)) for n in (4, 11, 19
 
 
 def test_greedy_output_is_plain_decodings_whatever_runs(pair, monkeypatch):
-    """Chosen depths, or any sequence of them forced chunk by chunk: the tokens of plain decoding, generated or streamed."""
+    """Chosen depths, or any sequence of them forced chunk by chunk: the tokens of plain decoding, generated or
+    streamed."""
     target, drafter = pair
     plain = eagle_jax.generate(target, None, PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens
     chooser.reset()

@@ -185,7 +185,8 @@ def test_lm_eval_local_completions_equals_its_hf_backend(served, tmp_path, monke
                     assert abs(h - w) < 1e-3, (name, tokenized, w, h)
                     worst = max(worst, abs(h - w))
         print(
-            f"lm-eval local-completions vs hf, tokenized_requests={tokenized}: largest log-likelihood difference {worst:.2e}"
+            f"lm-eval local-completions vs hf, tokenized_requests={tokenized}: largest log-likelihood difference "
+            f"{worst:.2e}"
         )
 
 

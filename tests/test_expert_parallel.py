@@ -67,9 +67,10 @@ TRAIN_SCRIPT = textwrap.dedent(
 
     losses = {}
     for mesh in ("{data: 8}", "{data: 2, fsdp: 1, expert: 2, model: 2}"):
-        cfg = load_config(sys.argv[1], ["train.steps=60", "train.ttt_length=3", "data.max_length=32", "checkpoint.every=0",
-                                        "data.synthetic={num_samples: 64, prompt_length: 8}", "log.every=1",
-                                        "log.progress=false", "mesh=" + mesh, "run_dir=" + sys.argv[2] + str(len(losses))])
+        cfg = load_config(sys.argv[1], ["train.steps=60", "train.ttt_length=3", "data.max_length=32",
+                                        "checkpoint.every=0", "data.synthetic={num_samples: 64, prompt_length: 8}",
+                                        "log.every=1", "log.progress=false", "mesh=" + mesh,
+                                        "run_dir=" + sys.argv[2] + str(len(losses))])
         losses[mesh] = np.array([r["loss"] for r in train(cfg, stop_after=4)["records"]])
     a, b = losses.values()
     np.testing.assert_allclose(b, a, rtol=2e-5)

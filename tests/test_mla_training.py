@@ -154,7 +154,8 @@ def test_drafter_attention_follows_the_target_or_the_config(run):
                 [
                     "target.random={architecture: deepseek_v3, vocab_size: 64, hidden_size: 32, "
                     "intermediate_size: 64, num_layers: 2, num_heads: 4, "
-                    "mla: {q_lora_rank: null, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 8}}"
+                    "mla: {q_lora_rank: null, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: "
+                    "8}}"
                 ],
             )
         )

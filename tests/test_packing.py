@@ -302,8 +302,8 @@ def test_pack_errors():
 # ------------------------------------------------------------------------------------------ trainer
 
 TRAIN = [
-    "target.random={vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_layers: 3, num_heads: 4, num_kv_heads: 2, "
-    "head_dim: 8, logit_scale: 4.0}",
+    "target.random={vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_layers: 3, num_heads: 4, num_kv_heads: "
+    "2, head_dim: 8, logit_scale: 4.0}",
     "data.synthetic={num_samples: 1}",
     "data.max_length=32",
     "train.batch_size=4",

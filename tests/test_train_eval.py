@@ -1,4 +1,5 @@
-"""eagle-jax-eval (eagle_jax.cli.eval): real acceptance length with the engine on a held-out JSONL (chat and completion records)."""
+"""eagle-jax-eval (eagle_jax.cli.eval): real acceptance length with the engine on a held-out JSONL (chat and
+completion records)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``python -m train.vocab_map``: the same command as the installed ``eagle-jax-vocab-map`` (``eagle_jax.cli.vocab_map``)."""
+"""``python -m train.vocab_map``: the same command as the installed ``eagle-jax-vocab-map``
+(``eagle_jax.cli.vocab_map``)."""
 
 from eagle_jax.cli.vocab_map import main
 

@@ -123,7 +123,8 @@ def package_license(distribution: str) -> str:
     stated = [x for x in stated if x]
     if not stated or not any(p in stated[0].lower() for p in _PERMISSIVE):
         raise ValueError(
-            f"{distribution}: licence {stated[0] if stated else 'unstated'!r} is not one of the permissive {_PERMISSIVE}"
+            f"{distribution}: licence {stated[0] if stated else 'unstated'!r} is not one of the permissive "
+            f"{_PERMISSIVE}"
         )
     return stated[0]
 

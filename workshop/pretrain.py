@@ -77,7 +77,8 @@ def pretrain(
     on_save: Callable[[Path], None] | None = None,
     init_from: str | Path | None = None,
 ) -> Target:
-    """Trains from scratch or resumes from ``out_dir/ckpt`` (params, optimiser state, step; the data order is a function of the step).
+    """Trains from scratch or resumes from ``out_dir/ckpt`` (params, optimiser state, step; the data order is a
+    function of the step).
 
     ``init_from``: an HF target directory whose weights start a fresh run (new optimiser state and
     schedule): continued pretraining of an existing model. Ignored once ``out_dir/ckpt`` exists.

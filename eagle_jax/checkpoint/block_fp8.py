@@ -73,8 +73,8 @@ class DequantizedFP8:
         grid = (-(-rows // bm), -(-cols // bn))
         if scale.shape != grid:
             raise CheckpointError(
-                f"{self.file_of(key + SCALE_SUFFIX)}: tensor '{key + SCALE_SUFFIX}' has shape {list(scale.shape)}, expected "
-                f"{list(grid)} (one scale per {bm}x{bn} block of '{key}' {[rows, cols]})"
+                f"{self.file_of(key + SCALE_SUFFIX)}: tensor '{key + SCALE_SUFFIX}' has shape {list(scale.shape)}, "
+                f"expected {list(grid)} (one scale per {bm}x{bn} block of '{key}' {[rows, cols]})"
             )
         full = np.repeat(np.repeat(scale, bm, axis=0)[:rows], bn, axis=1)[:, :cols]
         return arr.astype(np.float32) * full

@@ -65,7 +65,8 @@ class StackedExperts:
         shape = self.source.shape(key)
         if len(shape) != 3 or shape[0] != self.num_experts:
             raise CheckpointError(
-                f"{self.source.file_of(key)}: tensor '{key}' has shape {list(shape)}, expected [{self.num_experts}, out, in]"
+                f"{self.source.file_of(key)}: tensor '{key}' has shape {list(shape)}, expected [{self.num_experts}, "
+                "out, in]"
             )
         if proj == "down_proj":
             self._put(f"{prefix}.down_proj.weight", (key, slice(None)))

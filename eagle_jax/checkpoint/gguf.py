@@ -120,12 +120,14 @@ def _reader_class():
                 count = int(np.prod(dims.astype(np.int64)))
                 if count % block:
                     raise CheckpointError(
-                        f"tensor '{name}' of type {qtype.name} has {count} values, not a multiple of its block of {block}"
+                        f"tensor '{name}' of type {qtype.name} has {count} values, not a multiple of its block of "
+                        f"{block}"
                     )
                 end = start_offs + int(offset[0]) + count // block * type_size
                 if end > size:
                     raise CheckpointError(
-                        f"tensor '{name}' ends at byte {end} but the file has {size} bytes: truncated (an interrupted download?)"
+                        f"tensor '{name}' ends at byte {end} but the file has {size} bytes: truncated (an interrupted "
+                        "download?)"
                     )
             super()._build_tensors(start_offs, fields)
 
@@ -215,8 +217,8 @@ def llama3_rope_from_factors(factors: np.ndarray, theta: float, where: str) -> d
     )
     if not np.allclose(factors, want, rtol=1e-4):
         raise CheckpointError(
-            f"{where}: tensor '{ROPE_FREQS}' holds rope frequency factors that are not llama3 scaling with factor {factor}, "
-            f"low/high freq factors 1/4 and original context 8192; this rope is not supported"
+            f"{where}: tensor '{ROPE_FREQS}' holds rope frequency factors that are not llama3 scaling with factor "
+            f"{factor}, low/high freq factors 1/4 and original context 8192; this rope is not supported"
         )
     return params
 
@@ -227,7 +229,8 @@ def hf_config(reader, file: Path) -> dict[str, Any]:
     arch = meta.require("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(
-            f"{file}: unsupported architecture '{arch}' (metadata field 'general.architecture'); supported: {', '.join(ARCHITECTURES)}"
+            f"{file}: unsupported architecture '{arch}' (metadata field 'general.architecture'); supported: "
+            f"{', '.join(ARCHITECTURES)}"
         )
     tensors = {t.name: t for t in reader.tensors}
     embed = tensors.get("token_embd.weight")
@@ -256,7 +259,8 @@ def hf_config(reader, file: Path) -> dict[str, Any]:
     value_length = meta.integer(f"{arch}.attention.value_length", d["head_dim"])
     if value_length != d["head_dim"]:
         raise CheckpointError(
-            f"{file}: metadata field '{arch}.attention.value_length' = {value_length} differs from key_length {d['head_dim']}"
+            f"{file}: metadata field '{arch}.attention.value_length' = {value_length} differs from key_length "
+            f"{d['head_dim']}"
         )
     window = meta.get(f"{arch}.attention.sliding_window")
     if window:
@@ -267,7 +271,8 @@ def hf_config(reader, file: Path) -> dict[str, Any]:
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none", *ROPE_TYPES):
         raise CheckpointError(
-            f"{file}: unsupported rope scaling '{scaling}' (metadata field '{arch}.rope.scaling.type'); supported: {', '.join(ROPE_TYPES)}"
+            f"{file}: unsupported rope scaling '{scaling}' (metadata field '{arch}.rope.scaling.type'); supported: "
+            f"{', '.join(ROPE_TYPES)}"
         )
     if scaling not in (None, "none"):
         factor = meta.get(f"{arch}.rope.scaling.factor")
@@ -295,7 +300,8 @@ def _gemma3_config(meta: GGUFMetadata, tensors: dict, d: dict[str, Any], file: P
     vision = sorted(name for name in tensors if name.startswith(_VISION_PREFIXES))
     if vision:
         raise CheckpointError(
-            f"{file}: tensor '{vision[0]}' belongs to a vision tower (a multimodal Gemma 3); only the text model is supported"
+            f"{file}: tensor '{vision[0]}' belongs to a vision tower (a multimodal Gemma 3); only the text model is "
+            "supported"
         )
     layers = d["num_hidden_layers"]
     out: dict[str, Any] = {

@@ -68,7 +68,8 @@ def load_target(path: str | Path, dtype=None, *, revision: str | None = None) ->
         return load_gguf_target(path, dtype)
     if Path(path).is_file():
         raise CheckpointError(
-            f"{path}: is a file but not a GGUF (no 'GGUF' magic); give a checkpoint directory, a Hub repo id or a .gguf file"
+            f"{path}: is a file but not a GGUF (no 'GGUF' magic); give a checkpoint directory, a Hub repo id or a "
+            ".gguf file"
         )
     path = resolve_checkpoint(path, revision=revision)
     raw, where = read_config_json(path)

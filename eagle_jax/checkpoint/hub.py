@@ -68,7 +68,8 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = 
     text = os.fspath(path_or_id)
     if not isinstance(path_or_id, str) or not looks_like_repo_id(text):
         raise CheckpointError(
-            f"no such checkpoint directory: {text} (give an existing directory, or a Hugging Face Hub repo id such as 'org/name')"
+            f"no such checkpoint directory: {text} (give an existing directory, or a Hugging Face Hub repo id such as "
+            "'org/name')"
         )
     return _snapshot(text, revision)
 
@@ -110,12 +111,12 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
         if constants.HF_HUB_OFFLINE:
             raise CheckpointError(
                 f"Hub repo {at} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set: "
-                f"download it once with network access (unset HF_HUB_OFFLINE, or `hf download {repo_id}`), point HF_HOME / "
-                f"HF_HUB_CACHE at a cache that holds it, or pass a local checkpoint directory ({local})"
+                f"download it once with network access (unset HF_HUB_OFFLINE, or `hf download {repo_id}`), point "
+                f"HF_HOME / HF_HUB_CACHE at a cache that holds it, or pass a local checkpoint directory ({local})"
             ) from e
         raise CheckpointError(
-            f"Hub repo {at} could not be fetched and is not in the Hugging Face cache ({constants.HF_HUB_CACHE}): check the "
-            f"network connection (or HF_ENDPOINT), or pass a local checkpoint directory ({local}). Cause: {e}"
+            f"Hub repo {at} could not be fetched and is not in the Hugging Face cache ({constants.HF_HUB_CACHE}): "
+            f"check the network connection (or HF_ENDPOINT), or pass a local checkpoint directory ({local}). Cause: {e}"
         ) from e
     except GatedRepoError as e:
         raise CheckpointError(
@@ -127,7 +128,8 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
         ) from e
     except RepositoryNotFoundError as e:
         raise CheckpointError(
-            f"Hub repo '{repo_id}' was not found (or is private: log in with `hf auth login` or set HF_TOKEN), and {local}"
+            f"Hub repo '{repo_id}' was not found (or is private: log in with `hf auth login` or set HF_TOKEN), and "
+            f"{local}"
         ) from e
     except HFValidationError as e:
         raise CheckpointError(f"'{repo_id}' is neither a local directory nor a valid Hub repo id ({e})") from e

@@ -94,7 +94,10 @@ MODELS: dict[str, NamedModel] = {
             member=tuple(m for _, m in _GEMMA3_PARTS),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             size=253113024,
-            description="Gemma 3 270M base (Google, Gemma terms of use), Q4_K_M GGUF in 4 parts, gemma3 architecture, no chat template",
+            description=(
+                "Gemma 3 270M base (Google, Gemma terms of use), Q4_K_M GGUF in 4 parts, gemma3 architecture, no chat "
+                "template"
+            ),
             file_name="gemma-3-270m-q4_k_m.gguf",
         ),
     )
@@ -134,7 +137,8 @@ def fetch_model(name: str, directory: str | os.PathLike | None = None, *, quiet:
     if dest.exists():
         if dest.stat().st_size != model.size:
             raise CheckpointError(
-                f"{dest}: has {dest.stat().st_size} bytes, expected {model.size} for {model.name}; delete it to fetch it again"
+                f"{dest}: has {dest.stat().st_size} bytes, expected {model.size} for {model.name}; delete it to fetch "
+                "it again"
             )
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)

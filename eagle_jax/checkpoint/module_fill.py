@@ -70,7 +70,8 @@ def fill_module(
     cast to the dtype its abstract variable declares (the module is built in the wanted dtype).
 
     ``provided``: values for paths not in the checkpoint (e.g. the drafter's embedding from the target).
-    ``renamed``: stored key -> the normalised key ``key_of`` produces. Missing or unexpected keys and shape mismatches raise, naming the key and the file.
+    ``renamed``: stored key -> the normalised key ``key_of`` produces. Missing or unexpected keys and shape
+    mismatches raise, naming the key and the file.
     """
     provided = provided or {}
     renamed = renamed or {}

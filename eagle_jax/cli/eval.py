@@ -3,7 +3,8 @@
 Usage: ``eagle-jax-eval --target T --drafter DIR --data heldout.jsonl [--k 5] [--tree 8,5,48]
 [--max-new-tokens 128] [--temperature 0] [--limit 64] [--batch-size 16] [--out result.json]``
 
-T: an HF checkpoint directory or Hub repo id, a .gguf file, or a named model (``smollm2-135m-instruct``, ``gemma-3-270m``).
+T: an HF checkpoint directory or Hub repo id, a .gguf file, or a named model (``smollm2-135m-instruct``,
+``gemma-3-270m``).
 
 Records: chats (``messages`` / ShareGPT ``conversations``: the conversation up to its first
 assistant turn, rendered with the chat template and a generation prompt) or ``{"prompt": ...}`` /

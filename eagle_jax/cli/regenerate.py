@@ -44,7 +44,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _read(args: argparse.Namespace) -> list[list[dict[str, str]]]:
-    """The records of --data (at most --limit), failing before any model is loaded when none has a user turn to answer."""
+    """The records of --data (at most --limit), failing before any model is loaded when none has a user turn to
+    answer."""
     conversations, reasons = [], {}
     for where, record in read_jsonl(args.data):
         conv = conversation_of(record, where)
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         output = ShardedOutput(args.out, _fingerprint(args), restart=args.restart)
         if output.resumed:
             print(
-                f"resuming {args.out}: {output.shards} shards done ({output.inputs_done} inputs, {output.written} records)"
+                f"resuming {args.out}: {output.shards} shards done ({output.inputs_done} inputs, {output.written} "
+                "records)"
             )
         target = load_target(args.target, args.dtype)
         drafter = load_drafter(args.drafter, target) if args.drafter else None

@@ -22,10 +22,11 @@ cache length. Then it runs each once on throwaway rows (scoring programs up to 5
 program's first run (which links its kernels on the CPU) falls on a request, and logs each program's compile
 time and the total. Compiled
 programs go to JAX's persistent compilation cache (``--compile-cache``), so a restart loads them.
-``--drafter none`` serves the target alone (a profile's speculation schedule is then ignored). Checkpoints are directories or Hugging Face Hub repo ids; a
-target may also be a .gguf file or a named model (``smollm2-135m-instruct``, ``gemma-3-270m``); relative paths in a profile
-are relative to the profile's folder. The served model name (``/v1/models``) defaults to the target's
-directory name, the .gguf file's stem, or the named model's name.
+``--drafter none`` serves the target alone (a profile's speculation schedule is then ignored). Checkpoints are
+directories or Hugging Face Hub repo ids; a target may also be a .gguf file or a named model
+(``smollm2-135m-instruct``, ``gemma-3-270m``); relative paths in a profile are relative to the profile's folder. The
+served model name (``/v1/models``) defaults to the target's directory name, the .gguf file's stem, or the named model's
+name.
 """
 
 from __future__ import annotations

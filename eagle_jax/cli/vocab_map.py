@@ -3,7 +3,8 @@
 Usage: ``eagle-jax-vocab-map --data train.jsonl [more.jsonl ...] [--target T] [--tokenizer T]
 --draft-vocab-size 32000 --out vocab_map.npz [--vocab-size V] [--max-length 2048]``
 
-T: an HF checkpoint directory or Hub repo id, a .gguf file, or a named model (``smollm2-135m-instruct``, ``gemma-3-270m``).
+T: an HF checkpoint directory or Hub repo id, a .gguf file, or a named model (``smollm2-135m-instruct``,
+``gemma-3-270m``).
 One of --target and --tokenizer at least: the tokenizer defaults to the target's, the vocabulary size
 to the target's, else the tokenizer's length.
 

@@ -248,7 +248,8 @@ def check_pair(target: TargetConfig, drafter: DrafterConfig, where: str = "draft
         problems.append(f"drafter vocab_size={drafter.vocab_size} but the target's is {target.vocab_size}")
     if drafter.target_hidden_size != target.hidden_size:
         problems.append(
-            f"drafter target_hidden_size={drafter.target_hidden_size} but the target's hidden_size is {target.hidden_size}"
+            f"drafter target_hidden_size={drafter.target_hidden_size} but the target's hidden_size is "
+            f"{target.hidden_size}"
         )
     ids = aux_layer_ids_for(drafter, target, where)
     if drafter.num_aux_hidden_states != len(ids):

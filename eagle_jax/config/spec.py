@@ -89,7 +89,8 @@ class SpecConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(
-                f"spec: unknown fields {unknown}; known: {sorted(known)} and the EAGLE code's {sorted(cls._EAGLE_TREE_NAMES)}"
+                f"spec: unknown fields {unknown}; known: {sorted(known)} and the EAGLE code's "
+                f"{sorted(cls._EAGLE_TREE_NAMES)}"
             )
         return cls(**d)
 
@@ -113,7 +114,8 @@ class SpecConfig:
             if name in eagle and field_name in ours:
                 raise ConfigError(
                     f"spec: {name!r} (the EAGLE code's name) and {field_name!r} set the same quantity; give only "
-                    f"one of them ({name}={eagle[name]} is {field_name}={to_ours(eagle[name])}, got {field_name}={ours[field_name]!r})"
+                    f"one of them ({name}={eagle[name]} is {field_name}={to_ours(eagle[name])}, got "
+                    f"{field_name}={ours[field_name]!r})"
                 )
         method = ours.pop("method", "tree")
         if method != "tree":
@@ -135,7 +137,8 @@ class SpecConfig:
         unknown = sorted(set(ours) - known)
         if unknown:
             raise ConfigError(
-                f"spec: unknown fields {unknown}; known: {sorted(known)} and the EAGLE code's {sorted(cls._EAGLE_TREE_NAMES)}"
+                f"spec: unknown fields {unknown}; known: {sorted(known)} and the EAGLE code's "
+                f"{sorted(cls._EAGLE_TREE_NAMES)}"
             )
         fields = {
             field_name: to_ours(eagle[name])

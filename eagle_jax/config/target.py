@@ -147,14 +147,15 @@ class MoEConfig:
             raise ConfigError(f"{what}: n_routed_experts={e} is not a multiple of n_group={g}")
         if e // g < 2:
             raise ConfigError(
-                f"{what}: n_routed_experts / n_group = {e // g}; groups are scored by their top-2 experts, so each needs >= 2"
+                f"{what}: n_routed_experts / n_group = {e // g}; groups are scored by their top-2 experts, so each "
+                "needs >= 2"
             )
         if self.topk_group > g:
             raise ConfigError(f"{what}: topk_group={self.topk_group} is larger than n_group={g}")
         if self.num_experts_per_tok > self.topk_group * (e // g):
             raise ConfigError(
-                f"{what}: num_experts_per_tok={self.num_experts_per_tok} exceeds the {self.topk_group * (e // g)} experts "
-                f"of the topk_group={self.topk_group} groups a token may use"
+                f"{what}: num_experts_per_tok={self.num_experts_per_tok} exceeds the {self.topk_group * (e // g)} "
+                f"experts of the topk_group={self.topk_group} groups a token may use"
             )
 
     @classmethod
@@ -167,7 +168,8 @@ class MoEConfig:
             raise ConfigError(f"{source}: unsupported topk_method '{method}' (only noaux_tc, as DeepSeek-V3)")
         if d.get("moe_layer_freq", 1) != 1:
             raise ConfigError(
-                f"{source}: moe_layer_freq={d['moe_layer_freq']} is not supported (only 1: every layer past first_k_dense_replace)"
+                f"{source}: moe_layer_freq={d['moe_layer_freq']} is not supported (only 1: every layer past "
+                "first_k_dense_replace)"
             )
 
         def get(key: str) -> Any:
@@ -329,7 +331,8 @@ class TargetConfig:
                 )
             if self.head_dim != self.mla.qk_head_dim:
                 raise ConfigError(
-                    f"{source}: with MLA head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = {self.mla.qk_head_dim}"
+                    f"{source}: with MLA head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
+                    f"{self.mla.qk_head_dim}"
                 )
             unsupported = [k for k in ("qk_norm", "sliding_window") if getattr(self, k)]
             if unsupported:
@@ -377,8 +380,9 @@ class TargetConfig:
         archs = d.get("architectures") or []
         if any(a in _GEMMA3_MULTIMODAL for a in [*archs, d.get("model_type")]) or "vision_config" in d:
             raise ConfigError(
-                f"{source}: a multimodal Gemma 3 checkpoint (field 'architectures'/'model_type' {archs or d.get('model_type')!r}, "
-                f"'vision_config'): its vision tower is not supported; only the text model (Gemma3ForCausalLM, "
+                f"{source}: a multimodal Gemma 3 checkpoint (field 'architectures'/'model_type' "
+                f"{archs or d.get('model_type')!r}, 'vision_config'): its vision tower is not supported; only the text "
+                "model (Gemma3ForCausalLM, "
                 f"model_type gemma3_text) is a target"
             )
         arch = next((TARGET_ARCHITECTURES[a] for a in archs if a in TARGET_ARCHITECTURES), None)

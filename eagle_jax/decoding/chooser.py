@@ -240,7 +240,8 @@ _BY_PAIR: dict[tuple, Chooser] = {}
 
 
 def for_pair(key: tuple) -> Chooser:
-    """``generate``'s chooser for one (programs, target, drafter, exact, mesh, backend): what its calls have measured."""
+    """``generate``'s chooser for one (programs, target, drafter, exact, mesh, backend): what its calls have
+    measured."""
     return _BY_PAIR.setdefault(key, Chooser())
 
 

@@ -62,8 +62,8 @@ class Plan:
     # Rounds without drafts (``spec`` None with a drafter) only write the drafter's cache, and compute its
     # outputs (``extend_drafter``) only in a run's last round (``run_rounds``' limit), which leaves them current
     # for the next program; the first draft's acceptance is probed in the first round only. The serving
-    # engine's steps: there a run is one step. Feeding the drafter in full every
-    # round costs 3-10% of a plain step (the probe's target probabilities at T > 0 the most; BENCHMARKS.md).
+    # engine's steps: there a run is one step. Feeding the drafter in full every round would add a few percent
+    # to a plain step (the probe's target probabilities at T > 0 the most).
     lazy_feed: bool = False
 
     @classmethod

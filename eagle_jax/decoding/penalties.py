@@ -57,7 +57,8 @@ class Penalties:
             raise ConfigError(f"logit_bias values must be in [-100, 100], got {bad[:3]}")
         if len(self.stop_ids) > MAX_STOP_IDS and self.min_tokens:
             raise ConfigError(
-                f"min_tokens holds back at most {MAX_STOP_IDS} stop tokens (EOS and stop_token_ids), got {len(self.stop_ids)}"
+                f"min_tokens holds back at most {MAX_STOP_IDS} stop tokens (EOS and stop_token_ids), got "
+                f"{len(self.stop_ids)}"
             )
 
     @property

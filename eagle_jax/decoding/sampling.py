@@ -168,8 +168,8 @@ def accept_chain(
 
     p: [B, K+1, V] target probs at the K+1 verified positions; q: [B, K, Vd] the drafter's distributions
     the drafts were sampled from; draft_tokens: [B, K] target ids; draft_ids: [B, K] draft-vocab ids;
-    t2d_index: [Vd] target id of each draft id; keys: [B] one key per row. Returns (n accepted [B], next token [B]): the residual
-    sample at the first rejection, or the bonus sample from p[K] when all K are accepted.
+    t2d_index: [Vd] target id of each draft id; keys: [B] one key per row. Returns (n accepted [B], next token [B]):
+    the residual sample at the first rejection, or the bonus sample from p[K] when all K are accepted.
     """
     b, k1, v = p.shape
     k = k1 - 1

@@ -47,8 +47,8 @@ class RMSNorm(nnx.Module):
 # XLA's CPU backend has no half-precision arithmetic: it widens the operands of every bf16/f16 dot
 # (and elementwise op, and a gather's table) to float32. Inside the decoding while_loop a weight's
 # widening is loop-invariant, so XLA hoists it out of the loop: the program holds a float32 copy of
-# every weight as temporaries (Llama-3.1-8B, bench.scale: 33.5 GiB next to 16.7 GiB of bf16 weights)
-# and re-widens them on every call. So, on the CPU backend only, weight matrices (Linear kernels, the
+# every weight as temporaries (BENCHMARKS.md, "Real size without weights (bench.scale)") and re-widens
+# them on every call. So, on the CPU backend only, weight matrices (Linear kernels, the
 # target's embedding) requested in bf16/f16 are stored as float32 holding exactly the bf16/f16 values
 # (rounded first, at init and at load): XLA runs the same float32 dots over the same numbers, while
 # activations, caches, ``module.dtype`` and saved checkpoints stay in the requested dtype. GPU/TPU
@@ -290,9 +290,9 @@ KEYS_LEAD_MAX_QUERIES = 16
 
 
 def _keys_lead(b: int, t: int) -> bool:
-    """XLA's CPU backend runs Q.K^T over many cache rows as a transposing batched dot (3x the time of the
-    whole rest of attention at batch 48, BENCHMARKS.md "Plain decoding at large batch"); K.Q^T reads the
-    cache as it lies. Accelerators choose their own layouts: there the scores stay [.., q, s]."""
+    """XLA's CPU backend runs Q.K^T over many cache rows as a transposing batched dot, slower than the whole
+    rest of attention (``bench.decode_step`` times a decode step); K.Q^T reads the cache as it lies.
+    Accelerators choose their own layouts: there the scores stay [.., q, s]."""
     return b > 1 and t <= KEYS_LEAD_MAX_QUERIES and jax.default_backend() == "cpu"
 
 
@@ -461,9 +461,9 @@ def write_kv(cache: Array, new: Array, start: Array) -> Array:
     updated in place without copying the other rows.
 
     Several rows are a scatter, which XLA's CPU backend does for bfloat16 through a float32 copy of the whole
-    cache and back: on a CPU a 16-bit float cache is scattered as its bits (uint16), exactly (bfloat16, batch 12,
-    bundled pair: 88 MB of temporaries, ~20 ms per execution, and 1.2x the time per round). One
-    row of one is an in-place ``dynamic_update_slice``, left as it is.
+    cache and back: on a CPU a 16-bit float cache is scattered as its bits (uint16), exactly, with no such
+    copy (BENCHMARKS.md, "Real size without weights (bench.scale)"). One row of one is an in-place
+    ``dynamic_update_slice``, left as it is.
     """
     b, t, h = new.shape[:3]
     new = heads_first(new).astype(cache.dtype)
@@ -566,8 +566,8 @@ class Attention(nnx.Module):
         write_index: Array | None = None,
     ) -> tuple[Array, tuple[Array, Array] | None]:
         """x: [B, T, d_in]. Without a cache, attends over the block itself; with ``kv`` = (k, v) caches
-        [B, Hkv, S, D] (head-major), writes this block's keys/values at slots ``write_index`` [B] first, then attends over
-        the first S' cache slots under ``mask`` [B, T, S'] (S' <= S; the cache may have more rows than x,
+        [B, Hkv, S, D] (head-major), writes this block's keys/values at slots ``write_index`` [B] first, then attends
+        over the first S' cache slots under ``mask`` [B, T, S'] (S' <= S; the cache may have more rows than x,
         whose leading rows are then used) — or, when ``mask`` is [B, T, T] with T < S (a prefill from
         an empty cache), over the block itself, which costs T x T instead of T x S."""
         t = x.shape[1]

@@ -180,8 +180,9 @@ class MLAttention(nnx.Module):
         return write_kv(kv[0], latent[:, :, None], write_index), write_kv(kv[1], k_rot[:, :, None], write_index)
 
     def _over_cache(self, q_nope: Array, q_rot: Array, kv: tuple[Array, Array], mask: Array) -> Array:
-        """Absorbed attention (W_UK folded into the query, W_UV after the average) over the cache's leading ``mask.shape[-1]`` slots of its
-        leading rows, reading only the blocks the mask reaches (``layers.softmax_over_blocks``)."""
+        """Absorbed attention (W_UK folded into the query, W_UV after the average) over the cache's leading
+        ``mask.shape[-1]`` slots of its leading rows, reading only the blocks the mask reaches
+        (``layers.softmax_over_blocks``)."""
         b, t, h, _ = q_nope.shape
         dtype = q_nope.dtype
         w_uk, w_uv = self._up_kernels(dtype)

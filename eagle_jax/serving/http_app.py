@@ -95,7 +95,8 @@ def _budget(service: Service, prompt: Sequence[int], max_tokens: int | None) -> 
     if len(prompt) + max_tokens > limit:
         raise APIError(
             400,
-            f"this model's context is {limit} tokens; the prompt has {len(prompt)} and max_tokens asks for {max_tokens} more",
+            f"this model's context is {limit} tokens; the prompt has {len(prompt)} and max_tokens asks for "
+            f"{max_tokens} more",
             param="max_tokens",
             code="context_length_exceeded",
         )

@@ -376,8 +376,8 @@ class Scheduler:
         now = time.perf_counter()
         # A short step's time is mostly what every step costs once (dispatch, the drafter's outputs, the probe): as a
         # per-round cost it would make the depth it ran look dear, so only full steps teach costs, and only those
-        # that ran their own program, not for the first time (``StepOutput.timed``): without precompiling, a
-        # chain's first step cost 2-3x its later ones, and the chooser never ran it again to correct that.
+        # that ran their own program, not for the first time (``StepOutput.timed``): a program's first step pays
+        # one-time costs, and a depth that looks dear is not run again, so its cost would never be corrected.
         timed = out.timed and not short
         if timed:
             self._time_rounds(kind, out.seconds, max((len(out.accepted[s]) for s in active), default=0))

@@ -59,7 +59,8 @@ def parse_spec(text: str | None, drafter_present: bool) -> SpecSchedule | Choose
     if not drafter_present:
         if text not in ("", "none"):
             raise ConfigError(
-                f"--spec {text!r} was given but no drafter is served (--drafter none): leave --spec out or give --spec none"
+                f"--spec {text!r} was given but no drafter is served (--drafter none): leave --spec out or give --spec "
+                "none"
             )
         return SpecSchedule.fixed(None)
     if text == "none":
@@ -161,11 +162,11 @@ def make_service(
 ) -> Service:
     """A ``Service`` over models already loaded (benchmarks build several over one pair). ``precompile``:
     compile every program serving may run first (``SlotEngine.precompile``, ``compile_workers`` at once, default
-    ``default_compile_workers()``; else each compiles when first needed, while serving). ``exact``: the target computes in float32 whatever its weights' dtype
-    (``generate``'s exact mode). ``prefill_chunk``: the prompt tokens prefilled between two steps at
-    most (longer prompts go in chunks); ``prefix_cache``: prompts start from the longest prefix a cache
-    row holds, with ``prefix_pool_rows`` rows beside the slots keeping what freed slots held. ``step_ms``: a
-    step's rounds are cut to about this long (``Scheduler``; 0: always ``rounds_per_step``)."""
+    ``default_compile_workers()``; else each compiles when first needed, while serving). ``exact``: the target
+    computes in float32 whatever its weights' dtype (``generate``'s exact mode). ``prefill_chunk``: the prompt tokens
+    prefilled between two steps at most (longer prompts go in chunks); ``prefix_cache``: prompts start from the longest
+    prefix a cache row holds, with ``prefix_pool_rows`` rows beside the slots keeping what freed slots held.
+    ``step_ms``: a step's rounds are cut to about this long (``Scheduler``; 0: always ``rounds_per_step``)."""
     holder: dict = {}
 
     def on_compile(key: tuple, seconds: float) -> None:
@@ -207,7 +208,8 @@ def make_service(
         workers = default_compile_workers() if compile_workers is None else compile_workers
         engine.precompile(workers=workers)
         log.info(
-            "%d programs ready and run once in %.1f s (%.1f s of compiles or loads from the compilation cache, %d at a time)",
+            "%d programs ready and run once in %.1f s (%.1f s of compiles or loads from the compilation cache, %d at a "
+            "time)",
             len(engine.program_set()),
             time.perf_counter() - t0,
             sum(s for _, s in engine.compile_events),
@@ -232,7 +234,8 @@ def program_listing(engine: SlotEngine) -> str:
     """The engine's precompiled program set, one line per program with its shapes (``--list-programs``)."""
     keys = engine.program_set()
     lines = [
-        f"{len(keys)} programs ({engine.slots} slots x {engine.max_len} tokens, {engine.pool_rows} prefix-cache pool rows):"
+        f"{len(keys)} programs ({engine.slots} slots x {engine.max_len} tokens, {engine.pool_rows} prefix-cache pool "
+        "rows):"
     ]
     lines += [f"  {describe(key)}: {engine.program_shapes(key)}" for key in keys]
     return "\n".join(lines)

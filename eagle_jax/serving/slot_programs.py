@@ -33,8 +33,8 @@ def row_program():
 
     A program of its own: read inside the chunk program, XLA fuses the row's reads into the chunk's
     attention, which then overlaps the in-place write-back of the row, and it copies every cache whole
-    to keep the two apart (~1.3 s per chunk at 16 slots x 4096 tokens of a 30-layer model, against
-    ~40 ms for the row alone)."""
+    to keep the two apart: a chunk would then cost a copy of every slot's cache, not one row's read
+    (BENCHMARKS.md, "Prefix caching and chunked prefill (bench.prefill)")."""
 
     def read(st: LoopState, slot):
         def row(a):

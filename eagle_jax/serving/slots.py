@@ -54,7 +54,7 @@ CHUNK_SIZES = (8, 32, 128)  # prefill chunk programs below the engine's ``chunk`
 # prompt is cut into the chunks of least positions + CHUNK_OVERHEAD each (BENCHMARKS.md, "A server's start").
 CHUNK_OVERHEAD = 48
 # Prompt tokens one step's prefill computes at most while streams decode: smaller keeps running streams
-# smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill").
+# smoother, larger keeps more rows busy (BENCHMARKS.md, "Prefix caching and chunked prefill (bench.prefill)").
 DEFAULT_CHUNK = 512
 DEFAULT_MAX_LEN = 4096  # a slot's tokens when no max_len is given (the target's context if shorter)
 ROW_GROWTH = 4  # steps are compiled for 1, 4, 16, ... leading slots (``SlotEngine.rows_for``)
@@ -293,8 +293,8 @@ class SlotEngine:
     def warm_up(self, keys: Sequence[tuple]) -> None:
         """Runs each program of ``keys`` once on throwaway rows (scoring programs up to SCORE_WARMED tokens),
         then frees every slot. A program's first run pays one-time costs (the CPU backend links its kernels
-        then), which would otherwise land on the first requests; each step runs one round over rows that are not done (prefilled over whatever the
-        slots held: one reset at the end, not one per program)."""
+        then), which would otherwise land on the first requests; each step runs one round over rows that are not done
+        (prefilled over whatever the slots held: one reset at the end, not one per program)."""
         for key in keys:
             if key[0] == "step":  # live rows under the step, each done after one more token (no prefill: throwaway)
                 live = np.arange(self.slots) < key[3]
@@ -563,8 +563,9 @@ class SlotEngine:
         rounds: int | None = None,
     ) -> StepOutput:
         """Up to ``rounds`` rounds (default and at most ``rounds_per_step``; the same program whatever the
-        count) over the first ``rows`` slots (default all); slots in ``cancel`` are stopped first. Rows stop at the engine's EOS unless inserted with ``stop_at_eos``
-        False; the caller cuts each row's tokens at its own stop tokens (``stop_token_ids``)."""
+        count) over the first ``rows`` slots (default all); slots in ``cancel`` are stopped first. Rows stop at the
+        engine's EOS unless inserted with ``stop_at_eos`` False; the caller cuts each row's tokens at its own stop
+        tokens (``stop_token_ids``)."""
         if spec not in self.specs:
             raise ConfigError(f"spec {spec} is not one of this engine's configured specs {self.specs}")
         rows = self.slots if rows is None else rows

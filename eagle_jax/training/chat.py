@@ -76,7 +76,8 @@ def messages_of(record: dict, where: str) -> list[dict[str, str]] | None:
             role = SHAREGPT_ROLES.get(str(m.get("from", "")).lower()) if isinstance(m, dict) else None
             if role is None or not isinstance(m.get("value"), str):
                 raise DataError(
-                    f"{where}: each ShareGPT turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value', got {m!r:.120}"
+                    f"{where}: each ShareGPT turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value', got "
+                    f"{m!r:.120}"
                 )
             out.append({"role": role, "content": m["value"]})
         return out
@@ -156,8 +157,9 @@ def assistant_spans(
         for text, what in ((before, f"turns 0..{i - 1} with the generation prompt"), (upto, f"turns 0..{i}")):
             if not full.startswith(text):
                 raise DataError(
-                    f"{where}: turn {i} (assistant): the rendering of {what} is not a prefix of the whole conversation's "
-                    f"rendering: the template renders earlier turns differently once later turns follow (e.g. it drops "
+                    f"{where}: turn {i} (assistant): the rendering of {what} is not a prefix of the whole "
+                    "conversation's rendering: the template renders earlier turns differently once later turns follow "
+                    "(e.g. it drops "
                     f"reasoning from history), so the assistant tokens cannot be located. Add {{% generation %}}..."
                     f"{{% endgeneration %}} markers to the template, or split the record into single-turn records"
                 )

@@ -248,7 +248,8 @@ class Batcher:
     def __post_init__(self) -> None:
         if self.mode not in BATCHING_MODES:
             raise DataError(
-                f"batching mode must be 'pad' or 'bucket' (one sample per row) or 'pack' (several per row), got {self.mode!r}"
+                "batching mode must be 'pad' or 'bucket' (one sample per row) or 'pack' (several per row), got "
+                f"{self.mode!r}"
             )
         if self.mode == "bucket":
             self.buckets = tuple(sorted(self.buckets or default_buckets(self.max_length)))
@@ -256,7 +257,8 @@ class Batcher:
                 raise DataError(f"largest bucket {self.buckets[-1]} < max_length {self.max_length}")
         elif self.buckets and tuple(self.buckets) != (self.max_length,):
             raise DataError(
-                f"buckets {list(self.buckets)} are for batching mode 'bucket'; mode {self.mode!r} pads every row to max_length"
+                f"buckets {list(self.buckets)} are for batching mode 'bucket'; mode {self.mode!r} pads every row to "
+                "max_length"
             )
         else:
             self.buckets = (self.max_length,)

@@ -1,4 +1,5 @@
-"""Held-out TTT accuracy during training: the drafter's per-position accuracy and loss on conversations it never trains on.
+"""Held-out TTT accuracy during training: the drafter's per-position accuracy and loss on conversations it never
+trains on.
 
 Training accuracy rises on data a drafter has seen (a from-scratch head memorises little data), so checkpoints and
 recipes are compared on held-out samples instead: ``eval.path`` (JSONL, the kinds ``data.path`` reads), packed as

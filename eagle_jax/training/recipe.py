@@ -249,7 +249,8 @@ def build_target(cfg: dict) -> Target:
         return eagle_jax.load_target(t["path"], dtype)
     if not t["random"]:
         raise TrainConfigError(
-            "config: set target.path (an HF checkpoint, a .gguf file or a named model) or target.random (a TargetConfig dict)"
+            "config: set target.path (an HF checkpoint, a .gguf file or a named model) or target.random (a "
+            "TargetConfig dict)"
         )
     target = Target(random_target_config(t["random"]), dtype=dtype, rngs=nnx.Rngs(int(cfg["seed"]) + 1000))
     # A random init has near-uniform next-token distributions; scaling the lm_head makes them as
@@ -318,11 +319,13 @@ def drafter_config_for(cfg: dict, target: Target) -> DrafterConfig:
         raise TrainConfigError(f"config: drafter.attention={d['attention']!r}; expected null, 'gqa' or 'mla'")
     if kind == "mla" and tc.mla is None:
         raise TrainConfigError(
-            f"config: drafter.attention=mla needs an MLA target (DeepSeek-V3 / Kimi-K2); the target is {tc.architecture}"
+            "config: drafter.attention=mla needs an MLA target (DeepSeek-V3 / Kimi-K2); the target is "
+            f"{tc.architecture}"
         )
     if kind == "mla" and (d["num_kv_heads"] or d["head_dim"]):
         raise TrainConfigError(
-            "config: drafter.num_kv_heads / drafter.head_dim do not apply to an MLA drafter (its sizes are the target's MLA sizes)"
+            "config: drafter.num_kv_heads / drafter.head_dim do not apply to an MLA drafter (its sizes are the "
+            "target's MLA sizes)"
         )
     aux = tuple(d["aux_layer_ids"]) if d["aux_layer_ids"] else default_aux_layer_ids(tc.num_layers)
     h = d["hidden_size"] or tc.hidden_size
@@ -406,7 +409,8 @@ def warm_start(drafter: Drafter, target: Target, parts: Iterable[str]) -> None:
         elif part == "fc":
             if c.target_hidden_size != c.hidden_size:
                 raise TrainConfigError(
-                    f"config: drafter.warm_start fc needs target_hidden_size == hidden_size, got {c.target_hidden_size} and {c.hidden_size}"
+                    "config: drafter.warm_start fc needs target_hidden_size == hidden_size, got "
+                    f"{c.target_hidden_size} and {c.hidden_size}"
                 )
             n, h = c.num_aux_hidden_states, c.hidden_size
             kernel = np.zeros((n * h, h), np.float32)

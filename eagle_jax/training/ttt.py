@@ -239,7 +239,8 @@ def ttt_loss(
         target_argmax, tl = jnp.argmax(tl, axis=-1), jnp.take(tl, used, axis=-1)
     elif tl.shape[-1] != vd:
         raise ValueError(
-            f"ttt_loss: with target_argmax, target_logits must hold the {vd} draft-vocabulary columns, got {tl.shape[-1]}"
+            f"ttt_loss: with target_argmax, target_logits must hold the {vd} draft-vocabulary columns, got "
+            f"{tl.shape[-1]}"
         )
     p_all = jax.nn.softmax(tl, axis=-1)  # [B,T,Vd]
     p_arg = jnp.argmax(p_all, axis=-1)

@@ -309,22 +309,27 @@ def heldout_code_prompts(
 def question_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[dict]:
     """FastChat question file (``{"question_id", "category", "turns": [...]}`` per line): the first turn
     rendered with the tokenizer's chat template and ``add_generation_prompt=True`` ("ids", "text"; "turn": the
-    question itself, for a chat endpoint to render)."""
+    question itself, for a chat endpoint to render). A base model's tokenizer (no chat template) gets the turn as
+    raw text after its special tokens (e.g. ``<bos>``), as its drafter's continuation data is read in training."""
     if tokenizer is None:
-        raise SystemExit(f"--questions {path}: needs a tokenizer with a chat template (none loaded)")
-    if not getattr(tokenizer, "chat_template", None):
-        raise SystemExit(f"--questions {path}: the tokenizer has no chat template")
+        raise SystemExit(f"--questions {path}: needs the target's tokenizer (none loaded)")
+    chat = bool(getattr(tokenizer, "chat_template", None))
     out = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if not line.strip():
             continue
         q = json.loads(line)
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, tokenize=False
+        turn = q["turns"][0]
+        text = (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": turn}], add_generation_prompt=True, tokenize=False
+            )
+            if chat
+            else turn
         )
         out.append(
             {
-                "ids": tokenizer.encode(text, add_special_tokens=False),
+                "ids": tokenizer.encode(text, add_special_tokens=not chat),
                 "name": str(q.get("question_id")),
                 "category": q.get("category", "all"),
                 "text": text,

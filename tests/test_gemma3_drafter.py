@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -78,3 +79,17 @@ def test_warm_started_norm_scales_as_the_targets():
     warm_start(drafter, target, ["norm"])
     x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 32)), jnp.float32)
     np.testing.assert_allclose(np.asarray(drafter.norm(x)), np.asarray(target.norm(x)), rtol=1e-6)
+
+
+def test_the_gemma3_recipe_makes_a_drafter_that_fits_the_bundle():
+    """configs/train/gemma3_270m.yaml: an EAGLE-3.1 drafter of Gemma 3 270M whose trained weights stay under 16 MB in
+    bfloat16 (the frozen target embedding is not part of a drafter checkpoint)."""
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "train" / "gemma3_270m.yaml")
+    dc = drafter_config_for(cfg, SimpleNamespace(config=GEMMA3_270M))
+    assert dc.fc_norm and dc.norm_output and dc.draft_vocab_size < GEMMA3_270M.vocab_size
+    drafter = nnx.eval_shape(lambda: Drafter(dc, jnp.zeros((262144, 640))))
+    weights = nnx.state(drafter, nnx.Param)
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(weights))
+    assert 2 * count <= 16 * 2**20, f"{count} parameters: {2 * count / 2**20:.1f} MB in bfloat16"

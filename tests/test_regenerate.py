@@ -313,7 +313,8 @@ def test_synthesized_turns_are_filtered_and_deduplicated(pair, monkeypatch):
 
 def test_a_stopped_run_resumes_after_its_last_shard_with_the_same_result(pair, tmp_path, monkeypatch, capsys):
     """Shards of one record (data) or two prompts (--synthesize): a run stopped in its second shard keeps the
-    first on disk; started again it resumes there and ends with the file an uninterrupted run writes."""
+    first on disk; started again it resumes there and ends with the file an uninterrupted run writes. A finished
+    output is not written again unless the run says --restart."""
     import eagle_jax.training.regenerate as regen_module
     import eagle_jax.training.synthesize as synth_module
     from eagle_jax.cli.regenerate import main
@@ -358,7 +359,8 @@ def test_a_stopped_run_resumes_after_its_last_shard_with_the_same_result(pair, t
         (data, regen_module, "regenerate_conversations"),
         (synth, synth_module, "synthesize_conversations"),
     ):
-        main(args + ["--out", str(tmp_path / "whole.jsonl")])
+        whole = tmp_path / f"whole-{name}.jsonl"
+        main(args + ["--out", str(whole)])
         real, calls = getattr(module, name), []
 
         def stopped_in_shard_two(*a, **kw):
@@ -384,8 +386,13 @@ def test_a_stopped_run_resumes_after_its_last_shard_with_the_same_result(pair, t
         capsys.readouterr()
         main(args + ["--out", str(out)])
         assert "resuming" in capsys.readouterr().out
-        assert out.read_text() == (tmp_path / "whole.jsonl").read_text() and len(read_out(out)) >= 3
+        assert out.read_text() == whole.read_text() and len(read_out(out)) >= 3
         assert not list(tmp_path.glob("resumed.jsonl.*"))
+        with pytest.raises(SystemExit, match="exists .* --restart"):
+            main(args + ["--out", str(out)])
+        assert out.read_text() == whole.read_text()
+        main(args + ["--out", str(out), "--restart"])
+        assert out.read_text() == whole.read_text()
         out.unlink()
 
 

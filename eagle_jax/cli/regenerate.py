@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="continue the {'prompt': str} records of --data as raw text (base models, no chat template)",
     )
-    p.add_argument("--restart", action="store_true", help="discard an unfinished run's shards instead of resuming it")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="start --out afresh: an unfinished run's shards are discarded, a finished output is overwritten",
+    )
     g = p.add_argument_group("prompts without a dataset (Magpie)")
     g.add_argument(
         "--synthesize", type=int, metavar="N", help="sample N distinct user turns from the target and answer them"

@@ -7,7 +7,8 @@ holds, the running totals, and the run's settings (``fingerprint``). A run with 
 resumes after the last completed shard: a shard cut off midway (its records appended but the progress
 not yet written) is dropped from the partial file and redone, so the result is the same as an
 uninterrupted run's. Different settings are refused, naming them, rather than mixed into one file.
-When the run ends, the partial file is renamed to OUT and the progress file removed.
+When the run ends, the partial file is renamed to OUT and the progress file removed; a later run with OUT already
+there is refused unless it restarts, so a finished output is never overwritten by accident.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class ShardedOutput:
             self.progress_file.unlink(missing_ok=True)
         elif self.progress_file.exists():
             self._resume()
+        elif self.out.exists():  # a finished run's output: writing it again is asked for, never assumed
+            raise DataError(
+                f"{self.out} exists (a finished run): pass --restart to write it again, or choose another --out"
+            )
         else:
             self.partial.unlink(missing_ok=True)  # records of a shard that never completed
 

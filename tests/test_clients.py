@@ -29,6 +29,7 @@ from engine_models import markov_drafter, markov_target
 from serving_models import VOCAB, build_tokenizer
 
 import eagle_jax
+from bench.lm_eval_parity import TASKS, compare, hf_model_args, samples, write_tasks
 from eagle_jax import SpecConfig
 from eagle_jax.serving import SpecSchedule
 from eagle_jax.serving.server import Server, make_service
@@ -41,49 +42,6 @@ MAX_LEN = 128
 HF_EVAL_LEN = MAX_LEN - 2
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[clients]')")
-
-TASKS = {
-    "tiny_mc": (
-        "multiple_choice",
-        {
-            "doc_to_text": "{{question}}",
-            "doc_to_choice": "{{choices}}",
-            "doc_to_target": "{{answer}}",
-            "metric_list": [{"metric": "acc"}],
-        },
-        [
-            {"question": q, "choices": c, "answer": a}
-            for q, c, a in (
-                ("the cat sat on the", [" mat", " dog", " hat"], 0),
-                ("a b c d", [" e", " f g", " abc"], 1),
-                ("hello wor", ["ld", "m", "ld and more"], 2),
-                ("xyz", [" a", " b"], 0),
-            )
-        ],
-    ),
-    "tiny_rolling": (
-        "loglikelihood_rolling",
-        {"doc_to_text": "", "doc_to_target": "{{text}}", "metric_list": [{"metric": "word_perplexity"}]},
-        [
-            {"text": t}
-            for t in (
-                "the quick brown fox jumps over the lazy dog.",
-                "hello there, how are you today?",
-                "abc def ghi jkl mno pqr stu vwx yz " * 5,
-            )
-        ],
-    ),
-    "tiny_gen": (
-        "generate_until",
-        {
-            "doc_to_text": "{{prompt}}",
-            "doc_to_target": "{{target}}",
-            "generation_kwargs": {"until": ["."], "max_gen_toks": 16, "do_sample": False},
-            "metric_list": [{"metric": "exact_match"}],
-        },
-        [{"prompt": p, "target": "x"} for p in ("once upon a time", "the answer is", "q")],
-    ),
-}
 
 
 @pytest.fixture(scope="module")
@@ -152,53 +110,6 @@ def served_gemma3(tmp_path_factory):
     server.stop()
 
 
-def _write_tasks(root: Path) -> Path:
-    import yaml
-
-    for name, (kind, fields, docs) in TASKS.items():
-        data = root / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-        spec = {
-            "task": name,
-            "dataset_path": "json",
-            "dataset_kwargs": {"data_files": {"test": str(data)}},
-            "test_split": "test",
-            "output_type": kind,
-            **fields,
-        }
-        (root / f"{name}.yaml").write_text(yaml.safe_dump(spec))
-    return root
-
-
-def _samples(model: str, model_args: str, tasks_dir: Path) -> dict[str, list]:
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    out = simple_evaluate(
-        model=model,
-        model_args=model_args,
-        tasks=list(TASKS),
-        batch_size=1,
-        log_samples=True,
-        task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
-        random_seed=0,
-        numpy_random_seed=0,
-        torch_random_seed=0,
-        fewshot_random_seed=0,
-    )
-    return {name: [s["resps"] for s in sorted(out["samples"][name], key=lambda s: s["doc_id"])] for name in TASKS}
-
-
-def _flatten(resps) -> list:
-    """Every response of a task's samples, in order: (log-likelihood, is_greedy) pairs, floats or texts."""
-    flat = []
-    for sample in resps:
-        for r in sample:
-            r = r[0] if isinstance(r, list) and len(r) == 1 else r
-            flat.append(tuple(r) if isinstance(r, (list, tuple)) else r)
-    return flat
-
-
 def test_lm_eval_local_completions_equals_its_hf_backend(served, tmp_path, monkeypatch):
     _check_local_completions_against_hf(*served, tmp_path, monkeypatch)
 
@@ -210,38 +121,21 @@ def test_lm_eval_on_a_served_gemma3_equals_its_hf_backend(served_gemma3, tmp_pat
 def _check_local_completions_against_hf(server, hf_dir: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    tasks_dir = _write_tasks(tmp_path)
-    reference = _samples("hf", f"pretrained={hf_dir},dtype=float32,max_length={HF_EVAL_LEN},device=cpu", tasks_dir)
+    tasks_dir = write_tasks(tmp_path, TASKS)
+    reference = samples("hf", hf_model_args(str(hf_dir), HF_EVAL_LEN), tasks_dir, list(TASKS))
     base = f"model={MODEL},base_url={server.url}/v1/completions,max_length={MAX_LEN},num_concurrent=1,max_retries=1"
     # Token-id prompts tokenized through the server (/tokenizer_info, /tokenize, /detokenize), and text prompts.
     for tokenized, tokenizer in (
         (True, "tokenizer_backend=remote"),
         (False, f"tokenizer_backend=huggingface,tokenizer={hf_dir}"),
     ):
-        got = _samples("local-completions", f"{base},{tokenizer},tokenized_requests={tokenized}", tasks_dir)
-        worst = 0.0
-        for name in TASKS:
-            want, have = _flatten(reference[name]), _flatten(got[name])
-            assert len(want) == len(have) > 0, name
-            for w, h in zip(want, have):
-                if isinstance(w, str):
-                    assert h == w, (name, tokenized)
-                elif isinstance(w, tuple):  # (log-likelihood, is_greedy)
-                    assert _close(h[0], w[0]) and bool(h[1]) == bool(w[1]), (name, tokenized, w, h)
-                    worst = max(worst, abs(h[0] - w[0]) / max(1.0, abs(w[0])))
-                else:
-                    assert _close(h, w), (name, tokenized, w, h)
-                    worst = max(worst, abs(h - w) / max(1.0, abs(w)))
+        got = samples("local-completions", f"{base},{tokenizer},tokenized_requests={tokenized}", tasks_dir, list(TASKS))
+        agreement = compare(reference, got)
+        assert agreement["responses"] > 0 and not agreement["mismatches"], (tokenized, agreement["mismatches"])
         print(
             f"lm-eval local-completions vs hf, tokenized_requests={tokenized}: largest log-likelihood difference "
-            f"{worst:.2e} (relative past 1)"
+            f"{agreement['max_abs']:.2e} ({agreement['max_rel']:.2e} relative past 1)"
         )
-
-
-def _close(have: float, want: float) -> bool:
-    """float32 agreement of a log-likelihood: 1e-3 absolute, or 1e-6 relative for the large sums of a peaked
-    random model (a rolling window's -10^3 and beyond)."""
-    return abs(have - want) <= 1e-3 + 1e-6 * abs(want)
 
 
 @pytest.mark.parametrize("temperature", [None, 0.0], ids=["default_temperature", "greedy"])

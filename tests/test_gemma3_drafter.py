@@ -1,18 +1,26 @@
 """An EAGLE-3.1 drafter for a Gemma 3 target: the training recipe builds its config (Gemma 3 270M's
 sizes, a 32k draft vocabulary) and starts it from the target, whose (1 + w) final norm becomes the
-drafter's plain RMSNorm weight 1 + w."""
+drafter's plain RMSNorm weight 1 + w. The bundled drafter (assets/gemma3/drafter-eagle3.1) is an EAGLE-layout
+checkpoint of at most 16 MB; where Gemma 3 270M is cached (eagle-jax-fetch gemma-3-270m), greedy speculation with
+it returns the target's own tokens and accepts drafts."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
+import eagle_jax
 from eagle_jax import Drafter
-from eagle_jax.config import FULL_LAYER, SLIDING_LAYER, RopeConfig, TargetConfig, check_pair
+from eagle_jax.checkpoint.models import model_path
+from eagle_jax.config import FULL_LAYER, SLIDING_LAYER, RopeConfig, SpecConfig, TargetConfig, check_pair
 from eagle_jax.training.recipe import build_target, drafter_config_for, load_config, merge_config, warm_start
 
 GEMMA3_270M = TargetConfig(
@@ -93,3 +101,32 @@ def test_the_gemma3_recipe_makes_a_drafter_that_fits_the_bundle():
     weights = nnx.state(drafter, nnx.Param)
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(weights))
     assert 2 * count <= 16 * 2**20, f"{count} parameters: {2 * count / 2**20:.1f} MB in bfloat16"
+
+
+BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "gemma3" / "drafter-eagle3.1"
+GEMMA3 = model_path("gemma-3-270m")
+
+
+def test_the_bundled_drafter_is_an_eagle_layout_checkpoint_of_at_most_16_mb():
+    config = json.loads((BUNDLED / "config.json").read_text())
+    tensors = load_file(str(BUNDLED / "model.safetensors"))
+    assert (BUNDLED / "model.safetensors").stat().st_size <= 16 * 2**20
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["fc_norm"] and config["norm_output"]
+    assert config["hidden_size"] == 640 and config["vocab_size"] == 262144
+    assert tensors["fc.weight"].shape == (640, 3 * 640)
+    assert tensors["lm_head.weight"].shape == (config["draft_vocab_size"], 640)
+    assert str(tensors["fc.weight"].dtype) == "bfloat16" and "embed_tokens.weight" not in tensors
+
+
+@pytest.mark.skipif(not GEMMA3.exists(), reason=f"Gemma 3 270M is not cached ({GEMMA3}): eagle-jax-fetch gemma-3-270m")
+def test_greedy_speculation_with_the_real_gemma3_pair_is_the_targets_output():
+    target = eagle_jax.load_target(GEMMA3, dtype="float32")
+    tok = eagle_jax.load_tokenizer(GEMMA3)
+    ids = tok.encode("The history of the printing press begins")  # with the tokenizer's <bos>, as the data
+    plain = eagle_jax.generate(target, None, [ids], max_new_tokens=24, tokenizer=tok)
+    drafter = eagle_jax.load_drafter(BUNDLED, target, dtype="float32")
+    out = eagle_jax.generate(
+        target, drafter, [ids], max_new_tokens=24, tokenizer=tok, spec=SpecConfig(num_speculative_tokens=3)
+    )
+    assert out.tokens[0] == plain.tokens[0]
+    assert out.acceptance_length > 1.05, out.acceptance_length

@@ -8,9 +8,10 @@ The target is served as ``eagle-jax-serve --target T --drafter none`` serves it 
 compiled ahead); lm-eval's ``hf`` backend loads the same file (``gguf_file=`` for a .gguf, as transformers reads
 it). Three tasks written here, run as lm-eval runs any task: multiple choice, ``loglikelihood_rolling`` over the
 docstrings of a few standard-library modules (texts of 1-5k tokens, cut into windows of ``--max-len``: past a
-Gemma 3 sliding window of 512) and ``generate_until``; with token-id prompts tokenized through the server
-(``tokenizer_backend=remote``). Reported: the largest log-likelihood difference (absolute, and relative past 1) and
-whether every ``is_greedy`` flag and greedy text agrees. float32 on both sides.
+Gemma 3 sliding window of 512) and ``generate_until``. Prompts go as text, tokenized by the server as the ``hf``
+backend tokenizes them (with the tokenizer's own special tokens: Gemma's ``<bos>``, which lm-eval's remote token ids
+never carry). Reported: the largest log-likelihood difference (absolute, and relative past 1) and whether every
+``is_greedy`` flag and greedy text agrees. float32 on both sides.
 """
 
 from __future__ import annotations
@@ -193,8 +194,10 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             t0 = time.perf_counter()
             base = f"model={MODEL},base_url={server.url}/v1/completions,max_length={args.max_len},num_concurrent=1"
+            # text prompts, tokenized by the server as the hf backend tokenizes them (with the tokenizer's own <bos>,
+            # which Gemma needs); lm-eval's remote token ids never carry one
             got = samples(
-                "local-completions", f"{base},tokenizer_backend=remote,tokenized_requests=True", tasks_dir, names
+                "local-completions", f"{base},tokenizer_backend=remote,tokenized_requests=False", tasks_dir, names
             )
             served_s = time.perf_counter() - t0
         finally:

@@ -76,31 +76,14 @@ def served(tmp_path_factory):
 def served_gemma3(tmp_path_factory):
     """A tiny random Gemma 3 checkpoint (HF format, built by transformers) served without a drafter through
     ``build_service``, the command line's path; the same directory is lm-eval's ``hf`` reference."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     from eagle_jax.serving.server import build_service
-    from parity_tests.conftest import randomize_
+    from parity_tests.test_gemma3 import build_gemma3
 
     root = tmp_path_factory.mktemp("clients-gemma3") / "target"
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=24,
-        sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        rope_local_base_freq=100.0,
-        bos_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-        pad_token_id=VOCAB - 1,
-    )
-    randomize_(Gemma3ForCausalLM(config), seed=0).save_pretrained(root)
+    # the parity tests' tiny Gemma 3 (windows of 8 beside a global layer) over this tokenizer's vocabulary
+    build_gemma3(
+        vocab_size=VOCAB, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 1
+    ).save_pretrained(root)
     tok = build_tokenizer()
     tok.bos_token = "<pad>"
     tok.save_pretrained(root)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -190,8 +191,6 @@ def main(argv: list[str] | None = None) -> dict:
     tasks = dict(TASKS)
     kind, fields, docs = tasks["tiny_rolling"]
     tasks["tiny_rolling"] = (kind, fields, docs + long_texts())
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         tasks_dir = write_tasks(Path(tmp), tasks)
         names = list(tasks)

@@ -96,6 +96,23 @@ def assert_greedy_replies(conv: list[dict[str, str]], tok, target: Target, n: in
         assert m["content"] == want and "OLD" not in m["content"]
 
 
+def test_the_reply_writer_batches_continuously_with_each_prompts_own_result(pair):
+    """More prompts than slots, of varied lengths: each greedy reply is the target's own greedy decoding, and each
+    sampled reply depends on its prompt's seed only, not on how many slots share the work."""
+    from eagle_jax.training.replies import ReplyWriter
+
+    _, tok, target = pair
+    prompts = [tok.encode(t) for t in ("hello", "def add(a, b):", "Hello there, how are you?", "hi", "def", "Fine")]
+    with ReplyWriter(target, None, slots=2, eos_ids=[tok.eos_token_id]) as two:
+        greedy_replies = two.write(prompts, max_new_tokens=7)
+        sampled = two.write(prompts, max_new_tokens=7, temperature=1.0, seed=5)
+    assert greedy_replies == [greedy(target, p, 7, tok.eos_token_id) for p in prompts]
+    with ReplyWriter(target, None, slots=3, eos_ids=[tok.eos_token_id]) as three:
+        assert three.write(prompts, max_new_tokens=7, temperature=1.0, seed=5) == sampled
+        assert three.write(prompts[2:], max_new_tokens=7, temperature=1.0, seed=7) == sampled[2:]
+    assert sampled != greedy_replies
+
+
 def test_regenerate_cli_replaces_assistant_turns_in_order(pair, tmp_path):
     from eagle_jax.cli.regenerate import main
 
@@ -260,14 +277,12 @@ def test_synthesize_samples_distinct_user_turns_and_answers_them(pair, tmp_path,
         assert_greedy_replies(conv, tok, target, 6)
 
 
-def test_synthesized_turns_are_filtered_and_deduplicated(pair, monkeypatch):
+def test_synthesized_turns_are_filtered_and_deduplicated(pair):
     """The drop rules on canned samples: unfinished, too short, duplicate (case/whitespace), near-duplicate
     (same first 8 words); each batch has its own seed."""
-    import importlib
-
     from eagle_jax.training.synthesize import synthesize_prompts
 
-    _, tok, target = pair
+    _, tok, _ = pair
     end = tok.eos_token_id
     batches = [
         [
@@ -285,16 +300,17 @@ def test_synthesized_turns_are_filtered_and_deduplicated(pair, monkeypatch):
     ]
     seeds = []
 
-    def fake_generate(target, drafter, prompts, *, seed, eos_token_id, **kw):
-        assert end in eos_token_id and len(prompts) == 4
-        seeds.append(seed)
-        rows = batches[len(seeds) - 1]
-        return type(
-            "R", (), {"text": [t for t, _ in rows], "tokens": [[5, end] if ended else [5, 5] for _, ended in rows]}
-        )
+    class CannedWriter:
+        """Replies the canned rows, a batch per call, as a ``ReplyWriter`` of 4 slots would."""
 
-    monkeypatch.setattr(importlib.import_module("eagle_jax.generate"), "generate", fake_generate)
-    prompts, stats = synthesize_prompts(target, tok, 3, batch_size=4, seed=1, progress=False)
+        slots, eos_ids = 4, (end,)
+
+        def write(self, prompts, *, seed, stop_ids, **kw):
+            assert end in stop_ids and len(prompts) == 4
+            seeds.append(seed)
+            return [tok.encode(t, add_special_tokens=False) + [end] * ended for t, ended in batches[len(seeds) - 1]]
+
+    prompts, stats = synthesize_prompts(CannedWriter(), tok, 3, seed=1, progress=False)
     assert prompts == [
         "Write a story about a cat who sails the sea",
         "What is the capital of France?",

@@ -83,7 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="for the replies, with --temperature > 0")
     p.add_argument("--drafter", help="EAGLE drafter directory or Hub repo id, to speed generation up (optional)")
     p.add_argument("--tokenizer", help="default: the target's")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="rows generated at once (a row whose reply ends takes the next prompt)",
+    )
     p.add_argument("--dtype", default=None, help="target dtype (default: the checkpoint's)")
     p.add_argument("--limit", type=int, help="only the first N records of --data")
     p.add_argument("--seed", type=int, default=0)
@@ -130,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from eagle_jax import load_drafter, load_target  # after parsing: --help stays fast
     from eagle_jax.checkpoint.tokenizer import load_tokenizer
+    from eagle_jax.decoding.calls import eos_ids
+    from eagle_jax.training.replies import ReplyWriter
 
     try:
         tok = load_tokenizer(args.tokenizer or args.target)
@@ -146,19 +153,14 @@ def main(argv: list[str] | None = None) -> None:
             )
         target = load_target(args.target, args.dtype)
         drafter = load_drafter(args.drafter, target) if args.drafter else None
-        answer = dict(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            drafter=drafter,
-            batch_size=args.batch_size,
-        )
-        if prompts is not None:
-            _continuation_shards(output, prompts, target, tok, answer, args)
-        elif conversations is not None:
-            _regenerate_shards(output, conversations, target, tok, answer, args)
-        else:
-            _synthesize_shards(output, target, tok, answer, args)
+        answer = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+        with ReplyWriter(target, drafter, slots=args.batch_size, eos_ids=eos_ids(target, tok)) as writer:
+            if prompts is not None:
+                _continuation_shards(output, prompts, writer, tok, answer, args)
+            elif conversations is not None:
+                _regenerate_shards(output, conversations, writer, tok, answer, args)
+            else:
+                _synthesize_shards(output, writer, tok, answer, args)
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
     totals = output.totals
@@ -215,13 +217,13 @@ def _regen_counts(stats: RegenStats) -> dict[str, int]:
 
 
 def _regenerate_shards(
-    output: ShardedOutput, conversations: list, target, tok, answer: dict, args: argparse.Namespace
+    output: ShardedOutput, conversations: list, writer, tok, answer: dict, args: argparse.Namespace
 ) -> None:
     from eagle_jax.training.regenerate import regenerate_conversations
 
     for start in range(output.inputs_done, len(conversations), args.shard_size):
         shard = conversations[start : start + args.shard_size]
-        out, stats = regenerate_conversations(target, shard, tok, seed=batch_seed(args.seed, output.shards), **answer)
+        out, stats = regenerate_conversations(writer, shard, tok, seed=batch_seed(args.seed, output.shards), **answer)
         output.append([{"messages": m} for m in out], len(shard), _regen_counts(stats))
         print(
             f"shard {output.shards}: {output.inputs_done}/{len(conversations)} records done, {output.written} written",
@@ -230,13 +232,13 @@ def _regenerate_shards(
 
 
 def _continuation_shards(
-    output: ShardedOutput, prompts: list[str], target, tok, answer: dict, args: argparse.Namespace
+    output: ShardedOutput, prompts: list[str], writer, tok, answer: dict, args: argparse.Namespace
 ) -> None:
     from eagle_jax.training.regenerate import continue_prompts
 
     for start in range(output.inputs_done, len(prompts), args.shard_size):
         shard = prompts[start : start + args.shard_size]
-        out, stats = continue_prompts(target, shard, tok, seed=batch_seed(args.seed, output.shards), **answer)
+        out, stats = continue_prompts(writer, shard, tok, seed=batch_seed(args.seed, output.shards), **answer)
         output.append(out, len(shard), _regen_counts(stats))
         print(
             f"shard {output.shards}: {output.inputs_done}/{len(prompts)} prompts done, {output.written} written",
@@ -244,7 +246,7 @@ def _continuation_shards(
         )
 
 
-def _synthesize_shards(output: ShardedOutput, target, tok, answer: dict, args: argparse.Namespace) -> None:
+def _synthesize_shards(output: ShardedOutput, writer, tok, answer: dict, args: argparse.Namespace) -> None:
     from eagle_jax.training.synthesize import synthesize_conversations
 
     kept = output.totals.get("synth kept", 0)
@@ -253,7 +255,7 @@ def _synthesize_shards(output: ShardedOutput, target, tok, answer: dict, args: a
         n = min(args.shard_size, args.synthesize - kept)
         earlier = [m["content"] for r in output.records() for m in r["messages"] if m["role"] == "user"]
         convs, synth, stats = synthesize_conversations(
-            target,
+            writer,
             tok,
             n,
             system=args.system,

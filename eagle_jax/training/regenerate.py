@@ -3,9 +3,9 @@
 A conversation that ends with a user turn (a prompt-only record, the usual starting point) gets a
 reply appended; existing assistant turns are replaced. Turns are generated in order, each conditioned
 on the target's own earlier replies (the context the drafter will see at inference). Prompts are
-rendered with the target's chat template and its generation prompt, and run through
-``eagle_jax.generate`` (plain, or speculative with a drafter: same output when greedy, same
-distribution when sampling), stopping at the template's end-of-turn tokens.
+rendered with the target's chat template and its generation prompt, and answered by a
+``training.replies.ReplyWriter`` (continuous batching; plain, or speculative with a drafter: same output
+when greedy, same distribution when sampling), stopping at the template's end-of-turn tokens.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from eagle_jax.modeling.drafter import Drafter
-from eagle_jax.modeling.target import Target
 from eagle_jax.training.chat import DataError, end_of_turn_ids, messages_of
+from eagle_jax.training.replies import ReplyWriter
 
 NO_USER_TURN = "no user turn to answer"
 ASSISTANT_FIRST = "an assistant turn before any user turn"
@@ -79,28 +78,23 @@ def unanswerable(conversation: list[dict[str, str]]) -> str | None:
 
 
 def regenerate_conversations(
-    target: Target,
+    writer: ReplyWriter,
     conversations: list[list[dict[str, str]]],
     tokenizer: Any,
     *,
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    drafter: Drafter | None = None,
-    batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
 ) -> tuple[list[list[dict[str, str]]], RegenStats]:
-    """Returns the conversations with every assistant ``content`` produced by ``target``, a reply
-    appended to each that ends with a user turn.
+    """Returns the conversations with every assistant ``content`` produced by the writer's target, a reply
+    appended to each that ends with a user turn (reply i of a turn draws with seed ``seed + 1000 * turn + i``).
 
     Conversations with nothing to answer (``unanswerable``) are left out and counted. A conversation
     whose prompt plus ``max_new_tokens`` would exceed the target's context is cut before that turn
     (kept if an assistant turn survives, left out otherwise).
     """
-    from eagle_jax.decoding.calls import eos_ids
-    from eagle_jax.generate import generate
-
     stats = RegenStats(conversations=len(conversations))
     convs: list[list[dict[str, str]] | None] = []
     for conv in conversations:
@@ -113,9 +107,9 @@ def regenerate_conversations(
         if conv[-1]["role"] == "user":
             conv.append({"role": "assistant", "content": ""})  # filled below
         convs.append(conv)
-    stops = sorted(set(eos_ids(target, tokenizer)) | end_of_turn_ids(tokenizer))
+    stops = sorted(set(writer.eos_ids) | end_of_turn_ids(tokenizer))
     alive = [c is not None for c in convs]
-    limit = target.config.max_position_embeddings
+    limit = writer.target.config.max_position_embeddings
     turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"] if c else [] for c in convs]
     bar = tqdm(total=sum(map(len, turns)), desc="regenerating", unit=" turn", disable=not progress)
     for k in range(max(map(len, turns), default=0)):
@@ -138,28 +132,20 @@ def regenerate_conversations(
                     stats.dropped_at_limit += 1
                 continue
             jobs.append((ci, at, list(ids)))
-        jobs.sort(key=lambda j: len(j[2]))  # similar lengths share a prompt bucket
-        for start in range(0, len(jobs), batch_size):
-            chunk = jobs[start : start + batch_size]
-            prompts = [j[2] for j in chunk]
-            prompts += prompts[-1:] * (min(batch_size, len(jobs)) - len(chunk))  # one batch shape: one compiled program
-            res = generate(
-                target,
-                drafter,
-                prompts,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                eos_token_id=stops,
-                seed=seed + start + 1000 * k,
-                tokenizer=tokenizer,
-            )
-            for (ci, at, _), text, toks in zip(chunk, res.text, res.tokens):
-                convs[ci][at] = {"role": "assistant", "content": text}
-                stats.turns += 1
-                stats.generated_tokens += len(toks)
-                stats.unfinished += not (toks and toks[-1] in stops)
-            bar.update(len(chunk))
+        replies = writer.write(
+            [j[2] for j in jobs],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed + 1000 * k,
+            stop_ids=stops,
+            on_reply=lambda: bar.update(1),
+        )
+        for (ci, at, _), toks in zip(jobs, replies):
+            convs[ci][at] = {"role": "assistant", "content": tokenizer.decode(toks, skip_special_tokens=True)}
+            stats.turns += 1
+            stats.generated_tokens += len(toks)
+            stats.unfinished += not (toks and toks[-1] in stops)
     bar.close()
     return [c for c in convs if c is not None], stats
 
@@ -173,15 +159,13 @@ def prompt_of(record: Any, where: str) -> str:
 
 
 def continue_prompts(
-    target: Target,
+    writer: ReplyWriter,
     prompts: list[str],
     tokenizer: Any,
     *,
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    drafter: Drafter | None = None,
-    batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
 ) -> tuple[list[dict[str, str]], RegenStats]:
@@ -191,12 +175,9 @@ def continue_prompts(
 
     A prompt whose tokens plus ``max_new_tokens`` exceed the target's context is left out and counted
     (``dropped_at_limit``)."""
-    from eagle_jax.decoding.calls import eos_ids
-    from eagle_jax.generate import generate
-
     stats = RegenStats(conversations=len(prompts))
-    stops = sorted(set(eos_ids(target, tokenizer)))
-    limit = target.config.max_position_embeddings
+    stops = sorted(writer.eos_ids)
+    limit = writer.target.config.max_position_embeddings
     jobs = []  # (prompt index, prompt ids)
     for i, text in enumerate(prompts):
         ids = list(tokenizer(text)["input_ids"])
@@ -205,29 +186,20 @@ def continue_prompts(
             stats.dropped_at_limit += 1
             continue
         jobs.append((i, ids))
-    jobs.sort(key=lambda j: len(j[1]))  # similar lengths share a prompt bucket
-    texts: dict[int, str] = {}
     bar = tqdm(total=len(jobs), desc="continuing", unit=" prompt", disable=not progress)
-    for start in range(0, len(jobs), batch_size):
-        chunk = jobs[start : start + batch_size]
-        ids = [j[1] for j in chunk]
-        ids += ids[-1:] * (min(batch_size, len(jobs)) - len(chunk))  # one batch shape: one compiled program
-        res = generate(
-            target,
-            drafter,
-            ids,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            eos_token_id=stops,
-            seed=seed + start,
-            tokenizer=tokenizer,
-        )
-        for (i, _), text, toks in zip(chunk, res.text, res.tokens):
-            texts[i] = text
-            stats.turns += 1
-            stats.generated_tokens += len(toks)
-            stats.unfinished += not (toks and toks[-1] in stops)
-        bar.update(len(chunk))
+    replies = writer.write(
+        [j[1] for j in jobs],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        on_reply=lambda: bar.update(1),
+    )
+    texts: dict[int, str] = {}
+    for (i, _), toks in zip(jobs, replies):
+        texts[i] = tokenizer.decode(toks, skip_special_tokens=True)
+        stats.turns += 1
+        stats.generated_tokens += len(toks)
+        stats.unfinished += not (toks and toks[-1] in stops)
     bar.close()
     return [{"prompt": prompts[i], "text": texts[i]} for i in sorted(texts)], stats

@@ -22,10 +22,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eagle_jax.config import ConfigError
-from eagle_jax.modeling.drafter import Drafter
-from eagle_jax.modeling.target import Target
 from eagle_jax.training.chat import DataError, end_of_turn_ids, pre_query
 from eagle_jax.training.regenerate import RegenStats, regenerate_conversations
+from eagle_jax.training.replies import ReplyWriter
 
 NEAR_DUPLICATE_WORDS = 8
 
@@ -58,7 +57,7 @@ def batch_seed(seed: int, batch: int) -> int:
 
 
 def synthesize_prompts(
-    target: Target,
+    writer: ReplyWriter,
     tokenizer: Any,
     n: int,
     *,
@@ -68,19 +67,15 @@ def synthesize_prompts(
     top_p: float = 1.0,
     min_chars: int = 10,
     max_samples: int | None = None,
-    batch_size: int = 16,
-    drafter: Drafter | None = None,
     seed: int = 0,
     exclude: Iterable[str] = (),
     progress: bool = True,
 ) -> tuple[list[str], SynthStats]:
-    """Up to ``n`` distinct user queries written by ``target`` after its template's pre-query text
+    """Up to ``n`` distinct user queries written by the writer's target, sampled a batch of the writer's slots at a
+    time, after its template's pre-query text
     (``system``: a system message first, else the template's default). Samples at most
     ``max_samples`` (default ``10 * n``) turns; fewer than ``n`` come back when that cap is reached.
     ``exclude``: queries kept before (an earlier shard of the same run), which count as duplicates."""
-    from eagle_jax.decoding.calls import eos_ids
-    from eagle_jax.generate import generate
-
     if n < 1:
         raise ConfigError(f"the number of prompts to synthesise must be >= 1, got {n}")
     if temperature <= 0:
@@ -92,7 +87,7 @@ def synthesize_prompts(
         raise DataError(
             "chat template: the text before a user turn is empty; there is nothing to continue into a query"
         )
-    stops = sorted(set(eos_ids(target, tokenizer)) | end_of_turn_ids(tokenizer))
+    stops = sorted(set(writer.eos_ids) | end_of_turn_ids(tokenizer))
     cap = max_samples if max_samples is not None else 10 * n
     stats = SynthStats(wanted=n)
     seen = {normalise(t) for t in exclude}
@@ -101,23 +96,20 @@ def synthesize_prompts(
     bar = tqdm(total=n, desc="synthesising prompts", unit=" prompt", disable=not progress)
     batch = 0
     while len(out) < n and stats.sampled < cap:
-        res = generate(
-            target,
-            drafter,
-            [head] * batch_size,
+        replies = writer.write(
+            [head] * writer.slots,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
-            eos_token_id=stops,
             seed=batch_seed(seed, batch),
-            tokenizer=tokenizer,
+            stop_ids=stops,
         )
         batch += 1
-        for toks, text in zip(res.tokens, res.text):
+        for toks in replies:
             if len(out) == n or stats.sampled == cap:
                 break
             stats.sampled += 1
-            text = text.strip()
+            text = tokenizer.decode(toks, skip_special_tokens=True).strip()
             key = normalise(text)
             near = " ".join(key.split()[:NEAR_DUPLICATE_WORDS])
             if not toks or toks[-1] not in stops:
@@ -140,7 +132,7 @@ def synthesize_prompts(
 
 
 def synthesize_conversations(
-    target: Target,
+    writer: ReplyWriter,
     tokenizer: Any,
     n: int,
     *,
@@ -153,17 +145,15 @@ def synthesize_conversations(
     query_top_p: float = 1.0,
     min_chars: int = 10,
     max_samples: int | None = None,
-    batch_size: int = 16,
-    drafter: Drafter | None = None,
     seed: int = 0,
     exclude: Iterable[str] = (),
     progress: bool = True,
 ) -> tuple[list[list[dict[str, str]]], SynthStats, RegenStats]:
-    """``n`` conversations [system?, user, assistant], both turns written by ``target``: the queries by
+    """``n`` conversations [system?, user, assistant], both turns written by the writer's target: the queries by
     ``synthesize_prompts`` (``query_*`` settings), the replies by ``regenerate_conversations``
     (``max_new_tokens``, ``temperature``, ``top_p``)."""
     prompts, synth = synthesize_prompts(
-        target,
+        writer,
         tokenizer,
         n,
         system=system,
@@ -172,22 +162,18 @@ def synthesize_conversations(
         top_p=query_top_p,
         min_chars=min_chars,
         max_samples=max_samples,
-        batch_size=batch_size,
-        drafter=drafter,
         seed=seed,
         exclude=exclude,
         progress=progress,
     )
     first = [{"role": "system", "content": system}] if system is not None else []
     convs, regen = regenerate_conversations(
-        target,
+        writer,
         [first + [{"role": "user", "content": p}] for p in prompts],
         tokenizer,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
-        drafter=drafter,
-        batch_size=batch_size,
         seed=seed,
         progress=progress,
     )

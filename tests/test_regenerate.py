@@ -113,6 +113,20 @@ def test_the_reply_writer_batches_continuously_with_each_prompts_own_result(pair
     assert sampled != greedy_replies
 
 
+def test_a_bad_prompt_stops_the_call_with_a_clear_error_and_the_writer_goes_on(pair):
+    from eagle_jax.config import ConfigError
+    from eagle_jax.training.replies import ReplyWriter
+
+    _, tok, target = pair
+    good = tok.encode("hello")
+    with ReplyWriter(target, None, slots=2, eos_ids=[tok.eos_token_id]) as writer:
+        with pytest.raises(ConfigError, match=r"prompt token ids \[99999\] are outside the vocabulary"):
+            writer.write([good, good, [99999]], max_new_tokens=5)
+        assert writer.write([good], max_new_tokens=5) == [greedy(target, good, 5, tok.eos_token_id)]
+        with pytest.raises(ConfigError, match="past the target's context of 256"):
+            writer.write([good], max_new_tokens=300)
+
+
 def test_regenerate_cli_replaces_assistant_turns_in_order(pair, tmp_path):
     from eagle_jax.cli.regenerate import main
 

@@ -77,18 +77,23 @@ class ReplyWriter:
             return []
         sampling = SamplingParams(temperature=temperature, top_p=top_p)
         scheduler = self._scheduler_for(max(map(len, prompts)) + max_new_tokens)
-        handles = [
-            scheduler.submit(Request(tuple(p), max_new_tokens, sampling, seed=seed + i, stop_token_ids=tuple(stop_ids)))
-            for i, p in enumerate(prompts)
-        ]
-        replies = []
-        for h in handles:
-            h.wait()
-            if h.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"a reply failed ({h.finish_reason}): {h.error}")
-            replies.append(list(h.tokens))
-            if on_reply is not None:
-                on_reply()
+        handles = []
+        try:
+            for i, p in enumerate(prompts):
+                request = Request(tuple(p), max_new_tokens, sampling, seed=seed + i, stop_token_ids=tuple(stop_ids))
+                handles.append(scheduler.submit(request))
+            replies = []
+            for h in handles:
+                h.wait()
+                if h.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"a reply failed ({h.finish_reason}): {h.error}")
+                replies.append(list(h.tokens))
+                if on_reply is not None:
+                    on_reply()
+        except BaseException:
+            for h in handles:  # a bad prompt or an interrupt: nothing of this call keeps running
+                h.cancel()
+            raise
         return replies
 
     def close(self) -> None:

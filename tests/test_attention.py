@@ -1,5 +1,6 @@
-"""``attend``'s and ``attend_cache``'s two forms agree: the keys-first one (few queries over several rows' caches, on
-a CPU) and the query-first one, on decode, verification and prefill shapes, with masks that leave slots out.
+"""``attend``'s and ``attend_cache``'s forms agree: the few-query one (a few queries over several rows' caches, on a
+CPU: whole spans up to ``WHOLE_SPAN_SLOTS``, block by block past them) and the dot one, on decode, verification and
+prefill shapes, with masks that leave slots out.
 
 Both are the same sums in another order: fp32 agreement to 1e-6 relative (observed ~3e-7)."""
 
@@ -26,7 +27,7 @@ def query_first(q, k, v, mask):
     return jnp.einsum("bkgts,bksd->btkgd", p, v).reshape(b, t, hq * d)
 
 
-# (4,1), (3,5), (2,16): the keys-first form on a CPU; (1,1) and (2,24): the query-first one
+# (4,1), (3,5), (2,16): the few-query form on a CPU; (1,1) and (2,24): the dot one
 @pytest.mark.parametrize("b, t, s", [(4, 1, 40), (3, 5, 33), (2, 16, 64), (1, 1, 40), (2, 24, 24)])
 def test_both_forms_of_attention_agree(b, t, s):
     q, k, v, mask = _case(b, t, s)
@@ -35,10 +36,11 @@ def test_both_forms_of_attention_agree(b, t, s):
 
 
 # Several cache blocks (the last one overlapping the one before), rows that end in different blocks; the
-# keys-first form for (4,1), (3,5), the query-first one for (1,1) and (2,24).
-@pytest.mark.parametrize("b, t, s", [(4, 1, 600), (3, 5, 520), (1, 1, 300), (2, 24, 600)])
+# few-query form for (4,1), (3,5) (whole spans) and (3,4,1300) (block by block), the dot one for (1,1) and (2,24).
+@pytest.mark.parametrize("b, t, s", [(4, 1, 600), (3, 5, 520), (3, 4, 1300), (1, 1, 300), (2, 24, 600)])
 def test_attention_over_the_cache_block_by_block_agrees(b, t, s):
     q, k, v, mask = _case(b, t, s)
+    assert (s > layers.WHOLE_SPAN_SLOTS) == (s == 1300)
     got = jax.jit(layers.attend_cache)(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(query_first(q, k, v, mask)), rtol=1e-5, atol=1e-6)
 

@@ -275,8 +275,8 @@ def attend(q: Array, k: Array, v: Array, mask: Array, score_dim: float | None = 
     # ([B*Hkv] x [g*T, D] x [D, S]), which XLA's CPU backend runs ~3x faster than the 5-d einsums.
     # Only the query block is transposed: the cache is stored head-major, so reading it copies nothing.
     qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-    if _keys_lead(b, t):
-        return _attend_keys_lead(qh, k, v, mask, g, root)
+    if _few_queries(b, t):
+        return _attend_few_queries(qh, k, v, mask, g, root).astype(q.dtype)
     kh, vh = k, v
     scores = (jnp.einsum("bkqd,bksd->bkqs", qh, kh) / root).astype(jnp.float32).reshape(b, hkv, g, t, s)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
@@ -285,27 +285,35 @@ def attend(q: Array, k: Array, v: Array, mask: Array, score_dim: float | None = 
     return out.reshape(b, t, hq * d)
 
 
-# Query blocks up to this many positions (decoding, verification) over several rows take the keys-first form on a CPU.
-KEYS_LEAD_MAX_QUERIES = 16
+# Query blocks up to this many positions (decoding, verification) over several rows take the few-query form on a CPU.
+FEW_QUERIES_MAX = 16
+# Up to this many cache slots the few-query form reads the whole span at once; past it, block by block.
+WHOLE_SPAN_SLOTS = 1024
 
 
-def _keys_lead(b: int, t: int) -> bool:
-    """XLA's CPU backend runs Q.K^T over many cache rows as a transposing batched dot, slower than the whole
-    rest of attention (``bench.decode_step`` times a decode step); K.Q^T reads the cache as it lies.
-    Accelerators choose their own layouts: there the scores stay [.., q, s]."""
-    return b > 1 and t <= KEYS_LEAD_MAX_QUERIES and jax.default_backend() == "cpu"
+def _few_queries(b: int, t: int) -> bool:
+    """Whether attention takes the few-query form: several rows of a few queries each on a CPU, where XLA packs the
+    operands of a dot with so few query rows for nothing (BENCHMARKS.md, "Writing training data at batch 48").
+    Accelerators choose their own layouts."""
+    return b > 1 and t <= FEW_QUERIES_MAX and jax.default_backend() == "cpu"
 
 
-def _attend_keys_lead(qh: Array, k: Array, v: Array, mask: Array, g: int, root: float) -> Array:
-    """``attend`` with the scores laid out [B, Hkv, S, g*T] (the cache as the dot's left operand, softmax
-    over S): the same numbers up to summation order. qh: [B, Hkv, g*T, D]."""
+def _few_query_scores(qh: Array, k: Array, root: float) -> Array:
+    """q.k / root as a multiply-reduce over D: qh [B, Hkv, gT, D], k [B, Hkv, S, D] -> [B, Hkv, gT, S]."""
+    return jnp.sum(k[:, :, None, :, :] * qh[:, :, :, None, :], axis=-1) / root
+
+
+def _attend_few_queries(qh: Array, k: Array, v: Array, mask: Array, g: int, root: float) -> Array:
+    """``attend`` in the few-query form over the whole span (the same numbers up to summation order): the scores
+    a multiply-reduce, the softmax over the minor axis, float32 accumulation. qh: [B, Hkv, g*T, D]; returns
+    [B, T, Hkv * g * D] float32."""
     b, hkv, gt, d = qh.shape
     s, t = k.shape[2], gt // g
-    scores = (jnp.einsum("bksd,bkqd->bksq", k, qh) / root).astype(jnp.float32).reshape(b, hkv, s, g, t)
-    scores = jnp.where(jnp.swapaxes(mask, 1, 2)[:, None, :, None, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype).reshape(b, hkv, s, gt)
-    out = jnp.einsum("bksq,bksd->bkqd", probs, v).reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)
-    return out.reshape(b, t, hkv * g * d)
+    scores = _few_query_scores(qh, k.astype(qh.dtype), root).astype(jnp.float32).reshape(b, hkv, g, t, s)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hkv, gt, s)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v.astype(qh.dtype), preferred_element_type=jnp.float32)
+    return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g * d)
 
 
 KV_BLOCK = 256  # cache slots attention over a cache reads per step of its loop (``softmax_over_blocks``)
@@ -327,7 +335,6 @@ def softmax_over_blocks(
     values_of: Callable[[Array, Array], Array],
     mask: Array,
     value_dim: int,
-    slot_axis: int = -1,
 ) -> Array:
     """softmax(scores) @ values over the cache slots ``mask`` [B, T, S] lets some query reach, KV_BLOCK
     slots at a time, the softmax accumulated block by block (online, as flash attention does): a program
@@ -338,24 +345,23 @@ def softmax_over_blocks(
     ``scores_of(start, block_mask)``: float32 scores [..., T, KV_BLOCK] of the slots start.. with
     ``block_mask`` [B, T, KV_BLOCK] applied (masked: float32 min); ``values_of(probs, start)``: probs
     [..., T, KV_BLOCK] times those slots' values, [..., T, value_dim] in float32. Returns
-    [..., T, value_dim] float32; rows that reach nothing get zeros. ``slot_axis=-2``: the scores and
-    probs are [..., KV_BLOCK, Q] instead (the keys-first layout, ``_keys_lead``), the output [..., Q, value_dim]."""
+    [..., T, value_dim] float32; rows that reach nothing get zeros."""
     s = mask.shape[-1]
     block = min(KV_BLOCK, s)
     live = jnp.any(mask, axis=(0, 1))
     first = jnp.argmax(live) // block  # leading blocks out of every window are skipped too
     last = (s - jnp.argmax(live[::-1]) + block - 1) // block
     shape = jax.eval_shape(lambda: scores_of(jnp.int32(0), mask[..., :block])).shape
-    lead = shape[:slot_axis] + shape[slot_axis:][1:]
+    lead = shape[:-1]
 
     def step(j, carry):
         m, total, acc = carry
         start = jnp.minimum(j * block, s - block)  # the last block overlaps the one before: its repeats masked
         fresh = (start + jnp.arange(block)) >= j * block
         scores = scores_of(start, jax.lax.dynamic_slice_in_dim(mask, start, block, axis=2) & fresh)
-        m_new = jnp.maximum(m, scores.max(slot_axis))
-        scale, probs = jnp.exp(m - m_new), jnp.exp(scores - jnp.expand_dims(m_new, slot_axis))
-        return m_new, total * scale + probs.sum(slot_axis), acc * scale[..., None] + values_of(probs, start)
+        m_new = jnp.maximum(m, scores.max(-1))
+        scale, probs = jnp.exp(m - m_new), jnp.exp(scores - m_new[..., None])
+        return m_new, total * scale + probs.sum(-1), acc * scale[..., None] + values_of(probs, start)
 
     init = (
         jnp.full(lead, -1e30, jnp.float32),
@@ -368,7 +374,8 @@ def softmax_over_blocks(
 
 def attend_cache(q: Array, k: Array, v: Array, mask: Array, score_dim: float | None = None) -> Array:
     """``attend`` over a head-major cache k, v [B, Hkv, S, D] under mask [B, T, S], block by block
-    (``softmax_over_blocks``): the same scores (q.k / sqrt(D) in the activation dtype, the softmax in
+    (``softmax_over_blocks``; on a CPU, rows of a few queries over at most WHOLE_SPAN_SLOTS slots read the span
+    whole, which costs less there than the loop): the same scores (q.k / sqrt(D) in the activation dtype, the softmax in
     float32) and probabilities cast to the activation dtype before the value product, accumulated in
     float32; ``score_dim`` as for ``attend``. Returns [B, T, Hq * D] in q's dtype."""
     b, t, hq, d = q.shape
@@ -377,8 +384,10 @@ def attend_cache(q: Array, k: Array, v: Array, mask: Array, score_dim: float | N
     g = hq // hkv
     qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
     block = min(KV_BLOCK, k.shape[2])
-    if _keys_lead(b, t):
-        return _attend_cache_keys_lead(qh, k, v, mask, g, root, block).astype(q.dtype)
+    if _few_queries(b, t):
+        if k.shape[2] <= WHOLE_SPAN_SLOTS:  # a short span costs less read whole than through the block loop
+            return _attend_few_queries(qh, k, v, mask, g, root).astype(q.dtype)
+        return _attend_cache_few_queries(qh, k, v, mask, g, root, block).astype(q.dtype)
 
     def scores_of(start, block_mask):
         kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2).astype(q.dtype)
@@ -399,24 +408,21 @@ def attend_cache(q: Array, k: Array, v: Array, mask: Array, score_dim: float | N
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq * d).astype(q.dtype)
 
 
-def _attend_cache_keys_lead(qh: Array, k: Array, v: Array, mask: Array, g: int, root: float, block: int) -> Array:
-    """``attend_cache`` with each block's scores laid out [B, Hkv, KV_BLOCK, g*T], the cache block as the
-    dot's left operand (``_keys_lead``): the same numbers up to summation order. qh: [B, Hkv, g*T, D];
-    returns [B, T, Hkv * g * D] float32."""
+def _attend_cache_few_queries(qh: Array, k: Array, v: Array, mask: Array, g: int, root: float, block: int) -> Array:
+    """``_attend_few_queries`` block by block (``softmax_over_blocks``): for long spans that rows reach in part."""
     b, hkv, gt, d = qh.shape
     t = gt // g
 
     def scores_of(start, block_mask):
         kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2).astype(qh.dtype)
-        scores = (jnp.einsum("bksd,bkqd->bksq", kb, qh) / root).astype(jnp.float32).reshape(b, hkv, block, g, t)
-        scores = jnp.where(jnp.swapaxes(block_mask, 1, 2)[:, None, :, None, :], scores, jnp.finfo(jnp.float32).min)
-        return scores.reshape(b, hkv, block, gt)
+        scores = _few_query_scores(qh, kb, root).astype(jnp.float32).reshape(b, hkv, g, t, block)
+        return jnp.where(block_mask[:, None, None], scores, jnp.finfo(jnp.float32).min).reshape(b, hkv, gt, block)
 
     def values_of(probs, start):
         vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2).astype(qh.dtype)
-        return jnp.einsum("bksq,bksd->bkqd", probs.astype(qh.dtype), vb, preferred_element_type=jnp.float32)
+        return jnp.einsum("bkqs,bksd->bkqd", probs.astype(qh.dtype), vb, preferred_element_type=jnp.float32)
 
-    out = softmax_over_blocks(scores_of, values_of, mask, d, slot_axis=-2)  # [b, hkv, g*t, d]
+    out = softmax_over_blocks(scores_of, values_of, mask, d)  # [b, hkv, g*t, d]
     return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g * d)
 
 

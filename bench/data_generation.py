@@ -37,7 +37,7 @@ def continuous(target, prompts: list[list[int]], batch: int, max_new: int, stops
         return writer.write(prompts, max_new_tokens=max_new, stop_ids=stops)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct", help=TARGET_HELP)
     ap.add_argument("--questions", nargs="+", required=True, help="FastChat question files (first turns)")
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=512)
     ap.add_argument("--only", choices=["static", "writer"], help="time one path only")
     ap.add_argument("--out", default="bench/results/data_generation.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     target = eagle_jax.load_target(args.target, dtype="float32")
     tok = eagle_jax.load_tokenizer(args.target)

@@ -23,7 +23,7 @@ DRAFTERS = {"eagle3": ROOT / "drafter-eagle3", "eagle3.1": ROOT / "drafter-eagle
 SMOLLM2 = model_path("smollm2-135m-instruct")
 
 
-def test_checkpoints_are_the_eagle_layout_and_alike():
+def test_checkpoints_are_the_eagle_layout():
     configs = {name: json.loads((d / "config.json").read_text()) for name, d in DRAFTERS.items()}
     tensors = {name: load_file(str(d / "model.safetensors")) for name, d in DRAFTERS.items()}
     for name, d in DRAFTERS.items():
@@ -35,9 +35,11 @@ def test_checkpoints_are_the_eagle_layout_and_alike():
         assert str(t["fc.weight"].dtype) == "bfloat16" and "embed_tokens.weight" not in t
         assert (c["fc_norm"], c["norm_output"]) == ((True, True) if name == "eagle3.1" else (False, False))
         assert ("fc_norm.0.weight" in t) == (name == "eagle3.1")
-    # Trained alike: same shapes, same vocabulary map, same aux layers; different weights.
-    assert np.array_equal(tensors["eagle3"]["d2t"], tensors["eagle3.1"]["d2t"])
+    # Both read the same target layers; each maps its own draft vocabulary into the target's.
     assert configs["eagle3"]["eagle_config"] == configs["eagle3.1"]["eagle_config"]
+    for t in tensors.values():
+        targets = np.arange(len(t["d2t"])) + t["d2t"]
+        assert len(np.unique(targets)) == len(targets) and targets.max() < 49152
     assert not np.array_equal(tensors["eagle3"]["fc.weight"], tensors["eagle3.1"]["fc.weight"])
 
 
